@@ -1,0 +1,104 @@
+"""ForwardBatch: everything one model step needs to know about the sequences in it, and nothing else.
+
+The model runs on flat tokens [T, hidden] of several sequences at once (no padding). Sequence i contributes
+seq_lens[i] new tokens at positions cached_lens[i] .. cached_lens[i] + seq_lens[i] - 1; its DeltaNet state lives
+in state slot state_slots[i] and its attention KV in the pages of block_tables[i]. A sequence whose cached length
+is 0 starts from zero state; otherwise the state in its slot continues (chunked prefill, decode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ktrans.runtime.pools import KVPool, StatePool
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: the new tokens, what is already cached, and where its memory is."""
+
+    token_ids: list[int]
+    cached_len: int
+    state_slot: int
+    pages: list[int]
+    logits: str = "last"  # "last" (next-token logits), "all" (every new token: prompt scoring) or "none"
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    seq_lens: list[int]          # new tokens per sequence
+    cached_lens: list[int]       # tokens already in KV / state per sequence
+    state_slots: torch.Tensor    # [B] int64
+    block_tables: torch.Tensor   # [B, max_pages] int64, -1 past the end
+    slot_mapping: torch.Tensor   # [T] int64: KV row of each new token
+    logits_indices: torch.Tensor  # [N] int64: flat token indices whose logits are returned
+    kv: KVPool
+    states: StatePool
+    is_decode: bool = False      # every sequence is a one-token decode step: operators use their generate op
+    _cu: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return [c + n for c, n in zip(self.cached_lens, self.seq_lens)]
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[B + 1] int64 offsets of each sequence's tokens in the flat batch."""
+        if self._cu is None:
+            self._cu = torch.tensor([0, *torch.tensor(self.seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+        return self._cu
+
+    @property
+    def has_initial_state(self) -> list[bool]:
+        return [c > 0 for c in self.cached_lens]
+
+    @classmethod
+    def build(cls, chunks: list[SeqChunk], kv: KVPool, states: StatePool, is_decode: bool | None = None,
+              device: str | torch.device = "cpu") -> "ForwardBatch":
+        if not chunks:
+            raise ValueError("a ForwardBatch needs at least one sequence")
+        page = kv.page_size
+        ids, pos, slots, logit_idx = [], [], [], []
+        offset = 0
+        for c in chunks:
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError("a sequence in a ForwardBatch has no new tokens")
+            end = c.cached_len + n
+            if kv.pages_for(end) > len(c.pages):
+                raise ValueError(f"sequence needs {kv.pages_for(end)} KV pages for {end} tokens, has {len(c.pages)}")
+            ids.extend(c.token_ids)
+            p = range(c.cached_len, end)
+            pos.extend(p)
+            slots.extend(c.pages[t // page] * page + t % page for t in p)
+            if c.logits == "last":
+                logit_idx.append(offset + n - 1)
+            elif c.logits == "all":
+                logit_idx.extend(range(offset, offset + n))
+            elif c.logits != "none":
+                raise ValueError(f"SeqChunk.logits must be 'last', 'all' or 'none', got {c.logits!r}")
+            offset += n
+        width = max(1, max(len(c.pages) for c in chunks))
+        tables = torch.full((len(chunks), width), -1, dtype=torch.int64)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int64)
+        if is_decode is None:
+            is_decode = all(len(c.token_ids) == 1 and c.cached_len > 0 for c in chunks)
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(
+            input_ids=as_t(ids), positions=as_t(pos), seq_lens=[len(c.token_ids) for c in chunks],
+            cached_lens=[c.cached_len for c in chunks], state_slots=as_t([c.state_slot for c in chunks]),
+            block_tables=tables.to(device), slot_mapping=as_t(slots), logits_indices=as_t(logit_idx),
+            kv=kv, states=states, is_decode=is_decode,
+        )
