@@ -291,6 +291,8 @@ class Qwen3NextForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """fp32 logits [N, vocab] for the tokens batch.logits_indices names (the last of each sequence by default)."""
-        h = self.model(batch)
-        h = h[batch.logits_indices.to(h.device)]
-        return self.lm_head(self.model.norm(h)).float()
+        # Active batch: injected operators whose call carries no batch (norms, linears, experts) read the phase here.
+        with batch.active():
+            h = self.model(batch)
+            h = h[batch.logits_indices.to(h.device)]
+            return self.lm_head(self.model.norm(h)).float()

@@ -4,14 +4,29 @@ The model runs on flat tokens [T, hidden] of several sequences at once (no paddi
 seq_lens[i] new tokens at positions cached_lens[i] .. cached_lens[i] + seq_lens[i] - 1; its DeltaNet state lives
 in state slot state_slots[i] and its attention KV in the pages of block_tables[i]. A sequence whose cached length
 is 0 starts from zero state; otherwise the state in its slot continues (chunked prefill, decode).
+
+The batch also names the phase (prefill or generate) that picks each operator's device and op, and it can hand
+out a copy of its index tensors on any device (`on`), so an operator on another device never reads indices across
+the bus. While the model runs, `current_batch()` gives the batch to operators whose call carries no batch.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
 from ktrans.runtime.pools import KVPool, StatePool
+
+
+PREFILL = "prefill"
+GENERATE = "generate"
+PHASES = (PREFILL, GENERATE)
+
+_INDEX_FIELDS = ("input_ids", "positions", "state_slots", "block_tables", "slot_mapping", "logits_indices")
 
 
 @dataclass
@@ -39,6 +54,33 @@ class ForwardBatch:
     states: StatePool
     is_decode: bool = False      # every sequence is a one-token decode step: operators use their generate op
     _cu: torch.Tensor | None = field(default=None, repr=False)
+    _on: dict | None = field(default=None, repr=False)  # device -> copy of this batch there (shared by all copies)
+
+    @property
+    def phase(self) -> str:
+        """'generate' for a pure decode batch, else 'prefill' (any prefill chunk in the batch)."""
+        return GENERATE if self.is_decode else PREFILL
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def on(self, device: str | torch.device) -> "ForwardBatch":
+        """This batch with its index tensors on `device`, built once per device per step and then cached.
+
+        Pools are shared, not copied: an operator must run on the device its pool lives on.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.device == device:
+            return self
+        if self._on is None:
+            self._on = {self.device: self}
+        if device not in self._on:
+            moved = {f: getattr(self, f).to(device) for f in _INDEX_FIELDS}
+            self._on[device] = dataclasses.replace(self, **moved, _cu=self._cu, _on=self._on)
+        return self._on[device]
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +104,15 @@ class ForwardBatch:
     @property
     def has_initial_state(self) -> list[bool]:
         return [c > 0 for c in self.cached_lens]
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["ForwardBatch"]:
+        """Make this batch `current_batch()` for the duration of one forward (nests; per thread)."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], kv: KVPool, states: StatePool, is_decode: bool | None = None,
@@ -102,3 +153,18 @@ class ForwardBatch:
             block_tables=tables.to(device), slot_mapping=as_t(slots), logits_indices=as_t(logit_idx),
             kv=kv, states=states, is_decode=is_decode,
         )
+
+
+# A context variable, not a global: the engine loop may run in its own thread, each with its own batch.
+_CURRENT: ContextVar[ForwardBatch | None] = ContextVar("ktrans_current_batch", default=None)
+
+
+def current_batch() -> ForwardBatch | None:
+    """The batch of the forward running in this thread, or None outside one."""
+    return _CURRENT.get()
+
+
+def current_phase() -> str:
+    """Phase of the running forward; 'prefill' outside one (a direct call, e.g. in a test)."""
+    batch = _CURRENT.get()
+    return PREFILL if batch is None else batch.phase

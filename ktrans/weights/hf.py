@@ -3,6 +3,8 @@
 The model is built on the meta device, then every parameter is taken from the memory-mapped checkpoint under
 its own HF name, checked for shape, and converted to the requested dtype. Missing or misshapen tensors are
 errors that name the key; multi-token-prediction tensors (mtp.*) are skipped, other unknown keys warned about.
+
+`HFWeightSource` is the same checkpoint behind the WeightSource interface that injected operators load from.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from ktrans.config import ModelConfig
 from ktrans.weights.safetensors_mmap import CheckpointError, SafetensorsCheckpoint
+from ktrans.weights.source import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +71,32 @@ def load_hf_weights(model: nn.Module, model_dir: str | Path, config: ModelConfig
     if extra:
         log.warning("%s: %d tensors not used by the model, e.g. %s", model_dir, len(extra), extra[:3])
     materialize(model, get, dtype, device, show_progress, desc=f"loading {Path(model_dir).name}")
+
+
+class HFWeightSource(WeightSource):
+    """A HF directory's safetensors by HF name; `lm_head.weight` falls back to the embedding when tied.
+
+    A tensor asked for in its stored dtype on the CPU is a view of the memory map (page cache, not private RSS).
+    """
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig):
+        self.model_dir = Path(model_dir)
+        self.description = str(self.model_dir)
+        self.ckpt = SafetensorsCheckpoint(self.model_dir)
+        self.tied = config.tie_word_embeddings
+
+    def _key(self, name: str) -> str:
+        if name == "lm_head.weight" and name not in self.ckpt and self.tied:
+            return "model.embed_tokens.weight"
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return self._key(name) in self.ckpt
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+            ) -> torch.Tensor:
+        t = self.ckpt.get(self._key(name))
+        return t.to(device=device or "cpu", dtype=dtype or t.dtype)
+
+    def unused(self, wanted: set[str]) -> list[str]:
+        return [k for k in self.ckpt.keys() if k not in wanted and not k.startswith(IGNORED_PREFIXES)]

@@ -1,0 +1,63 @@
+"""KTransformersLinear: a torch.nn.Linear replaced by a phase-aware operator with a choice of kernels.
+
+KLinearTorch (F.linear on float weights, CPU or CUDA) is built now. KLinearMarlin (quantized GPU GEMM) and
+KLinearCPUInfer (the C++ quantized dense kernel) are declared: rules may name them, and building a model with them
+fails with "not built yet" until their modules register them. KTransformers' VLinearMarlin maps to KLinearMarlin.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_param, move, register_operator
+from ktrans.weights.source import WeightSource
+
+LINEAR_OPS = OpRegistry("linear")
+LINEAR_OPS.declare("KLinearMarlin", devices=("cuda",), module="ktrans.operators.linear_marlin",
+                   provided_by="the GPU kernels issue (Marlin on GGUF-requantized weights)",
+                   aliases=("VLinearMarlin",))
+LINEAR_OPS.declare("KLinearCPUInfer", devices=("cpu",), module="ktrans.operators.linear_cpu",
+                   provided_by="the C++ CPU kernels issue (ktrans._cpu dense quantized linear)")
+
+
+@LINEAR_OPS.register("KLinearTorch", devices=("cpu", "cuda"))
+class KLinearTorch(Op):
+    """y = x W^T (+ b) with W in the model dtype: the reference every other linear op is compared with."""
+
+    def __init__(self, operator: "KTransformersLinear", device: torch.device, streaming: bool = False):
+        super().__init__(operator, device, streaming)
+        self.specs = operator.param_specs()
+        self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
+
+    def load(self, source: WeightSource, dtype: torch.dtype) -> None:
+        self.weight = load_param(source, self.specs[0], dtype, self.device)
+        if len(self.specs) > 1:
+            self.bias = load_param(source, self.specs[1], dtype, self.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@register_operator()
+class KTransformersLinear(BaseOperator):
+    REPLACES = (nn.Linear,)
+    OPS = LINEAR_OPS
+    DEFAULT_OP = "KLinearTorch"
+
+    def __init__(self, key, orig: nn.Linear, config, **kwargs):
+        super().__init__(key, orig, config, **kwargs)
+        self.in_features = orig.in_features
+        self.out_features = orig.out_features
+        self.has_bias = orig.bias is not None
+
+    def param_specs(self) -> list[ParamSpec]:
+        specs = [ParamSpec(f"{self.key}.weight", (self.out_features, self.in_features))]
+        if self.has_bias:
+            specs.append(ParamSpec(f"{self.key}.bias", (self.out_features,)))
+        return specs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        phase, dev = self.phase_device()
+        return self.leave(self.op_for(phase)(move(x, dev)), phase)

@@ -1,0 +1,126 @@
+"""`ktrans rules show` / `validate`: placement and memory of the real 80B config from each shipped file, no GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ktrans.cli import main
+from ktrans.config import CONFIGS_DIR, RULES_DIR, ModelConfig
+from ktrans.inject.report import compress, placement_report
+
+from .helpers import SHIPPED, rules
+
+CFG80B = ModelConfig.from_json(CONFIGS_DIR / "qwen3-next-80b-a3b.json")
+EXPERT_BYTES = 48 * 512 * 3 * 2048 * 512 * 2  # bf16
+KV_PER_TOKEN = 12 * 2 * 2 * 256 * 2           # 12 attention layers, K and V, 2 kv heads, head_dim 256, bf16
+STATE_PER_SLOT = 36 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # conv (bf16) + fp32 recurrent
+
+
+def show(capsys, name: str, *extra: str) -> dict:
+    assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / name), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def rows(report: dict) -> dict[str, dict]:
+    return {r["module"]: r for r in report["modules"]}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_show_runs_on_every_shipped_file_for_80b(capsys, name):
+    rep = show(capsys, name, "--cache_lens", "1000", "--max_batch_size", "3")
+    assert rep["config"].endswith("qwen3-next-80b-a3b.json") and not rep["warnings"]
+    r = rows(rep)
+    experts = r["model.layers.{0..47}.mlp.experts"]
+    assert experts["count"] == 48 and experts["rule"] == 5 and experts["bytes"] == EXPERT_BYTES
+    assert r["model.layers.{3,7,..,47}.self_attn"]["count"] == 12
+    assert r["model.layers.{0..2,4..6,..,44..46}.linear_attn"]["count"] == 36
+    assert r["model.layers.{0..47}.mlp.shared_expert_gate"]["rule"] is None  # the negative look-ahead
+    mem = rep["memory"]
+    gpu = "cpu" if name == "Qwen3Next-cpu.yaml" else "cuda:0"
+    assert mem[gpu]["kv"] == 1000 * KV_PER_TOKEN and mem[gpu]["state"] == 3 * STATE_PER_SLOT
+    total = sum(m["weights"] for m in mem.values())
+    assert 145e9 < total < 165e9  # ~80B parameters at 2 bytes
+
+
+def test_serve_placement_of_80b(capsys):
+    rep = show(capsys, "Qwen3Next-serve.yaml")
+    experts = rows(rep)["model.layers.{0..47}.mlp.experts"]
+    assert experts["prefill"] == "cuda:0 KExpertsTorch (streamed)"
+    assert experts["generate"].startswith("cpu KExpertsCPU") and experts["out_device"] == "cuda:0"
+    assert rows(rep)["model.embed_tokens"]["class"] == "kept Embedding"
+    mem = rep["memory"]
+    emb = 151936 * 2048 * 2
+    assert mem["cpu"]["weights"] == EXPERT_BYTES + emb  # experts and the embedding table live in CPU RAM
+    assert mem["cuda:0"]["weights"] < 5 * 2**30
+    assert mem["cpu"]["kv"] == 0 and mem["cuda:0"]["kv"] == 32768 * KV_PER_TOKEN  # default --cache_lens
+
+
+def test_quantized_weight_bytes(capsys):
+    rep = show(capsys, "Qwen3Next-serve.yaml", "--weight_dtype", "q4_k")
+    assert rows(rep)["model.layers.{0..47}.mlp.experts"]["bytes"] == EXPERT_BYTES // 2 * 144 // 256  # 144-byte blocks of 256
+    assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-cpu.yaml"),
+                 "--weight_dtype", "q3"]) == 2
+    assert "unknown weight dtype 'q3'" in capsys.readouterr().err
+
+
+def test_text_report_and_unused_rule_warning(capsys, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((RULES_DIR / "Qwen3Next-cpu.yaml").read_text() + "\n- match: {name: '^model\\.vision'}\n")
+    assert main(["rules", "show", "--optimize_config_path", str(path), "--config", "qwen3-next-80b-a3b"]) == 0
+    out = capsys.readouterr()
+    assert "model.layers.{0..47}.mlp.experts" in out.out and "KExpertsTorch" in out.out
+    assert "warning: rule 11 (line" in out.err and "matches no module" in out.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_check_devices_refuses_cuda_rules_here(capsys):
+    args = ["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-serve.yaml"), "--check_devices"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is missing" in err and "Qwen3Next-cpu.yaml" in err
+    assert main(["rules", "validate", str(RULES_DIR / "Qwen3Next-gpu.yaml"), "--check_devices"]) == 2
+
+
+def test_validate_command(capsys, tmp_path):
+    assert main(["rules", "validate", *(str(RULES_DIR / n) for n in SHIPPED)]) == 0
+    assert capsys.readouterr().out.count("ok: ") == 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- match: {name: '(('}\n")
+    assert main(["rules", "validate", str(bad)]) == 2
+    assert "bad.yaml: rule 1 (line 1): match.name: bad regex" in capsys.readouterr().err
+
+
+def test_show_for_a_checkpoint_directory(capsys, tmp_path):
+    from ..model.helpers import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path, "small")
+    rep = show(capsys, "Qwen3Next-cpu.yaml", "--model_path", str(ckpt), "--weight_dtype", "f32")
+    r = rows(rep)
+    assert r["model.layers.{0..7}.mlp.experts"]["bytes"] == 8 * 32 * 3 * 128 * 48 * 4
+    assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-cpu.yaml"),
+                 "--model_path", str(ckpt), "--config", "x.json"]) == 2
+    assert "give at most one of" in capsys.readouterr().err
+
+
+def test_report_api_and_default_device():
+    from ktrans.model.tiny import preset_config
+
+    cfg = ModelConfig.from_hf_dict(preset_config("small"))
+    rs = rules("- match: {class: Qwen3NextAttention}\n  replace: {class: KQwen3NextAttention, kwargs: {generate_device: cuda}}")
+    rep = placement_report(cfg, rs, cache_lens=10, default_device="cpu")
+    assert rep.default_device == "cpu" and list(rep.memory) == ["cpu", "cuda:0"]
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert rep.memory["cuda:0"]["kv"] == 10 * per_layer * len(cfg.full_attention_layers)
+    # No rule for the projections: they follow the attention operator that contains them; the rest stays on cpu.
+    assert {r.name: r.prefill for r in rep.rows}["model.layers.{3,7}.self_attn.q_proj"] == "cuda:0"
+    assert {r.name: r.prefill for r in rep.rows}["model.layers.{0..7}.mlp.gate"] == "cpu"
+    assert rep.memory["cuda:0"]["weights"] > 0
+
+
+def test_compress():
+    assert compress(list(range(48))) == "0..47"
+    assert compress(list(range(3, 48, 4))) == "3,7,..,47"
+    assert compress([i for i in range(48) if i % 4 != 3]) == "0..2,4..6,..,44..46"
+    assert compress([1, 2, 5]) == "1..2,5" and compress([4]) == "4"
