@@ -1,4 +1,4 @@
-"""The `ktrans` command: generate | make-tiny | doctor (serve, rules and bench arrive with their issues).
+"""The `ktrans` command: serve | chat | generate | rules | bench serve|moe | make-tiny | doctor.
 
 Flags follow KTransformers' spelling (--model_path, --gguf_path, --optimize_config_path, --max_new_tokens) so
 users' scripts carry over. Errors are one line on stderr naming the flag or file, with exit status 2.
@@ -17,8 +17,10 @@ class CliError(Exception):
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model_path", help="HF directory: config.json, *.safetensors, tokenizer files")
-    p.add_argument("--gguf_path", help="GGUF file (first shard of a split file)")
+    p.add_argument("--model_path", help="HF directory: config.json, *.safetensors, tokenizer files "
+                                        "(with --gguf_path, optional: only its tokenizer files are used)")
+    p.add_argument("--gguf_path", help="GGUF file (first shard of a split file); config, weights and, without "
+                                       "--model_path, tokenizer and chat template come from it")
     p.add_argument("--optimize_config_path", help="YAML injection rules")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype on the CPU")
     p.add_argument("--device", default="cpu", help="device for the plain model (no rules): cpu or cuda")
@@ -36,8 +38,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ktrans.serve.sampler import SamplingParams
     from ktrans.weights.loader import ModelSource, load_model, load_tokenizer, parse_dtype
 
-    if args.optimize_config_path:
-        raise CliError("--optimize_config_path is not supported yet (injection rules land with their own issue)")
+    if args.optimize_config_path and args.device != "cpu":
+        raise CliError("--device places the plain model; with --optimize_config_path the rules place every module")
     given = [x for x in (args.prompt, args.prompt_ids, args.chat) if x is not None]
     if len(given) != 1:
         raise CliError("give exactly one of --prompt, --prompt_ids, --chat")
@@ -51,7 +53,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     source = ModelSource(args.model_path, args.gguf_path)
     t0 = time.perf_counter()
     tok = load_tokenizer(source)
-    model, config = load_model(source, parse_dtype(args.dtype), args.device, show_progress=not args.json)
+    if args.optimize_config_path:
+        from ktrans.inject import load_injected_model
+
+        model, config, _ = load_injected_model(source, args.optimize_config_path, parse_dtype(args.dtype),
+                                               show_progress=not args.json)
+    else:
+        model, config = load_model(source, parse_dtype(args.dtype), args.device, show_progress=not args.json)
     load_s = time.perf_counter() - t0
 
     if args.prompt_ids is not None:
@@ -91,13 +99,186 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ktrans.serve.server import ServeOptions, run
+
+    names = ServeOptions.__dataclass_fields__
+    opts = ServeOptions(**{k: v for k, v in vars(args).items() if k in names})
+    try:
+        run(opts)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ktrans.serve.chat_client import ChatError, chat
+
+    try:
+        return chat(args.url, args.model, args.api_key, think=not args.no_think, temperature=args.temperature,
+                    max_tokens=args.max_tokens, system=args.system)
+    except ChatError as e:
+        raise CliError(str(e)) from None
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from ktrans.bench.serve import main as bench_serve
+
+    try:
+        return bench_serve(args)
+    except (ValueError, ConnectionError) as e:
+        raise CliError(str(e)) from None
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    _add_model_flags(s)
+    s.add_argument("--backend_type", default="balance_serve", help="only balance_serve (continuous batching)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=10021)
+    s.add_argument("--served_model_name", help="the model id clients send (default: the model directory's name)")
+    s.add_argument("--api_key", help="require `Authorization: Bearer KEY` on /v1 requests")
+    s.add_argument("--max_new_tokens", type=int, default=1024, help="default max_tokens of a request")
+    s.add_argument("--cache_lens", type=int, default=32768, help="KV cache size in tokens, over all requests")
+    s.add_argument("--cache_memory_fraction", type=float,
+                   help="size the KV cache to this fraction of free device memory instead of --cache_lens")
+    s.add_argument("--page_size", type=int, default=16, help="tokens per KV cache page")
+    s.add_argument("--chunk_size", type=int, default=512, help="token budget of one step (prefill chunks + decodes)")
+    s.add_argument("--max_batch_size", type=int, default=16, help="running requests (= DeltaNet state slots)")
+    s.add_argument("--max_model_len", type=int, help="prompt + output limit (default: the model's, within the cache)")
+    s.add_argument("--max_queued_requests", type=int, default=1024, help="waiting requests before HTTP 503")
+    s.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
+    s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="capture decode steps in CUDA graphs (GPU only)")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("chat", help="interactive terminal chat with a running server")
+    c.add_argument("--url", default="http://127.0.0.1:10021")
+    c.add_argument("--model", help="model id (default: the server's first)")
+    c.add_argument("--api_key")
+    c.add_argument("--no_think", action="store_true", help="start with thinking off (/think on|off to switch)")
+    c.add_argument("--temperature", type=float)
+    c.add_argument("--max_tokens", type=int)
+    c.add_argument("--system", help="a system message")
+    c.set_defaults(func=cmd_chat)
+
+
+def _add_bench_serve_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("serve", help="latency and throughput of a running server (TTFT, TPOT, ITL)")
+    b.add_argument("--url", default="http://127.0.0.1:10021")
+    b.add_argument("--model", help="model id (default: the server's first)")
+    b.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    b.add_argument("--prompt_len", type=int, default=256)
+    b.add_argument("--gen_len", type=int, default=64)
+    b.add_argument("--num_prompts", type=int, default=0, help="requests per level (default: 4 per client, >= 8)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true", help="print the results as JSON")
+    b.set_defaults(func=cmd_bench_serve)
+
+
+def _rules_config(args: argparse.Namespace):
+    """The model shape a rules report is for: --model_path, --gguf_path, --config, or the real 80B model."""
+    from pathlib import Path
+
+    from ktrans.config import CONFIGS_DIR, ModelConfig
+    from ktrans.weights.loader import ModelSource
+
+    given = [f for f in ("model_path", "gguf_path", "config") if getattr(args, f)]
+    if len(given) > 1:
+        raise CliError(f"give at most one of --model_path, --gguf_path, --config (got {', '.join(given)})")
+    if args.model_path or args.gguf_path:
+        source = ModelSource(args.model_path, args.gguf_path)
+        return source.config(), args.model_path or args.gguf_path
+    path = Path(args.config or CONFIGS_DIR / "qwen3-next-80b-a3b.json")
+    if not path.exists() and (CONFIGS_DIR / f"{path.stem}.json").is_file():
+        path = CONFIGS_DIR / f"{path.stem}.json"  # a shipped config by name: --config qwen3-next-80b-a3b
+    return ModelConfig.from_json(path), str(path)
+
+
+def cmd_rules_show(args: argparse.Namespace) -> int:
+    from ktrans.inject.report import placement_report
+    from ktrans.inject.rules import check_devices, load_rules
+
+    if args.cache_lens < 0 or args.max_batch_size < 1:
+        raise CliError("--cache_lens must be >= 0 and --max_batch_size >= 1")
+    rules = load_rules(args.optimize_config_path)
+    if args.check_devices:
+        check_devices(rules)
+    config, config_name = _rules_config(args)
+    try:
+        report = placement_report(config, rules, config_name, args.cache_lens, args.max_batch_size,
+                                  args.weight_dtype, args.kv_dtype, args.default_device)
+    except ValueError as e:
+        if "dtype" in str(e):
+            raise CliError(f"--weight_dtype/--kv_dtype: {e}") from None
+        raise
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.text())
+    for w in report.warnings:
+        print(f"ktrans rules: warning: {w}", file=sys.stderr)
+    return 0
+
+
+def cmd_rules_validate(args: argparse.Namespace) -> int:
+    from ktrans.inject.rules import check_devices, load_rules
+
+    for path in args.files:
+        rules = load_rules(path)
+        if args.check_devices:
+            check_devices(rules)
+        print(f"ok: {path} ({len(rules)} rules)")
+    return 0
+
+
+def _add_rules_parser(sub) -> None:
+    r = sub.add_parser("rules", help="validate injection rules and show the placement they give")
+    rsub = r.add_subparsers(dest="rules_command", required=True)
+    s = rsub.add_parser("show", help="placement per module group, bytes per device, KV and state memory")
+    s.add_argument("--optimize_config_path", required=True, help="YAML injection rules")
+    s.add_argument("--model_path", help="HF directory (its config.json)")
+    s.add_argument("--gguf_path", help="GGUF file (its metadata)")
+    s.add_argument("--config", help="config.json path or a shipped name (default: qwen3-next-80b-a3b)")
+    s.add_argument("--cache_lens", type=int, default=32768, help="KV cache tokens (full-attention layers)")
+    s.add_argument("--max_batch_size", type=int, default=4, help="DeltaNet state slots (running requests)")
+    s.add_argument("--weight_dtype", default="bf16", help="bytes of matrices: bf16, f16, f32 or a GGUF type (q4_k)")
+    s.add_argument("--kv_dtype", default="bf16", help="KV cache and conv state dtype")
+    s.add_argument("--default_device", help="device of modules no rule places (default: cuda:0 if a rule uses "
+                                            "CUDA, else cpu)")
+    s.add_argument("--check_devices", action="store_true", help="fail when a rule needs a device this machine lacks")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_rules_show)
+    v = rsub.add_parser("validate", help="check rule files (keys, regexes, classes, ops, devices)")
+    v.add_argument("files", nargs="+")
+    v.add_argument("--check_devices", action="store_true", help="also require the devices to exist here")
+    v.set_defaults(func=cmd_rules_validate)
+
+
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from ktrans.model.tiny import write_tiny_model
 
     if args.gguf:
-        raise CliError("--gguf is not supported yet (GGUF writing lands with the GGUF issue)")
+        return _make_tiny_gguf(args)
+    if args.quant != "f32" or args.legacy_ssm_in:
+        raise CliError("--quant and --legacy-ssm-in apply only with --gguf")
     path = write_tiny_model(args.out, args.preset, args.seed)
     print(f"wrote {args.preset} model (seed {args.seed}) to {path}")
+    return 0
+
+
+def _make_tiny_gguf(args: argparse.Namespace) -> int:
+    from ktrans.config import ModelConfig
+    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.weights.gguf_writer import write_gguf
+    from ktrans.weights.tokenizer import Tokenizer
+
+    if args.out.endswith("/") or not args.out.endswith(".gguf"):
+        raise CliError(f"--out {args.out!r}: with --gguf, give a file name ending in .gguf")
+    config = ModelConfig.from_hf_dict(preset_config(args.preset), source=f"preset {args.preset!r}")
+    path = write_gguf(args.out, config, random_state_dict(config, args.seed), args.quant,
+                      legacy_ssm_in=args.legacy_ssm_in, tokenizer=Tokenizer.default())
+    layout = "legacy ssm_in" if args.legacy_ssm_in else "split attn_qkv/attn_gate"
+    print(f"wrote {args.preset} model (seed {args.seed}) as {args.quant.upper()} GGUF ({layout}) to {path}")
     return 0
 
 
@@ -117,6 +298,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         info["cpu"] = {"error": f"ktrans._cpu is not built: {e}. Reinstall with `pip install -e .`"}
     print(json.dumps(info, indent=2))
     return 0
+
+
+def cmd_bench_moe(args: argparse.Namespace) -> int:
+    from ktrans.bench.moe import run
+
+    tokens = _parse_ids(args.tokens, "--tokens")
+    if not tokens or min(tokens) < 1:
+        raise CliError(f"--tokens must be positive token counts, got {args.tokens!r}")
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    try:
+        run(args.shape, args.quant, tokens, threads=args.threads, reference=args.reference, isa=args.isa,
+            as_json=args.json)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def _add_bench_moe_parser(bench_sub) -> None:
+    bm = bench_sub.add_parser("moe", help="C++ CPU experts of one MoE layer vs the machine's read bandwidth")
+    bm.add_argument("--shape", default="qwen3-next", choices=["qwen3-next", "tiny"])
+    bm.add_argument("--quant", default="q4_k", choices=["q4_k", "q5_k", "q6_k", "q8_0", "bf16", "f16", "f32"])
+    bm.add_argument("--tokens", default="1,4,16,64,256,1024", help="comma-separated token counts")
+    bm.add_argument("--threads", type=int, default=None, help="CPU threads (default: KTRANS_CPU_INFER or all cores)")
+    bm.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2", "scalar"], help="kernel path")
+    bm.add_argument("--reference", action="store_true", help="also time the torch reference on the same inputs")
+    bm.add_argument("--json", action="store_true", help="one JSON line per token count")
+    bm.set_defaults(func=cmd_bench_moe)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,8 +354,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True)
     m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--gguf", action="store_true", help="write a GGUF file instead of an HF directory")
+    m.add_argument("--gguf", action="store_true", help="write a GGUF file (tokenizer embedded) instead of an HF dir")
+    m.add_argument("--quant", default="f32", choices=["f32", "bf16", "q8_0", "q4_k_m"],
+                   help="with --gguf: tensor types, as llama.cpp's converter / llama-quantize choose them")
+    m.add_argument("--legacy-ssm-in", dest="legacy_ssm_in", action="store_true",
+                   help="with --gguf: the older layout (one ssm_in tensor instead of attn_qkv + attn_gate)")
     m.set_defaults(func=cmd_make_tiny)
+
+    _add_serve_parser(sub)
+    if "bench" not in sub.choices:
+        bench = sub.add_parser("bench", help="benchmarks")
+        bench.add_subparsers(dest="bench_command", required=True)
+    bench_sub = next(a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
+    _add_bench_serve_parser(bench_sub)
+    _add_bench_moe_parser(bench_sub)
+
+
+    _add_rules_parser(sub)
 
     d = sub.add_parser("doctor", help="report CPU ISA paths, CUDA and versions")
     d.set_defaults(func=cmd_doctor)
@@ -157,11 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     from ktrans.config import ConfigError
+    from ktrans.inject.rules import RuleError
     from ktrans.weights.safetensors_mmap import CheckpointError
 
     try:
         return args.func(args)
-    except (CliError, ConfigError, CheckpointError, FileNotFoundError, NotImplementedError) as e:
+    except (CliError, ConfigError, CheckpointError, FileNotFoundError, NotImplementedError, RuleError) as e:
         print(f"ktrans {args.command}: error: {e}", file=sys.stderr)
         return 2
 
