@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from ktrans.weights import qwen3_tokenizer as qwen3
 from ktrans.weights import tokenizer as tokmod
 from ktrans.weights.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
@@ -269,7 +270,7 @@ def test_incremental_detokenizer_unfinished_character_at_end(tok):
 
 def test_incremental_detokenizer_lets_invalid_bytes_through(tok):
     # A model that keeps emitting lone UTF-8 lead bytes: the window must not grow without bound.
-    lead = tok.token_to_id(tokmod._bytes_to_unicode()[0xF0])
+    lead = tok.token_to_id(qwen3._bytes_to_unicode()[0xF0])
     det = IncrementalDetokenizer(tok)
     out = "".join(det.add(lead) for _ in range(100))
     assert len(det._ids) <= 2 * IncrementalDetokenizer.MAX_HOLD
@@ -330,11 +331,11 @@ def test_from_hf_dir_reads_chat_template_jinja_and_generation_config(tok, tmp_pa
 
 def test_cache_location_and_staleness(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("KTRANS_CACHE_DIR", str(tmp_path))
-    cache = tokmod.qwen3_cache_dir()
+    cache = qwen3.qwen3_cache_dir()
     assert cache == tmp_path / "tokenizers" / "qwen3"
-    assert not tokmod._cache_is_valid(cache)
-    tokmod._write_files(cache, tok.backend.to_str(), {"chat_template": tok.chat_template}, stamp=tokmod._qwen3_stamp())
-    assert tokmod._cache_is_valid(cache)
-    (cache / tokmod._STAMP_FILE).write_text(json.dumps({"format": -1}))
-    assert not tokmod._cache_is_valid(cache)
+    assert not qwen3._cache_is_valid(cache)
+    qwen3._write_files(cache, tok.backend.to_str(), {"chat_template": tok.chat_template}, stamp=qwen3._qwen3_stamp())
+    assert qwen3._cache_is_valid(cache)
+    (cache / qwen3._STAMP_FILE).write_text(json.dumps({"format": -1}))
+    assert not qwen3._cache_is_valid(cache)
     assert not list(cache.glob(".*.tmp"))  # atomic writes leave no temp files behind
