@@ -46,7 +46,7 @@ def sse_events(url: str, path: str, body: dict) -> list:
     return events
 
 
-def wait_pools_full(engine, timeout: float = 10.0) -> bool:
+def wait_pools_full(engine, timeout: float = 30.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pools_full(engine) and engine.stats()["num_waiting"] == 0:
