@@ -148,42 +148,60 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         t = x.shape[0]
         q, k, v, z, b, a = self.split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        conv_pool, ssm_pool = batch.states.layer(self.layer_idx)
-        weight = self.conv1d.weight.squeeze(1)
-
-        if batch.is_decode:
-            slots = batch.state_slots
-            conv_state, ssm_state = conv_pool[slots], ssm_pool[slots]
-            mixed = causal_conv1d_update(mixed, weight, conv_state)
-            qc, kc, vc = self._split_conv(mixed)
-            core = gated_delta_rule_decode(qc, kc, vc, g, beta, ssm_state)
-            conv_pool[slots] = conv_state.to(conv_pool.dtype)
-            ssm_pool[slots] = ssm_state
-        else:
-            outs = []
-            cu = batch.cu_seqlens.tolist()
-            for i, slot in enumerate(batch.state_slots.tolist()):
-                s, e = cu[i], cu[i + 1]
-                fresh = batch.cached_lens[i] == 0
-                conv_in = None if fresh else conv_pool[slot]
-                y, conv_out = causal_conv1d(mixed[s:e], weight, conv_in)
-                qc, kc, vc = self._split_conv(y)
-                o, ssm_out = chunk_gated_delta_rule(qc, kc, vc, g[s:e], beta[s:e], None if fresh else ssm_pool[slot])
-                conv_pool[slot] = conv_out.to(conv_pool.dtype)
-                ssm_pool[slot] = ssm_out
-                outs.append(o)
-            core = torch.cat(outs, dim=0)
-
+        core = deltanet_core(self, mixed, b, a, self.A_log, self.dt_bias, self.conv1d.weight.squeeze(1), batch)
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.reshape(t, self.value_dim))
 
-    def _split_conv(self, y: torch.Tensor):
-        t = y.shape[0]
-        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
-                v.reshape(t, self.num_v_heads, self.head_v_dim))
+
+def deltanet_core(shape, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor, conv_weight: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Conv + gated delta rule of one DeltaNet layer over a batch, reading and writing the batch's state slots.
+
+    mixed [T, conv_dim] is q|k|v before the conv; b, a [T, Hv]; conv_weight [conv_dim, K]. Returns the core
+    output [T, Hv, Dv] (before the gated norm). `shape` gives the head layout (layer_idx, num_k_heads, ...).
+    One-token steps of already-started sequences run together through the batched decode kernels, also when
+    prefill chunks share the batch; every other sequence runs the chunked rule alone. A sequence whose cached
+    length is 0 starts from zero state, so a reused slot never leaks its previous owner's state.
+    """
+    t = mixed.shape[0]
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    conv_pool, ssm_pool = batch.states.layer(shape.layer_idx)
+    core = mixed.new_empty(t, shape.num_v_heads, shape.head_v_dim)
+
+    def split(y: torch.Tensor):
+        n = y.shape[0]
+        q, k, v = y.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+        return (q.reshape(n, shape.num_k_heads, shape.head_k_dim), k.reshape(n, shape.num_k_heads, shape.head_k_dim),
+                v.reshape(n, shape.num_v_heads, shape.head_v_dim))
+
+    cu = batch.cu_seqlens.tolist()
+    steps = [i for i, (n, c) in enumerate(zip(batch.seq_lens, batch.cached_lens)) if n == 1 and c > 0]
+    if steps:
+        if len(steps) == batch.num_seqs:
+            rows, slots = slice(None), batch.state_slots
+        else:
+            rows = torch.tensor([cu[i] for i in steps], device=mixed.device)
+            slots = batch.state_slots[torch.tensor(steps, device=batch.state_slots.device)]
+        conv_state, ssm_state = conv_pool[slots], ssm_pool[slots]
+        qc, kc, vc = split(causal_conv1d_update(mixed[rows], conv_weight, conv_state))
+        core[rows] = gated_delta_rule_decode(qc, kc, vc, g[rows], beta[rows], ssm_state)
+        conv_pool[slots] = conv_state.to(conv_pool.dtype)
+        ssm_pool[slots] = ssm_state
+    if len(steps) < batch.num_seqs:
+        step_set = set(steps)
+        for i, slot in enumerate(batch.state_slots.tolist()):
+            if i in step_set:
+                continue
+            s, e = cu[i], cu[i + 1]
+            fresh = batch.cached_lens[i] == 0
+            y, conv_out = causal_conv1d(mixed[s:e], conv_weight, None if fresh else conv_pool[slot])
+            qc, kc, vc = split(y)
+            core[s:e], ssm_out = chunk_gated_delta_rule(qc, kc, vc, g[s:e], beta[s:e],
+                                                        None if fresh else ssm_pool[slot])
+            conv_pool[slot] = conv_out.to(conv_pool.dtype)
+            ssm_pool[slot] = ssm_out
+    return core
 
 
 class Qwen3NextMLP(nn.Module):

@@ -8,11 +8,8 @@ GDN_OPS with the same call. The state pool pins the operator to one device for b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ktrans.kernels.torch.conv import causal_conv1d, causal_conv1d_update
-from ktrans.kernels.torch.gated_delta import chunk_gated_delta_rule, gated_delta_rule_decode
-from ktrans.model.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextRMSNormGated
+from ktrans.model.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextRMSNormGated, deltanet_core
 from ktrans.operators.attention import check_pool_device
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_param, move, register_operator
 from ktrans.runtime.batch import ForwardBatch
@@ -48,40 +45,11 @@ class KGatedDeltaNetTorch(Op):
         The same steps as Qwen3NextGatedDeltaNet.forward, so the injected model matches the plain one exactly.
         """
         t = mixed.shape[0]
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        conv_pool, ssm_pool = batch.states.layer(self.layer_idx)
+        conv_pool, _ = batch.states.layer(self.layer_idx)
         check_pool_device(self.key, "DeltaNet state", conv_pool, self.device)
-        weight = self.conv_weight.squeeze(1)
-        if batch.is_decode:
-            slots = batch.state_slots
-            conv_state, ssm_state = conv_pool[slots], ssm_pool[slots]
-            mixed = causal_conv1d_update(mixed, weight, conv_state)
-            qc, kc, vc = self._split_conv(mixed)
-            core = gated_delta_rule_decode(qc, kc, vc, g, beta, ssm_state)
-            conv_pool[slots] = conv_state.to(conv_pool.dtype)
-            ssm_pool[slots] = ssm_state
-        else:
-            outs = []
-            cu = batch.cu_seqlens.tolist()
-            for i, slot in enumerate(batch.state_slots.tolist()):
-                s, e = cu[i], cu[i + 1]
-                fresh = batch.cached_lens[i] == 0  # a reused slot must not leak its previous owner's state
-                y, conv_out = causal_conv1d(mixed[s:e], weight, None if fresh else conv_pool[slot])
-                qc, kc, vc = self._split_conv(y)
-                o, ssm_out = chunk_gated_delta_rule(qc, kc, vc, g[s:e], beta[s:e], None if fresh else ssm_pool[slot])
-                conv_pool[slot] = conv_out.to(conv_pool.dtype)
-                ssm_pool[slot] = ssm_out
-                outs.append(o)
-            core = torch.cat(outs, dim=0)
+        core = deltanet_core(self, mixed, b, a, self.A_log, self.dt_bias, self.conv_weight.squeeze(1), batch)
         core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return core.reshape(t, self.value_dim)
-
-    def _split_conv(self, y: torch.Tensor):
-        t = y.shape[0]
-        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
-                v.reshape(t, self.num_v_heads, self.head_v_dim))
 
 
 @register_operator()
