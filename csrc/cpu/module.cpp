@@ -1,13 +1,53 @@
-// Python bindings of ktrans._cpu. Kernels take raw pointers and sizes, never torch tensors, so the module
-// does not depend on torch's C++ ABI; ktrans/kernels/cpu.py turns tensors into pointers.
+// Python bindings of ktrans._cpu. Kernels take raw pointers (Python ints) and sizes, never torch tensors, so the
+// module does not depend on torch's C++ ABI; ktrans/kernels/cpu.py turns tensors into pointers and keeps them
+// alive until the job that reads them is waited for. Every call that computes or blocks releases the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+#include <stdexcept>
+#include <string>
 
 #include "isa.h"
+#include "moe.h"
+#include "pool.h"
+#include "quant.h"
 
 namespace py = pybind11;
+using namespace ktrans;
+
+namespace {
+
+template <class T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// A MoE layer bound to the pool that runs it.
+struct PyMoE {
+  std::shared_ptr<ThreadPool> pool;
+  MoE moe;
+};
+
+struct PyLinear {
+  std::shared_ptr<ThreadPool> pool;
+  Linear lin;
+};
+
+}  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
-  m.doc() = "ktrans CPU kernels";
+  m.doc() = "ktrans CPU kernels: quantized MoE experts and linear on raw GGUF blocks, a thread pool, ISA dispatch";
   m.def("isa_info", [] {
     const auto& i = ktrans::isa();
     py::dict d;
@@ -23,4 +63,115 @@ PYBIND11_MODULE(_cpu, m) {
     d["amx_denied"] = i.amx_denied;
     return d;
   }, "Features of this CPU that the OS enables, as the kernels' dispatcher sees them.");
+
+  m.def("path_status", [] {
+    py::dict d;
+    for (Isa i : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+      const char* why = nullptr;
+      const bool ok = isa_available(i, &why);
+      d[isa_name(i)] = ok ? py::none() : py::cast(std::string(why));
+    }
+    return d;
+  }, "For each kernel path: None when this CPU runs it, else the reason it cannot.");
+
+  m.def("select_path", [](const std::string& name) { return std::string(select_kernels(name.c_str()).name); },
+        py::arg("name") = "auto",
+        "The kernel path that `name` resolves to (auto honours KTRANS_CPU_ISA). ValueError if it cannot run here.");
+
+  m.def("type_row_bytes", [](int type, int64_t k) {
+    if (!type_supported(type)) throw std::invalid_argument("unsupported ggml type " + std::to_string(type));
+    if (k % type_block_size(type)) throw std::invalid_argument("row length is not a multiple of the block size");
+    return type_row_bytes(type, k);
+  }, py::arg("type"), py::arg("k"), "Bytes of a row of k values of ggml type `type`.");
+
+  py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool",
+      "n_threads threads per job: n_threads - 1 persistent workers plus the caller of wait(), which takes tasks "
+      "instead of sleeping. Jobs run and complete in submission order.")
+      .def(py::init<int, bool, int>(), py::arg("n_threads"), py::arg("pin") = true, py::arg("spin_us") = 200,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("size", &ThreadPool::size)
+      .def_property_readonly("pinned", &ThreadPool::pinned)
+      .def("wait", &ThreadPool::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),
+           "Block until the job with this ticket is done; raises its error, if any.")
+      .def("done", &ThreadPool::done, py::arg("ticket"));
+
+  py::class_<PyMoE>(m, "MoE", "One MoE layer's routed experts on raw ggml blocks (stacked [E, rows, cols]).")
+      .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_experts, int hidden, int intermediate,
+                       uintptr_t gate, int gate_type, uintptr_t up, int up_type, uintptr_t down, int down_type,
+                       const std::string& isa) {
+             const Kernels& k = select_kernels(isa.c_str());
+             return std::unique_ptr<PyMoE>(new PyMoE{
+                 std::move(pool),
+                 MoE(n_experts, hidden, intermediate, ExpertMatrix{ptr<const uint8_t>(gate), gate_type, intermediate, hidden},
+                     ExpertMatrix{ptr<const uint8_t>(up), up_type, intermediate, hidden},
+                     ExpertMatrix{ptr<const uint8_t>(down), down_type, hidden, intermediate}, k)});
+           }),
+           py::arg("pool"), py::arg("n_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"),
+           py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"),
+           py::arg("isa") = "auto")
+      .def_property_readonly("path", [](const PyMoE& s) { return std::string(s.moe.kernels().name); })
+      .def("submit",
+           [](const PyMoE& s, uintptr_t x, int64_t T, int64_t ldx, uintptr_t ids, uintptr_t weights, int k,
+              uintptr_t out, int64_t ldo) {
+             return s.moe.submit(*s.pool, ptr<const float>(x), T, ldx, ptr<const int64_t>(ids),
+                                 ptr<const float>(weights), k, ptr<float>(out), ldo);
+           },
+           py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("ids"), py::arg("weights"), py::arg("k"),
+           py::arg("out"), py::arg("ldo"), py::call_guard<py::gil_scoped_release>(),
+           "Queue out = MoE(x); returns a ticket for pool.wait. The buffers must live until then.");
+
+  py::class_<PyLinear>(m, "Linear", "y = x W^T with W [n_out, n_in] in ggml blocks.")
+      .def(py::init([](std::shared_ptr<ThreadPool> pool, int64_t n_out, int64_t n_in, uintptr_t w, int type,
+                       const std::string& isa) {
+             const Kernels& k = select_kernels(isa.c_str());
+             return std::unique_ptr<PyLinear>(new PyLinear{std::move(pool), Linear(n_out, n_in, ptr<const uint8_t>(w), type, k)});
+           }),
+           py::arg("pool"), py::arg("n_out"), py::arg("n_in"), py::arg("w"), py::arg("type"), py::arg("isa") = "auto")
+      .def_property_readonly("path", [](const PyLinear& s) { return std::string(s.lin.kernels().name); })
+      .def("submit",
+           [](const PyLinear& s, uintptr_t x, int64_t T, int64_t ldx, uintptr_t y, int64_t ldy) {
+             return s.lin.submit(*s.pool, ptr<const float>(x), T, ldx, ptr<float>(y), ldy);
+           },
+           py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
+           py::call_guard<py::gil_scoped_release>());
+
+  m.def("bench_gemm",
+        [](int type, uintptr_t w, int64_t M, int64_t k, int N, int reps, const std::string& isa) {
+          // One thread, no pool: the kernel alone, for tuning. Activations are random; weights are the caller's.
+          const Kernels& K = select_kernels(isa.c_str());
+          const ActFormat f = K.act_format(type);
+          const size_t la = act_row_bytes(f, k);
+          std::vector<float> x(static_cast<size_t>(N) * k);
+          for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) / 500.f - 1.f;
+          std::vector<uint8_t> a(static_cast<size_t>(N) * la + 64);
+          uint8_t* ab = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(a.data()) + 63) & ~uintptr_t(63));
+          quantize_act(f, x.data(), k, N, k, ab, la);
+          std::vector<const uint8_t*> rows(N);
+          for (int n = 0; n < N; ++n) rows[n] = f == ACT_F32 ? reinterpret_cast<const uint8_t*>(x.data() + n * k) : ab + n * la;
+          std::vector<float> c(static_cast<size_t>(N) * M);
+          const size_t ldw = type_row_bytes(type, k);
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int r = 0; r < reps; ++r)
+            K.gemm(type, ptr<const uint8_t>(w), ldw, static_cast<int>(M), rows.data(), N, k, c.data(), M);
+          return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+        },
+        py::arg("type"), py::arg("w"), py::arg("M"), py::arg("k"), py::arg("N"), py::arg("reps"),
+        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
+        "Seconds per call of the raw gemm kernel on this thread (tuning aid).");
+
+  m.def("read_bandwidth",
+        [](std::shared_ptr<ThreadPool> pool, size_t nbytes, int reps, const std::string& isa) {
+          return read_bandwidth(*pool, select_kernels(isa.c_str()), nbytes, reps);
+        },
+        py::arg("pool"), py::arg("nbytes"), py::arg("reps") = 3, py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>(),
+        "Best GB/s of streaming reads over a fresh buffer of nbytes, split across the pool's threads.");
+
+  m.def("stream_bandwidth",
+        [](std::shared_ptr<ThreadPool> pool, uintptr_t data, size_t nbytes, int reps, const std::string& isa) {
+          return stream_bandwidth(*pool, select_kernels(isa.c_str()), ptr<const uint8_t>(data), nbytes, reps);
+        },
+        py::arg("pool"), py::arg("data"), py::arg("nbytes"), py::arg("reps") = 3, py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>(),
+        "Best GB/s of streaming reads over an existing buffer (e.g. the expert weights), split across the pool.");
 }

@@ -1,28 +1,271 @@
-"""Loader for the C++ extension ktrans._cpu and a readable report of which ISA path it will use."""
+"""The C++ CPU kernels (ktrans._cpu) from Python: ISA report, thread pool, MoE experts and linear on raw GGUF blocks.
+
+Weights stay in ggml's bytes (a uint8 tensor per stacked matrix, as in a GGUF file's ffn_{gate,up,down}_exps, or
+a float/bf16 tensor for F32/F16/BF16); the kernels read them in place, so nothing is repacked or copied at load.
+Activations are float32 [T, hidden]. `submit` queues the work on the pool and returns a `Pending` at once, with
+the GIL released, so the caller (the GPU's attention and shared expert) runs meanwhile; `Pending.wait()` joins.
+Every tensor a job reads or writes is kept alive by its Pending until then.
+
+The kernel path is chosen once per object: "auto" takes the best this CPU runs (AVX-512 VNNI, else AVX2+FMA,
+else portable C++), and the environment variable KTRANS_CPU_ISA=avx512|avx2|scalar overrides "auto".
+"""
 from __future__ import annotations
 
-from ktrans import _cpu  # noqa: F401  (ImportError here means the package was installed without its build)
+import os
 
+import torch
+
+from ktrans import _cpu  # ImportError here means the package was installed without its build
+
+# ggml type ids of the formats the kernels read (ktrans.weights.quants has the full table).
+GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+              "Q6_K": 14, "BF16": 30}
+_FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def type_id(qtype: int | str) -> int:
+    """A ggml type name ("Q4_K") or id, checked against the formats the CPU kernels read."""
+    if isinstance(qtype, str):
+        if qtype.upper() not in GGML_TYPES:
+            raise ValueError(f"the CPU kernels do not read {qtype!r}; they read {sorted(GGML_TYPES)}")
+        return GGML_TYPES[qtype.upper()]
+    if int(qtype) not in GGML_TYPES.values():
+        raise ValueError(f"the CPU kernels do not read ggml type {int(qtype)}; they read {sorted(GGML_TYPES)}")
+    return int(qtype)
+
+
+def row_bytes(qtype: int | str, k: int) -> int:
+    return _cpu.type_row_bytes(type_id(qtype), k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ISA report (ktrans doctor)
 
 def isa_info() -> dict[str, bool]:
     return dict(_cpu.isa_info())
 
 
 def best_path(info: dict[str, bool] | None = None) -> tuple[str, str]:
-    """The kernel path the dispatcher picks, and why."""
+    """The kernel path the dispatcher really uses for isa="auto" (honouring KTRANS_CPU_ISA), and why."""
     i = info or isa_info()
-    if i["amx_int8"] and i["amx_bf16"]:
-        return "amx", "AMX tiles (int8/bf16) for prefill-sized batches, AVX-512 VNNI for decode"
-    if i["avx512bw"] and i["avx512vl"]:
-        extra = " with VNNI" if i["avx512vnni"] else ""
-        why = "AVX-512" + extra + (" (AMX present but the kernel denied tile permission)" if i["amx_denied"] else "")
-        return "avx512", why
-    if i["avx2"]:
-        return "avx2", "AVX2 + FMA (no AVX-512 on this CPU)"
-    return "scalar", "portable C++ (no AVX2/FMA on this CPU)"
+    status = _cpu.path_status()
+    env = os.environ.get("KTRANS_CPU_ISA", "")
+    try:
+        path = _cpu.select_path("auto")
+    except ValueError as e:
+        return "error", str(e)
+    if env:
+        return path, f"forced by KTRANS_CPU_ISA={env}"
+    if path == "avx512":
+        why = "AVX-512 with VNNI (int8 dot products vpdpbusd / vpdpwssd)"
+        if i["amx_int8"]:
+            why += "; AMX tiles are present but there is no AMX kernel yet"
+        elif i["amx_denied"]:
+            why += "; AMX present but the kernel denied tile permission"
+        return path, why
+    if path == "avx2":
+        return path, f"AVX2 + FMA (AVX-512 path unavailable: {status['avx512']})"
+    return path, f"portable C++ (AVX2 path unavailable: {status['avx2']})"
 
 
 def isa_report() -> dict:
     info = isa_info()
     path, why = best_path(info)
-    return {"path": path, "why": why, "features": info}
+    status = _cpu.path_status()
+    return {"path": path, "why": why, "runnable_paths": [p for p, reason in status.items() if reason is None],
+            "features": info}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# thread pool
+
+_default_pool: _cpu.ThreadPool | None = None
+
+
+def default_threads() -> int:
+    """KTRANS_CPU_INFER, else the cores this process may run on."""
+    env = os.environ.get("KTRANS_CPU_INFER")
+    if env:
+        return max(1, int(env))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def get_pool(n_threads: int | None = None) -> _cpu.ThreadPool:
+    """The process-wide pool (created on first use); a different n_threads replaces it (--cpu_infer). n_threads
+    counts the caller, which joins the work in wait(): see make_pool."""
+    global _default_pool
+    want = n_threads or (_default_pool.size if _default_pool else default_threads())
+    if _default_pool is None or _default_pool.size != want:
+        _default_pool = _cpu.ThreadPool(want)
+    return _default_pool
+
+
+def make_pool(n_threads: int, pin: bool = True, spin_us: int = 200) -> _cpu.ThreadPool:
+    """A separate pool (tests, benchmarks): n_threads - 1 workers plus the thread that calls wait(), which works
+    instead of sleeping. Workers are pinned (to all CPUs but the first) and idle ones poll for spin_us microseconds
+    before sleeping, both only when the process may use at least n_threads CPUs."""
+    return _cpu.ThreadPool(n_threads, pin, spin_us)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 3, pool: _cpu.ThreadPool | None = None,
+                   isa: str = "auto") -> float:
+    """Best GB/s of a multi-threaded streaming read over a fresh buffer of nbytes (make it >> last-level cache)."""
+    return _cpu.read_bandwidth(pool or get_pool(), int(nbytes), reps, isa)
+
+
+def stream_bandwidth(tensors, reps: int = 3, pool: _cpu.ThreadPool | None = None, isa: str = "auto") -> float:
+    """Best GB/s of the same streaming read over existing contiguous CPU tensors (say, the expert weights, so the
+    bandwidth is that of the very pages a kernel reads): their total bytes over the summed times."""
+    pool = pool or get_pool()
+    total, seconds = 0, 0.0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        gbs = _cpu.stream_bandwidth(pool, t.data_ptr(), n, reps, isa)
+        total, seconds = total + n, seconds + n / (gbs * 1e9)
+    return total / seconds / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------------
+# jobs
+
+class Pending:
+    """A submitted job: wait() blocks until it is done and returns its output."""
+
+    __slots__ = ("_pool", "_ticket", "_out", "_keep", "_done")
+
+    def __init__(self, pool, ticket: int, out: torch.Tensor, keep: tuple):
+        self._pool, self._ticket, self._out, self._keep, self._done = pool, ticket, out, keep, False
+
+    def done(self) -> bool:
+        return self._done or self._pool.done(self._ticket)
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            try:
+                self._pool.wait(self._ticket)
+            finally:
+                self._done, self._keep = True, ()
+        return self._out
+
+
+def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
+    """A contiguous CPU tensor holding exactly nbytes (the caller keeps it alive)."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.from_numpy(t)
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: weights must be in CPU memory, got a tensor on {t.device}")
+    t = t.contiguous()
+    have = t.numel() * t.element_size()
+    if have != nbytes:
+        raise ValueError(f"{what}: expected {nbytes} bytes, got {have} (shape {tuple(t.shape)}, {t.dtype})")
+    return t
+
+
+def _weight_type(t, qtype) -> int:
+    if qtype is not None:
+        return type_id(qtype)
+    if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_TYPES:
+        return GGML_TYPES[_FLOAT_TYPES[t.dtype]]
+    raise ValueError("raw (uint8) weight blocks need their ggml type, e.g. qtype='Q4_K'")
+
+
+def _activations(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"{what}: expected activations [T, {width}], got {tuple(x.shape)}")
+    return x.detach().to("cpu", torch.float32).contiguous()
+
+
+class CPUMoE:
+    """The routed experts of one MoE layer on the CPU, on stacked raw blocks.
+
+    gate, up: [E, intermediate, hidden] and down: [E, hidden, intermediate] expert matrices, each one buffer
+    (uint8 ggml blocks with its type given in `types`, or a float32/float16/bfloat16 tensor). Types may differ
+    per matrix (Q4_K_M files mix Q4_K and Q6_K). Weights are read in place, never repacked or copied (a
+    non-contiguous view, such as half of a fused gate_up tensor, is copied once to make it contiguous).
+    """
+
+    def __init__(self, gate, up, down, *, n_experts: int, hidden: int, intermediate: int,
+                 types: tuple | None = None, pool: _cpu.ThreadPool | None = None, isa: str = "auto"):
+        types = types or (None, None, None)
+        self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
+        self.types = tuple(_weight_type(t, q) for t, q in zip((gate, up, down), types))
+        shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+        self.weights = tuple(
+            _as_bytes(t, name, n_experts * rows * _cpu.type_row_bytes(ty, cols))
+            for t, name, ty, (rows, cols) in zip((gate, up, down), ("gate", "up", "down"), self.types, shapes))
+        self.pool = pool or get_pool()
+        g, u, d = self.weights
+        self._moe = _cpu.MoE(self.pool, n_experts, hidden, intermediate, g.data_ptr(), self.types[0],
+                             u.data_ptr(), self.types[1], d.data_ptr(), self.types[2], isa)
+        self._last: Pending | None = None
+
+    @property
+    def path(self) -> str:
+        return self._moe.path
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.weights)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's three matrices: what a call streams per distinct expert it routes to."""
+        return self.nbytes // self.n_experts
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               out: torch.Tensor | None = None) -> Pending:
+        """Queue out = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) and return at once. Negative ids are skipped."""
+        xf = _activations(x, self.hidden, "CPUMoE.submit x")
+        t = xf.shape[0]
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"CPUMoE.submit: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                             f"{tuple(topk_weights.shape)} must both be [T={t}, k]")
+        ids = topk_ids.detach().to("cpu", torch.int64).contiguous()
+        w = topk_weights.detach().to("cpu", torch.float32).contiguous()
+        if out is None:
+            out = torch.empty(t, self.hidden, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (t, self.hidden) or not out.is_contiguous():
+            raise ValueError(f"CPUMoE.submit out: expected contiguous float32 [{t}, {self.hidden}]")
+        ticket = self._moe.submit(xf.data_ptr(), t, self.hidden, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                                  out.data_ptr(), self.hidden)
+        self._last = Pending(self.pool, ticket, out, (self, xf, ids, w))
+        return self._last
+
+    def sync(self) -> torch.Tensor | None:
+        """Wait for this layer's last submit and return its output (None if nothing was submitted)."""
+        return self._last.wait() if self._last is not None else None
+
+    def forward(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        return self.submit(x, topk_ids, topk_weights).wait()
+
+    __call__ = forward
+
+
+class CPULinear:
+    """y = x W^T on the CPU, W [n_out, n_in] as raw ggml blocks (or a float tensor), read in place."""
+
+    def __init__(self, weight, n_out: int, n_in: int, qtype=None, pool: _cpu.ThreadPool | None = None,
+                 isa: str = "auto"):
+        self.n_out, self.n_in = n_out, n_in
+        self.type = _weight_type(weight, qtype)
+        self.weight = _as_bytes(weight, "CPULinear weight", n_out * _cpu.type_row_bytes(self.type, n_in))
+        self.pool = pool or get_pool()
+        self._lin = _cpu.Linear(self.pool, n_out, n_in, self.weight.data_ptr(), self.type, isa)
+
+    @property
+    def path(self) -> str:
+        return self._lin.path
+
+    def submit(self, x: torch.Tensor) -> Pending:
+        xf = _activations(x, self.n_in, "CPULinear x")
+        y = torch.empty(xf.shape[0], self.n_out, dtype=torch.float32)
+        ticket = self._lin.submit(xf.data_ptr(), xf.shape[0], self.n_in, y.data_ptr(), self.n_out)
+        return Pending(self.pool, ticket, y, (self, xf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.submit(x).wait()
+
+    __call__ = forward

@@ -1,0 +1,308 @@
+// MoE experts, dense linear and the read-bandwidth probe as thread-pool jobs. Baseline ISA: the heavy lifting
+// happens in the kernel table's gemm; this file routes tokens, owns the per-job buffers and splits the work.
+#include "moe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace ktrans {
+namespace {
+
+constexpr int kRowsPerQuant = 8;  // activation rows per quantization task
+
+// Rows per task: about `tasks_per_thread` tasks per thread, so a slow core is balanced out, but blocks as large as
+// that allows (multiples of 16 rows, at most `cap`), since every block is a separate stream the prefetcher must
+// pick up again.
+int64_t block_rows(int64_t total_rows, int threads, int tasks_per_thread, int64_t cap) {
+  int64_t r = total_rows / (static_cast<int64_t>(threads) * tasks_per_thread);
+  r = std::min(r, cap) & ~int64_t(15);
+  return std::max<int64_t>(r, 16);
+}
+
+class Buffer {
+ public:
+  void alloc(size_t n) {
+    n = ((n ? n : 1) + 63) & ~size_t(63);
+    p_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, n)));
+    if (!p_) throw std::bad_alloc();
+  }
+  uint8_t* get() const { return p_.get(); }
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> p_;
+};
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// exp(x) for float32, branch-free so the loop below vectorizes on the baseline ISA: x = n ln2 + r, |r| <= ln2/2,
+// Cephes' degree-6 polynomial for e^r (relative error ~1e-7), 2^n through the exponent bits.
+inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (x * 1.44269504088896341f + magic) - magic;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// h = silu(g) * u over n values.
+void silu_mul(const float* __restrict g, const float* __restrict u, float* __restrict h, int n) {
+  for (int i = 0; i < n; ++i) h[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+}
+
+void check_matrix(const char* what, const ExpertMatrix& m, int64_t rows, int64_t cols) {
+  const std::string name(what);
+  if (!type_supported(m.type))
+    throw std::invalid_argument(name + ": ggml type " + std::to_string(m.type) +
+                                " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
+  if (m.rows != rows || m.cols != cols)
+    throw std::invalid_argument(name + ": expected [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                                "] per expert, got [" + std::to_string(m.rows) + ", " + std::to_string(m.cols) + "]");
+  if (cols % type_block_size(m.type))
+    throw std::invalid_argument(name + ": " + type_name(m.type) + " needs rows of a multiple of " +
+                                std::to_string(type_block_size(m.type)) + " values, got " + std::to_string(cols));
+  if (!m.data) throw std::invalid_argument(name + ": null weight pointer");
+}
+
+struct MoEJob : Job {
+  std::vector<int> experts;   // active expert ids, ascending
+  std::vector<int> offsets;   // pairs of experts[a] are offsets[a] .. offsets[a + 1]
+  std::vector<int> pair_tok;  // (token, slot) pairs grouped by expert
+  std::vector<float> pair_w;
+  std::vector<const uint8_t*> xg, xu, hin;  // per pair: activation rows for gate, up, down
+  Buffer xg_buf, xu_buf, h_buf, hq_buf;
+  int max_group = 0;
+};
+
+struct LinearJob : Job {
+  std::vector<const uint8_t*> xrows;
+  Buffer xq_buf;
+};
+
+}  // namespace
+
+MoE::MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertMatrix up, ExpertMatrix down,
+         const Kernels& kernels)
+    : n_experts_(n_experts), hidden_(hidden), inter_(intermediate), gate_(gate), up_(up), down_(down),
+      kernels_(kernels) {
+  if (n_experts < 1 || hidden < 1 || intermediate < 1)
+    throw std::invalid_argument("MoE: n_experts, hidden and intermediate must be positive");
+  check_matrix("gate", gate_, intermediate, hidden);
+  check_matrix("up", up_, intermediate, hidden);
+  check_matrix("down", down_, hidden, intermediate);
+}
+
+uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, const int64_t* ids,
+                     const float* weights, int k, float* out, int64_t ldo) const {
+  if (T < 0 || k < 1) throw std::invalid_argument("MoE.submit: need T >= 0 tokens and k >= 1 experts per token");
+  auto job = std::make_shared<MoEJob>();
+  MoEJob& J = *job;
+
+  // Route: group the (token, slot) pairs by expert, in token order within an expert.
+  std::vector<int> count(n_experts_, 0);
+  for (int64_t i = 0; i < T * k; ++i) {
+    const int64_t e = ids[i];
+    if (e < 0) continue;
+    if (e >= n_experts_)
+      throw std::invalid_argument("MoE.submit: expert id " + std::to_string(e) + " (token " + std::to_string(i / k) +
+                                  ", slot " + std::to_string(i % k) + ") is outside [0, " +
+                                  std::to_string(n_experts_) + ")");
+    ++count[e];
+  }
+  std::vector<int> pos(n_experts_);
+  int n_pairs = 0;
+  for (int e = 0; e < n_experts_; ++e) {
+    pos[e] = n_pairs;
+    if (count[e]) {
+      J.experts.push_back(e);
+      J.offsets.push_back(n_pairs);
+      J.max_group = std::max(J.max_group, count[e]);
+    }
+    n_pairs += count[e];
+  }
+  J.offsets.push_back(n_pairs);
+  J.pair_tok.resize(n_pairs);
+  J.pair_w.resize(n_pairs);
+  for (int64_t i = 0; i < T * k; ++i) {
+    const int64_t e = ids[i];
+    if (e < 0) continue;
+    const int p = pos[e]++;
+    J.pair_tok[p] = static_cast<int>(i / k);
+    J.pair_w[p] = weights[i];
+  }
+
+  // Buffers: quantized x (one per distinct activation format of gate and up), h = silu(gate) * up per pair,
+  // and h quantized for down.
+  const Kernels& K = kernels_;
+  const ActFormat fg = K.act_format(gate_.type), fu = K.act_format(up_.type), fd = K.act_format(down_.type);
+  const int64_t H = hidden_, I = inter_;
+  const size_t lg = act_row_bytes(fg, H), lu = act_row_bytes(fu, H), ld = act_row_bytes(fd, I);
+  const int64_t ldh = (I + 15) & ~int64_t(15);
+  const bool sep_u = fu != fg;
+  if (fg != ACT_F32) J.xg_buf.alloc(T * lg);
+  if (sep_u && fu != ACT_F32) J.xu_buf.alloc(T * lu);
+  J.h_buf.alloc(static_cast<size_t>(n_pairs) * ldh * sizeof(float));
+  if (fd != ACT_F32) J.hq_buf.alloc(static_cast<size_t>(n_pairs) * ld);
+  auto xrow = [&](ActFormat f, const Buffer& buf, size_t l, int t) -> const uint8_t* {
+    return f == ACT_F32 ? reinterpret_cast<const uint8_t*>(x + t * ldx) : buf.get() + t * l;
+  };
+  J.xg.resize(n_pairs);
+  J.xu.resize(n_pairs);
+  J.hin.resize(n_pairs);
+  float* hf = reinterpret_cast<float*>(J.h_buf.get());
+  for (int p = 0; p < n_pairs; ++p) {
+    J.xg[p] = xrow(fg, J.xg_buf, lg, J.pair_tok[p]);
+    J.xu[p] = sep_u ? xrow(fu, J.xu_buf, lu, J.pair_tok[p]) : J.xg[p];
+    J.hin[p] = fd == ACT_F32 ? reinterpret_cast<const uint8_t*>(hf + p * ldh) : J.hq_buf.get() + p * ld;
+  }
+
+  const ExpertMatrix G = gate_, U = up_, D = down_;
+  MoEJob* jp = job.get();
+  ThreadPool* pl = &pool;
+  const int n_active = static_cast<int>(J.experts.size());
+
+  if (fg != ACT_F32 || (sep_u && fu != ACT_F32)) {
+    job->phases.push_back({ceil_div(T, kRowsPerQuant), [=, &K](int task, int) {
+      const int t0 = task * kRowsPerQuant;
+      const int n = static_cast<int>(std::min<int64_t>(kRowsPerQuant, T - t0));
+      if (fg != ACT_F32) quantize_act(fg, x + t0 * ldx, ldx, n, H, jp->xg_buf.get() + t0 * lg, lg);
+      if (sep_u && fu != ACT_F32) quantize_act(fu, x + t0 * ldx, ldx, n, H, jp->xu_buf.get() + t0 * lu, lu);
+    }});
+  }
+
+  const int64_t rows_gu = block_rows(n_active * I, pool.size(), 8, I);
+  const int64_t rows_dn = block_rows(H, pool.size(), 4, 256);
+  const int blocks_gu = ceil_div(I, rows_gu);
+  job->phases.push_back({n_active * blocks_gu, [=, &K](int task, int thread) {
+    const int a = task / blocks_gu;
+    const int64_t r0 = static_cast<int64_t>(task % blocks_gu) * rows_gu;
+    const int m = static_cast<int>(std::min<int64_t>(rows_gu, I - r0));
+    const int e = jp->experts[a], p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
+    float* g = static_cast<float*>(pl->scratch(thread, 2 * sizeof(float) * n * m));
+    float* u = g + n * m;
+    K.gemm(G.type, G.data + e * G.expert_bytes() + r0 * G.row_bytes(), G.row_bytes(), m, &jp->xg[p0], n, H, g, m);
+    K.gemm(U.type, U.data + e * U.expert_bytes() + r0 * U.row_bytes(), U.row_bytes(), m, &jp->xu[p0], n, H, u, m);
+    float* hbase = reinterpret_cast<float*>(jp->h_buf.get());
+    for (int i = 0; i < n; ++i) silu_mul(g + i * m, u + i * m, hbase + (p0 + i) * ldh + r0, m);
+  }});
+
+  if (fd != ACT_F32) {
+    job->phases.push_back({ceil_div(n_pairs, kRowsPerQuant), [=](int task, int) {
+      const int p0 = task * kRowsPerQuant;
+      const int n = std::min(kRowsPerQuant, n_pairs - p0);
+      const float* h = reinterpret_cast<const float*>(jp->h_buf.get()) + p0 * ldh;
+      quantize_act(fd, h, ldh, n, I, jp->hq_buf.get() + p0 * ld, ld);
+    }});
+  }
+
+  job->phases.push_back({ceil_div(H, rows_dn), [=, &K](int task, int thread) {
+    const int64_t c0 = static_cast<int64_t>(task) * rows_dn;
+    const int m = static_cast<int>(std::min<int64_t>(rows_dn, H - c0));
+    for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
+    float* y = static_cast<float*>(pl->scratch(thread, sizeof(float) * std::max(jp->max_group, 1) * m));
+    auto chunk = [&](int a) { return D.data + jp->experts[a] * D.expert_bytes() + c0 * D.row_bytes(); };
+    for (int a = 0; a < n_active; ++a) {
+      const int p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
+      // The kernels prefetch ahead within a chunk; start the next expert's chunk now so it is not cold.
+      if (a + 1 < n_active)
+        for (int off = 0; off < kPrefetchBytes && off < m * static_cast<int>(D.row_bytes()); off += 64)
+          __builtin_prefetch(chunk(a + 1) + off);
+      K.gemm(D.type, chunk(a), D.row_bytes(), m, &jp->hin[p0], n, I, y, m);
+      for (int i = 0; i < n; ++i) {
+        float* o = out + jp->pair_tok[p0 + i] * ldo + c0;
+        const float w = jp->pair_w[p0 + i];
+        for (int r = 0; r < m; ++r) o[r] += w * y[i * m + r];
+      }
+    }
+  }});
+  return pool.submit(std::move(job));
+}
+
+Linear::Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels)
+    : n_out_(n_out), n_in_(n_in), w_(w), type_(type), kernels_(kernels) {
+  if (n_out < 1 || n_in < 1) throw std::invalid_argument("Linear: n_out and n_in must be positive");
+  check_matrix("linear weight", ExpertMatrix{w, type, n_out, n_in}, n_out, n_in);
+}
+
+uint64_t Linear::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, float* y, int64_t ldy) const {
+  auto job = std::make_shared<LinearJob>();
+  LinearJob* jp = job.get();
+  const Kernels& K = kernels_;
+  const ActFormat f = K.act_format(type_);
+  const size_t l = act_row_bytes(f, n_in_);
+  const int64_t k = n_in_, N = n_out_;
+  if (f != ACT_F32) jp->xq_buf.alloc(T * l);
+  jp->xrows.resize(T);
+  for (int64_t t = 0; t < T; ++t)
+    jp->xrows[t] = f == ACT_F32 ? reinterpret_cast<const uint8_t*>(x + t * ldx) : jp->xq_buf.get() + t * l;
+  if (f != ACT_F32) {
+    job->phases.push_back({ceil_div(T, kRowsPerQuant), [=](int task, int) {
+      const int t0 = task * kRowsPerQuant;
+      const int n = static_cast<int>(std::min<int64_t>(kRowsPerQuant, T - t0));
+      quantize_act(f, x + t0 * ldx, ldx, n, k, jp->xq_buf.get() + t0 * l, l);
+    }});
+  }
+  // Blocks of 16-64 rows, at least ~4 per thread when there are enough rows.
+  const int64_t rows = std::max<int64_t>(16, std::min<int64_t>(64, (N / (4 * pool.size())) & ~int64_t(3)));
+  const size_t rb = type_row_bytes(type_, k);
+  const uint8_t* w = w_;
+  const int type = type_;
+  job->phases.push_back({ceil_div(N, rows), [=, &K](int task, int) {
+    const int64_t r0 = task * rows;
+    const int m = static_cast<int>(std::min<int64_t>(rows, N - r0));
+    if (T > 0) K.gemm(type, w + r0 * rb, rb, m, jp->xrows.data(), static_cast<int>(T), k, y + r0, ldy);
+  }});
+  return pool.submit(std::move(job));
+}
+
+double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t* base, size_t bytes, int reps) {
+  if (bytes < 256) throw std::invalid_argument("read bandwidth: the buffer needs at least 256 bytes");
+  const int n_tasks = static_cast<int>(std::min<size_t>(pool.size() * 16, bytes / 256));
+  const size_t chunk = (bytes / n_tasks) & ~size_t(255);
+  std::vector<uint64_t> sink((pool.size() + 1) * 8, 0);  // a slot per thread id, the helping caller's included
+  uint64_t* sp = sink.data();
+  const Kernels* K = &kernels;
+  double best = 0.0;
+  for (int r = 0; r < std::max(reps, 1); ++r) {
+    auto job = std::make_shared<Job>();
+    job->phases.push_back({n_tasks, [=](int t, int thread) { sp[thread * 8] ^= K->stream_read(base + t * chunk, chunk); }});
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.wait(pool.submit(job));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, static_cast<double>(chunk) * n_tasks / s / 1e9);
+  }
+  return best;
+}
+
+double read_bandwidth(ThreadPool& pool, const Kernels& kernels, size_t bytes, int reps) {
+  const size_t chunk = (bytes / (pool.size() * 16)) & ~size_t(255);
+  Buffer buf;
+  buf.alloc(chunk * pool.size() * 16 + 64);
+  uint8_t* base = buf.get();
+  // First touch from the workers, so pages land near the threads that read them.
+  auto fill = std::make_shared<Job>();
+  fill->phases.push_back({pool.size() * 16, [=](int t, int) { std::memset(base + t * chunk, t + 1, chunk); }});
+  pool.wait(pool.submit(fill));
+  return stream_bandwidth(pool, kernels, base, chunk * pool.size() * 16, reps);
+}
+
+}  // namespace ktrans

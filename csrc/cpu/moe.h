@@ -1,0 +1,67 @@
+// Fused MoE experts and a dense linear on raw ggml blocks, as jobs for the thread pool.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "pool.h"
+#include "quant.h"
+
+namespace ktrans {
+
+// One stacked weight matrix of every expert, like GGUF's ffn_{gate,up,down}_exps: expert e's [rows, cols]
+// matrix starts at data + e * rows * row_bytes. The kernels read these bytes in place: there is no repacked copy
+// (a decode step already streams them at 75-95% of the memory bandwidth as they are, and a copy would double the
+// resident size of a memory-mapped GGUF).
+struct ExpertMatrix {
+  const uint8_t* data = nullptr;
+  int type = GGML_F32;
+  int64_t rows = 0, cols = 0;
+  size_t row_bytes() const { return type_row_bytes(type, cols); }
+  size_t expert_bytes() const { return static_cast<size_t>(rows) * row_bytes(); }
+};
+
+// out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k]; negative ids are skipped.
+// Work is split by output rows: gate/up tasks are (expert, block of intermediate rows), down tasks are blocks of
+// hidden rows that loop over the active experts, so every core streams its own weight rows and no two tasks
+// write the same output element.
+class MoE {
+ public:
+  MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertMatrix up, ExpertMatrix down,
+      const Kernels& kernels);
+  // x [T, hidden] fp32 (row stride ldx), ids [T, k] int64, weights [T, k] fp32, out [T, hidden] fp32 (row stride
+  // ldo). The pointers must stay valid until pool.wait(ticket) returns.
+  uint64_t submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, const int64_t* ids,
+                  const float* weights, int k, float* out, int64_t ldo) const;
+  const Kernels& kernels() const { return kernels_; }
+  // Weight bytes one call streams for the given routing (each distinct expert once).
+  static size_t bytes_per_expert(const ExpertMatrix& g, const ExpertMatrix& u, const ExpertMatrix& d) {
+    return g.expert_bytes() + u.expert_bytes() + d.expert_bytes();
+  }
+
+ private:
+  int n_experts_, hidden_, inter_;
+  ExpertMatrix gate_, up_, down_;
+  const Kernels& kernels_;
+};
+
+// y [T, n_out] = x [T, n_in] W^T for W [n_out, n_in] in ggml blocks.
+class Linear {
+ public:
+  Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels);
+  uint64_t submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, float* y, int64_t ldy) const;
+  const Kernels& kernels() const { return kernels_; }
+
+ private:
+  int64_t n_out_, n_in_;
+  const uint8_t* w_;
+  int type_;
+  const Kernels& kernels_;
+};
+
+// Best GB/s over `reps` passes of every pool thread streaming its own chunks of [base, base + bytes).
+double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t* base, size_t bytes, int reps);
+// The same over a fresh buffer of `bytes`, first touched by the pool's threads.
+double read_bandwidth(ThreadPool& pool, const Kernels& kernels, size_t bytes, int reps);
+
+}  // namespace ktrans

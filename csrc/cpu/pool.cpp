@@ -1,0 +1,208 @@
+// The worker pool (see pool.h). Baseline ISA.
+#include "pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define KTRANS_PAUSE() _mm_pause()
+#else
+#define KTRANS_PAUSE() ((void)0)
+#endif
+
+namespace ktrans {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Spin while cond() is false: pause for a while, then yield the core (a thread may be descheduled when the
+// machine has fewer free cores than threads, and then spinning only delays it).
+template <class F>
+void spin_until(F cond) {
+  for (int i = 0; !cond(); ++i) {
+    if (i < 4096) KTRANS_PAUSE();
+    else sched_yield();
+  }
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
+    : n_threads_(n_threads), n_workers_(std::max(n_threads - 1, 1)), spin_us_(std::max(spin_us, 0)) {
+  if (n_threads < 1) throw std::invalid_argument("the CPU thread pool needs at least 1 thread");
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  // Every thread (the workers and the caller) has a core of its own: pin the workers to all but the first.
+  const bool own_cores = static_cast<int>(cpus.size()) >= n_workers_ + 1;
+  pinned_ = pin && own_cores;
+  if (!own_cores) spin_us_ = 0;
+  scratch_.resize(n_workers_ + 1);
+  threads_.reserve(n_workers_);
+  for (int i = 0; i < n_workers_; ++i) {
+    threads_.emplace_back([this, i] { worker_loop(i); });
+    if (pinned_) {
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpus[i + 1], &one);
+      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(one), &one);
+    }
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_work_.notify_all();
+  for (auto& t : threads_) t.join();
+  for (auto& s : scratch_) std::free(s.p);
+}
+
+uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
+  // Empty phases are dropped; a job needs one task at least, since whoever finishes its last task completes it.
+  std::vector<Phase> phases;
+  for (auto& ph : job->phases)
+    if (ph.n_tasks > 0) phases.push_back(std::move(ph));
+  if (phases.empty()) phases.push_back({1, [](int, int) {}});
+  job->phases = std::move(phases);
+  const size_t n = job->phases.size();
+  job->next_.reset(new std::atomic<int>[n]);
+  job->done_.reset(new std::atomic<int>[n]);
+  for (size_t p = 0; p < n; ++p) {
+    job->next_[p].store(0);
+    job->done_[p].store(0);
+  }
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw std::runtime_error("the CPU thread pool is shut down");
+    queue_.push_back(std::move(job));
+    ticket = base_ + queue_.size() - 1;
+    posted_.store(ticket + 1, std::memory_order_release);
+  }
+  cv_work_.notify_all();
+  return ticket;
+}
+
+void ThreadPool::wait(uint64_t ticket) {
+  if (ticket >= posted_.load(std::memory_order_acquire))
+    throw std::invalid_argument("wait(): ticket " + std::to_string(ticket) + " was never submitted to this pool");
+  std::unique_lock<std::mutex> help(help_mu_, std::defer_lock);
+  if (n_threads_ > 1 && help.try_lock()) {
+    // Work on the oldest incomplete job until ours is done; its tasks go to whoever takes them first.
+    while (completed_.load(std::memory_order_acquire) <= ticket) {
+      std::shared_ptr<Job> job;
+      uint64_t seq;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (queue_.empty()) break;
+        seq = base_;
+        job = queue_.front();
+      }
+      if (run_job(*job, n_workers_)) complete(seq, *job);
+      else spin_until([&] { return completed_.load(std::memory_order_acquire) > seq; });
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) > ticket; });
+  auto it = errors_.find(ticket);
+  if (it != errors_.end()) {
+    std::exception_ptr e = it->second;
+    errors_.erase(it);
+    std::rethrow_exception(e);
+  }
+}
+
+void* ThreadPool::scratch(int thread, size_t bytes) {
+  Scratch& s = scratch_[thread];
+  if (s.cap < bytes) {
+    std::free(s.p);
+    s.cap = (bytes + 4095) & ~size_t(4095);
+    s.p = std::aligned_alloc(64, s.cap);
+    if (!s.p) {
+      s.cap = 0;
+      throw std::bad_alloc();
+    }
+  }
+  return s.p;
+}
+
+bool ThreadPool::wait_for_job(uint64_t seq) {
+  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  for (int i = 0; posted_.load(std::memory_order_acquire) <= seq; ++i) {
+    if ((i & 255) == 255 && Clock::now() > deadline) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_work_.wait(lock, [&] { return stop_ || posted_.load(std::memory_order_acquire) > seq; });
+      return posted_.load(std::memory_order_acquire) > seq;
+    }
+    KTRANS_PAUSE();
+  }
+  return true;
+}
+
+bool ThreadPool::run_job(Job& job, int id) {
+  // Only tasks wait for tasks: a thread that comes late (descheduled, still waking up, or the caller joining in
+  // wait()) finds the tasks taken and passes through, and the job is complete when its last task is, not when
+  // every thread has seen it.
+  bool finished_job = false;
+  const size_t last = job.phases.size() - 1;
+  for (size_t p = 0; p <= last; ++p) {
+    const Phase& ph = job.phases[p];
+    for (;;) {
+      const int t = job.next_[p].fetch_add(1, std::memory_order_relaxed);
+      if (t >= ph.n_tasks) break;
+      if (!job.failed_.load(std::memory_order_relaxed)) {
+        try {
+          ph.run(t, id);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(job.error_mu_);
+          if (!job.error_) job.error_ = std::current_exception();
+          job.failed_.store(true);
+        }
+      }
+      if (job.done_[p].fetch_add(1, std::memory_order_acq_rel) + 1 == ph.n_tasks && p == last) finished_job = true;
+    }
+    // Also after the last phase, so no worker starts the next job before this one is complete: jobs complete in
+    // order, which is what lets a ticket mean "this job and every one before it".
+    spin_until([&] { return job.done_[p].load(std::memory_order_acquire) >= ph.n_tasks; });
+  }
+  return finished_job;
+}
+
+void ThreadPool::complete(uint64_t seq, const Job& job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (job.error_) errors_[seq] = job.error_;
+    queue_.pop_front();  // jobs complete in order: the oldest incomplete one is this one
+    ++base_;
+    completed_.store(seq + 1, std::memory_order_release);
+  }
+  cv_done_.notify_all();
+}
+
+void ThreadPool::worker_loop(int id) {
+  for (uint64_t seq = 0;; ++seq) {
+    if (!wait_for_job(seq)) return;
+    std::shared_ptr<Job> job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (seq < base_) continue;  // already completed by the other threads
+      job = queue_[seq - base_];
+    }
+    if (run_job(*job, id)) complete(seq, *job);
+  }
+}
+
+}  // namespace ktrans

@@ -1,0 +1,95 @@
+// A persistent pool of worker threads that runs submitted jobs in order, asynchronously.
+//
+// A job is a list of phases; a phase is n independent tasks that every participating thread takes from a shared
+// counter, and the next phase starts when every task of the previous one is done. submit() returns a ticket at
+// once; wait(ticket) blocks until that job (and all before it) finished and rethrows the job's error, if any.
+// Jobs own their buffers, so jobs from different layers in flight together never share memory.
+//
+// A pool of n threads is n - 1 workers plus the caller: wait() does not sleep while there is work, it takes tasks
+// itself. So the waiting thread starts at once and sees the end at once (no futex wake-ups on the critical path),
+// and while the caller is busy elsewhere (the GPU's share of a layer) the workers already run.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ktrans {
+
+struct Phase {
+  int n_tasks = 0;
+  std::function<void(int task, int thread)> run;
+};
+
+class Job {
+ public:
+  virtual ~Job() = default;
+  std::vector<Phase> phases;
+
+ private:
+  friend class ThreadPool;
+  std::unique_ptr<std::atomic<int>[]> next_, done_;
+  std::atomic<bool> failed_{false};
+  std::mutex error_mu_;
+  std::exception_ptr error_;
+};
+
+class ThreadPool {
+ public:
+  // n_threads: threads working on a job, the caller of wait() included: n_threads - 1 workers. With n_threads = 1
+  // there is one worker and the caller only waits, so that submit() still runs in the background.
+  // pin: pin the workers to the allowed CPUs after the first (which is left to the caller).
+  // spin_us: how long an idle worker polls for the next job before sleeping (a decode step submits a job per layer
+  // every few hundred microseconds, and a futex wake-up costs tens of them). Polling and pinning apply only when
+  // the process may use at least n_threads CPUs: otherwise a polling or pinned worker takes a core another thread
+  // needs, and workers sleep instead.
+  ThreadPool(int n_threads, bool pin, int spin_us);
+  ~ThreadPool();  // finishes queued jobs, then joins
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_threads_; }
+  bool pinned() const { return pinned_; }
+  uint64_t submit(std::shared_ptr<Job> job);
+  // Helps with (or, when another thread is helping, waits for) the oldest jobs until `ticket` is done.
+  void wait(uint64_t ticket);
+  bool done(uint64_t ticket) const { return completed_.load(std::memory_order_acquire) > ticket; }
+  // A per-thread buffer of at least `bytes` (64-byte aligned), valid until that thread's next call.
+  void* scratch(int thread, size_t bytes);
+
+ private:
+  void worker_loop(int id);
+  bool wait_for_job(uint64_t seq);
+  bool run_job(Job& job, int id);  // true for the thread that finished the job's last task
+  void complete(uint64_t seq, const Job& job);
+
+  int n_threads_, n_workers_;
+  std::vector<std::thread> threads_;
+  bool pinned_ = false;
+  int spin_us_;
+  std::mutex mu_;
+  std::mutex help_mu_;  // one helping caller at a time: it uses the last scratch slot
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<std::shared_ptr<Job>> queue_;  // queue_[i] is the job with ticket base_ + i
+  uint64_t base_ = 0;
+  std::atomic<uint64_t> posted_{0};     // tickets handed out
+  std::atomic<uint64_t> completed_{0};  // every ticket below this is done
+  std::map<uint64_t, std::exception_ptr> errors_;
+  bool stop_ = false;
+  struct Scratch {
+    void* p = nullptr;
+    size_t cap = 0;
+  };
+  std::vector<Scratch> scratch_;  // one per worker, then the helping caller's
+};
+
+}  // namespace ktrans

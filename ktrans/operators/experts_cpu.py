@@ -1,0 +1,136 @@
+"""KExpertsCPU: the routed experts of one MoE layer on the CPU cores, through the C++ kernels (ktrans._cpu).
+
+Importing this module registers the op under EXPERT_OPS (ktrans.operators.experts declares it), so a rule's
+`generate_op: "KExpertsCPU"` (or prefill_op) picks it. What it holds per matrix kind (gate, up, down):
+
+- a GGUF checkpoint: the stacked raw blocks, read in place from the mapped file (no copy) when the kernels read
+  their type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16, F32); other ggml types (Q2_K, Q3_K,
+  IQ*, MXFP4) are dequantized once at load, with a
+  warning, to float32 (or bfloat16 when the model dtype is bfloat16);
+- float weights (a safetensors checkpoint): quantized at load to `quant` (default Q8_0; "BF16" keeps them in
+  bfloat16, "F32" in float32). A matrix whose rows do not fill whole blocks of that type stays float.
+
+submit() queues the layer on the CPU thread pool and returns at once, so the MoE block runs the shared expert
+meanwhile; sync() waits and returns [T, hidden] in x's dtype. The pool is ktrans.kernels.cpu.get_pool(): size it
+with --cpu_infer (KTRANS_CPU_INFER) before building the model.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import numpy as np
+import torch
+
+from ktrans.kernels import cpu
+from ktrans.operators.experts import EXPERT_OPS, ExpertsOp
+from ktrans.weights import quants as Q
+from ktrans.weights.source import WeightSource
+
+log = logging.getLogger(__name__)
+
+NATIVE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "F32")
+QUANTS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "F32")
+DEFAULT_QUANT = "Q8_0"
+_TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _layer_index(key: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", key)
+    if not m:
+        raise ValueError(f"KExpertsCPU: cannot tell the layer of {key!r}")
+    return int(m.group(1))
+
+
+@EXPERT_OPS.register("KExpertsCPU", devices=("cpu",))
+class KExpertsCPU(ExpertsOp):
+    def __init__(self, operator, device, streaming: bool = False, quant: str | None = None):
+        super().__init__(operator, device, streaming)
+        self.layer = _layer_index(operator.key)
+        quant = (quant or getattr(operator, "options", {}).get("quant") or DEFAULT_QUANT).upper()
+        if quant not in QUANTS:
+            raise ValueError(f"{self.key}: KExpertsCPU quant must be one of {QUANTS}, got {quant!r}")
+        self.quant = quant
+        self.moe: cpu.CPUMoE | None = None
+        self.source: WeightSource | None = None  # set by the injector for a streaming op
+        self.dtype = torch.float32
+        self.load_report: dict = {}
+        self._pending: cpu.Pending | None = None
+        self._out_dtype = torch.float32
+
+    # ---- loading --------------------------------------------------------------------------------------------------
+    def load(self, source: WeightSource, dtype: torch.dtype) -> None:
+        self.moe = self._build(source, dtype)
+
+    def _build(self, source: WeightSource, dtype: torch.dtype) -> cpu.CPUMoE:
+        t0 = time.perf_counter()
+        h, i = self.hidden_size, self.intermediate_size
+        mats, types = [], []
+        for kind, (rows, cols) in zip(("gate", "up", "down"), ((i, h), (i, h), (h, i))):
+            w, qtype = self._matrix(source, kind, rows, cols, dtype)
+            mats.append(w)
+            types.append(qtype)
+        moe = cpu.CPUMoE(*mats, n_experts=self.num_experts, hidden=h, intermediate=i, types=tuple(types))
+        self.load_report = {"types": tuple(types), "bytes": moe.nbytes, "load_s": time.perf_counter() - t0,
+                            "path": moe.path}
+        return moe
+
+    def _matrix(self, source: WeightSource, kind: str, rows: int, cols: int, dtype: torch.dtype):
+        """(weights, ggml type name) of one stacked matrix kind, as the kernels will read them."""
+        raw = source.get_raw_experts(self.layer, kind)
+        if tuple(raw.shape) != (self.num_experts, rows, cols):
+            raise ValueError(f"{self.key}: {raw.name} has shape {tuple(raw.shape)}, expected "
+                             f"{(self.num_experts, rows, cols)}")
+        name = Q.quant_type(raw.ggml_type).name
+        if name in _TORCH_FLOAT:  # float experts: quantize to self.quant (or keep a float type)
+            floats = raw.data.contiguous().view(_TORCH_FLOAT[name]).reshape(self.num_experts, rows, cols)
+            return self._from_float(floats, kind)
+        if name in NATIVE_TYPES:
+            return raw.data, name
+        keep = "BF16" if dtype == torch.bfloat16 else "F32"
+        log.warning("%s: %s is %s, which the CPU expert kernels do not read; dequantizing it to %s", self.key,
+                    raw.name, name, keep)
+        out = torch.empty(self.num_experts, rows, cols, dtype=_TORCH_FLOAT[keep])
+        for e in range(self.num_experts):
+            out[e] = torch.from_numpy(Q.dequantize(raw.data[e].contiguous().numpy(), name, (rows, cols)))
+        return out, keep
+
+    def _from_float(self, floats: torch.Tensor, kind: str):
+        quant = self.quant
+        cols = floats.shape[-1]
+        if quant not in _TORCH_FLOAT and cols % Q.quant_type(quant).block_size:
+            log.info("%s: %s rows of %d values do not fill %s blocks; keeping them as F32", self.key, kind, cols,
+                     quant)
+            quant = "F32"
+        if quant in _TORCH_FLOAT:
+            return floats.to(_TORCH_FLOAT[quant]).contiguous(), quant
+        e, rows, _ = floats.shape
+        out = np.empty((e, rows, Q.row_bytes(quant, cols)), np.uint8)
+        for j in range(e):  # one expert at a time bounds the float32 temporaries
+            out[j] = Q.quantize(floats[j].float().numpy(), quant)
+        return torch.from_numpy(out), quant
+
+    # ---- running --------------------------------------------------------------------------------------------------
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"{self.key}: submit() called twice without sync()")
+        moe = self.moe
+        if moe is None:
+            if not self.streaming or self.source is None:
+                raise RuntimeError(f"{self.key}: KExpertsCPU has no weights; load() it first")
+            moe = self._build(self.source, self.dtype)  # streaming: GGUF blocks are views of the map, no copy
+        self._out_dtype = x.dtype
+        self._pending = moe.submit(x, topk_ids, topk_weights)
+
+    def sync(self) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError(f"{self.key}: sync() without submit()")
+        pending, self._pending = self._pending, None
+        return pending.wait().to(self._out_dtype)
+
+    def extra_repr(self) -> str:
+        if not self.load_report:
+            return f"quant={self.quant}"
+        r = self.load_report
+        return f"{'/'.join(r['types'])}, {r['bytes'] / 2**20:.1f} MiB, {r['path']}"

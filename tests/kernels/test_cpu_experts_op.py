@@ -1,0 +1,110 @@
+"""KExpertsCPU in the injected model: Qwen3Next-cpu.yaml with the C++ experts against the same rules with
+KExpertsTorch, on tiny GGUF files (Q8_0, and Q4_K_M whose 64-wide expert rows fall back to Q5_0/Q8_0 as
+llama.cpp does) and on a float safetensors checkpoint quantized at load."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktrans.config import RULES_DIR, ModelConfig
+from ktrans.inject import build_injected_model, parse_rules
+from ktrans.model.tiny import preset_config, random_state_dict
+from ktrans.operators.experts import EXPERT_OPS
+from ktrans.serve.offline import generate
+from ktrans.serve.sampler import SamplingParams
+from ktrans.weights.gguf_source import GGUFSource
+from ktrans.weights.gguf_writer import write_gguf
+from ktrans.weights.source import GGUFWeightSource, StateDictSource
+
+TORCH_RULES = (RULES_DIR / "Qwen3Next-cpu.yaml").read_text()
+CPU_RULES = TORCH_RULES.replace('_op: "KExpertsTorch"', '_op: "KExpertsCPU"')
+# The experts' output against KExpertsTorch (relative RMS): int8 activations cost ~1-1.5%, as in test_cpu_moe.
+OP_TOL = 0.03
+# The logits of the whole tiny model (relative RMS over prefill and decode positions): four layers of that.
+LOGIT_TOL = 0.05
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_torch():
+    """The tiny model's torch ops gain nothing from threads, and they would fight the kernel pool for the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    return config, random_state_dict(config, seed=3)
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_k_m"])
+def gguf_source(request, tiny, tmp_path_factory):
+    config, state = tiny
+    path = write_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", config, state, request.param)
+    return request.param, GGUFWeightSource(GGUFSource(path))
+
+
+def build(config, source, rules_text):
+    model, _ = build_injected_model(config, parse_rules(rules_text, "test.yaml"), source, torch.float32)
+    return model
+
+
+def greedy(model, prompt, n):
+    return generate(model, prompt, n, SamplingParams(temperature=0.0), chunk_size=0).output_ids
+
+
+def test_op_is_registered():
+    assert EXPERT_OPS.built("KExpertsCPU")
+
+
+def test_gguf_model_matches_torch_experts(tiny, gguf_source):
+    config, _ = tiny
+    quant, source = gguf_source
+    ref, model = build(config, source, TORCH_RULES), build(config, source, CPU_RULES)
+    assert type(model.model.layers[0].mlp.experts.op).__name__ == "KExpertsCPU"
+    # llama.cpp's types: Q8_0 everywhere, or for Q4_K_M the fallbacks of 64-wide rows (Q5_0, Q8_0), all read natively
+    want = {"q8_0": {"Q8_0"}, "q4_k_m": {"Q5_0", "Q8_0"}}[quant]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(9, config.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(config.num_experts, generator=gen)[:config.num_experts_per_tok] for _ in x])
+    w = torch.rand(ids.shape, generator=gen)
+    for a, b in zip(ref.model.layers, model.model.layers):
+        assert set(b.mlp.experts.op.load_report["types"]) <= want
+        ya, yb = a.mlp.experts.op(x, ids, w), b.mlp.experts.op(x, ids, w)
+        assert rel(yb, ya) < OP_TOL
+    prompt = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    out_ref, out = greedy(ref, prompt, 16), greedy(model, prompt, 16)
+    if quant == "q8_0":
+        assert out == out_ref, "greedy output diverged from KExpertsTorch on the Q8_0 file"
+    # Logits of prefill and decode steps, teacher-forcing the reference continuation through both models.
+    ids_all = prompt + out_ref
+    err = rel(_all_logits(model, ids_all), _all_logits(ref, ids_all))
+    assert err < LOGIT_TOL, f"{quant}: logits differ by {err:.3f} (relative RMS)"
+
+
+def rel(y, ref) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _all_logits(model, ids):
+    from ktrans.runtime.batch import ForwardBatch, SeqChunk
+    from ktrans.serve.offline import make_pools
+
+    kv, states = make_pools(model, len(ids) + 1, page_size=16)
+    pages = kv.allocator.alloc(kv.pages_for(len(ids) + 1))
+    slot = states.alloc()
+    out = [model(ForwardBatch.build([SeqChunk(ids[:8], 0, slot, pages)], kv, states))]
+    for t in range(8, len(ids)):  # then pure decode steps
+        out.append(model(ForwardBatch.build([SeqChunk([ids[t]], t, slot, pages)], kv, states)))
+    return torch.cat(out).float()
+
+
+def test_float_checkpoint_is_quantized_at_load(tiny):
+    config, state = tiny
+    source = StateDictSource(state)
+    ref, model = build(config, source, TORCH_RULES), build(config, source, CPU_RULES)
+    assert model.model.layers[0].mlp.experts.op.load_report["types"] == ("Q8_0",) * 3
+    prompt = list(range(100, 112))
+    assert rel(_all_logits(model, prompt), _all_logits(ref, prompt)) < LOGIT_TOL

@@ -1,0 +1,204 @@
+"""C++ CPU MoE experts (ktrans.kernels.cpu.CPUMoE) against the torch reference on gguf-py-dequantized weights.
+
+Every weight format on every kernel path this CPU runs, awkward routings (odd token counts, repeated experts in
+one token's top-k, k = 1, everything on one expert, skipped ids), thread counts, and concurrent submits.
+The integer formats quantize activations to int8 (per 256 values for K-quants, per 32 for Q8_0), which is where
+their error comes from; float formats multiply exactly and sum in float32.
+"""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf.constants import GGMLQuantizationType  # noqa: E402
+
+from ktrans import _cpu  # noqa: E402
+from ktrans.kernels import cpu  # noqa: E402
+from ktrans.kernels.torch.moe import moe_experts  # noqa: E402
+from ktrans.weights import quants as Q  # noqa: E402
+
+PATHS = [p for p, why in _cpu.path_status().items() if why is None]
+# relative error bound ||y - ref|| / ||ref|| per format
+BOUND = {"Q8_0": 0.03, "Q4_0": 0.03, "Q4_1": 0.03, "Q5_0": 0.03, "Q5_1": 0.03, "Q4_K": 0.04, "Q5_K": 0.04,
+         "Q6_K": 0.04, "BF16": 1e-5, "F16": 1e-5, "F32": 1e-5}
+# (hidden, intermediate): multiples of the block; the float ones leave vector tails
+SIZES = {"BF16": (72, 40), "F16": (72, 40), "F32": (72, 40)}
+LEGACY_SIZE = (96, 64)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32
+K_SIZE = (512, 256)
+E = 8
+_TORCH_FLOAT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _matrix(qtype: str, rows: int, cols: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked [E, rows, cols] weights as the kernels read them, and their float64 value (gguf-py's dequant)."""
+    x = (rng.standard_normal((E, rows, cols)) * 0.1).astype(np.float32)
+    if qtype in _TORCH_FLOAT:
+        w = torch.from_numpy(x).to(_TORCH_FLOAT[qtype])
+        return w, w.double()
+    raw = Q.quantize(x, qtype)
+    deq = gguf_quants.dequantize(raw, GGMLQuantizationType[qtype])
+    return torch.from_numpy(raw), torch.from_numpy(deq).double()
+
+
+_CACHE: dict = {}
+
+
+def layer(qtypes: tuple[str, str, str]):
+    """(raw gate, up, down), (float64 gate, up, down), hidden, intermediate for one set of types (cached)."""
+    if qtypes not in _CACHE:
+        h, i = K_SIZE if any(t.endswith("_K") for t in qtypes) else SIZES.get(qtypes[0], LEGACY_SIZE)
+        rng = np.random.default_rng(len(_CACHE))
+        mats = [_matrix(t, r, c, rng) for t, (r, c) in zip(qtypes, [(i, h), (i, h), (h, i)])]
+        _CACHE[qtypes] = tuple(m[0] for m in mats), tuple(m[1] for m in mats), h, i
+    return _CACHE[qtypes]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_torch():
+    """The float64 reference is tiny; torch's OpenMP threads would only fight the kernel pool for the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return cpu.make_pool(2)
+
+
+def make_moe(qtypes, pool, isa="auto"):
+    raw, _, h, i = layer(qtypes)
+    return cpu.CPUMoE(*raw, n_experts=E, hidden=h, intermediate=i, types=qtypes, pool=pool, isa=isa)
+
+
+def reference(qtypes, x, ids, w):
+    _, deq, _, _ = layer(qtypes)
+    return moe_experts(x.double(), ids, w.double(), *deq)
+
+
+def rel_err(y, ref) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def routing(t: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    return ids.long(), torch.rand(t, k, generator=gen)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", list(BOUND))
+def test_formats_match_reference(qtype, path, pool):
+    qtypes = (qtype,) * 3
+    moe = make_moe(qtypes, pool, isa=path)
+    assert moe.path == path
+    gen = torch.Generator().manual_seed(1)
+    for t, k in [(1, 3), (7, 3), (33, 2)]:
+        x = torch.randn(t, moe.hidden, generator=gen)
+        ids, w = routing(t, k, gen)
+        err = rel_err(moe(x, ids, w), reference(qtypes, x, ids, w))
+        assert err < BOUND[qtype], f"{qtype} on {path}, T={t}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_mixed_types_like_q4_k_m(path, pool):
+    """Q4_K_M files keep gate/up at Q4_K and down at Q6_K (or Q5_K): per-matrix types."""
+    for qtypes in [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q4_K", "Q8_0")]:
+        moe = make_moe(qtypes, pool, isa=path)
+        gen = torch.Generator().manual_seed(2)
+        x = torch.randn(5, moe.hidden, generator=gen)
+        ids, w = routing(5, 3, gen)
+        assert rel_err(moe(x, ids, w), reference(qtypes, x, ids, w)) < 0.04
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "BF16"])
+def test_awkward_routings(qtype, path, pool):
+    qtypes = (qtype,) * 3
+    moe = make_moe(qtypes, pool, isa=path)
+    gen = torch.Generator().manual_seed(3)
+    h = moe.hidden
+    cases = {
+        "repeated expert in one token": (torch.tensor([[2, 2, 5], [1, 1, 1], [0, 7, 0]]), torch.rand(3, 3)),
+        "k = 1": (torch.randint(0, E, (9, 1), generator=gen), torch.rand(9, 1, generator=gen)),
+        "all tokens on one expert": (torch.full((37, 2), 3), torch.rand(37, 2, generator=gen)),
+        "negative ids are skipped": (torch.tensor([[4, -1], [-1, -1], [6, 2]]), torch.rand(3, 2, generator=gen)),
+    }
+    for name, (ids, w) in cases.items():
+        x = torch.randn(ids.shape[0], h, generator=gen)
+        y = moe(x, ids, w)
+        ref = reference(qtypes, x, ids, w)
+        if name == "negative ids are skipped":
+            assert torch.all(y[1] == 0)
+            ids, ref = ids[[0, 2]], ref[[0, 2]]
+            y = y[[0, 2]]
+        assert rel_err(y, ref) < BOUND[qtype], f"{name} ({qtype}, {path})"
+
+
+def test_empty_batch_and_bad_input(pool):
+    moe = make_moe(("Q8_0",) * 3, pool)
+    out = moe(torch.zeros(0, moe.hidden), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, moe.hidden)
+    x = torch.randn(2, moe.hidden)
+    with pytest.raises(ValueError, match="outside"):
+        moe(x, torch.tensor([[0, E]]).expand(2, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="activations"):
+        moe(torch.randn(2, moe.hidden + 1), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+    raw, _, h, i = layer(("Q8_0",) * 3)
+    with pytest.raises(ValueError, match="bytes"):
+        cpu.CPUMoE(raw[0][:-1], raw[1], raw[2], n_experts=E, hidden=h, intermediate=i, types=("Q8_0",) * 3)
+    with pytest.raises(ValueError, match="do not read"):
+        cpu.CPUMoE(*raw, n_experts=E, hidden=h, intermediate=i, types=("Q3_K",) * 3)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "BF16"])
+def test_thread_counts_agree_bitwise(qtype):
+    qtypes = (qtype,) * 3
+    gen = torch.Generator().manual_seed(4)
+    outs = []
+    for n in (1, 2, 3, 4):
+        moe = make_moe(qtypes, cpu.make_pool(n, pin=False))
+        x = torch.randn(19, moe.hidden, generator=torch.Generator().manual_seed(5))
+        ids, w = routing(19, 3, torch.Generator().manual_seed(6))
+        outs.append(moe(x, ids, w))
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    del gen
+
+
+def test_concurrent_submits_do_not_corrupt(pool):
+    """Two layers in flight at once (submit, submit, then wait), and submits from two Python threads."""
+    a, b = make_moe(("Q4_K",) * 3, pool), make_moe(("Q8_0",) * 3, pool)
+    gen = torch.Generator().manual_seed(7)
+    xa, xb = torch.randn(6, a.hidden, generator=gen), torch.randn(6, b.hidden, generator=gen)
+    ra, rb = routing(6, 3, gen), routing(6, 3, gen)
+    want_a, want_b = a(xa, *ra), b(xb, *rb)
+    for _ in range(5):
+        pa, pb = a.submit(xa, *ra), b.submit(xb, *rb)
+        assert torch.equal(pb.wait(), want_b) and torch.equal(pa.wait(), want_a)
+    results = {}
+
+    def run(name, moe, x, r):
+        results[name] = [moe.submit(x, *r) for _ in range(10)]
+
+    threads = [threading.Thread(target=run, args=("a", a, xa, ra)), threading.Thread(target=run, args=("b", b, xb, rb))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(p.wait(), want_a) for p in results["a"])
+    assert all(torch.equal(p.wait(), want_b) for p in results["b"])
+    assert torch.equal(a.sync(), want_a)
+
+
+def test_submit_returns_before_the_work_is_done(pool):
+    """The async API: submit hands back a Pending at once; the inputs may be dropped meanwhile."""
+    moe = make_moe(("Q4_K",) * 3, pool)
+    x = torch.randn(64, moe.hidden)
+    ids, w = routing(64, 4, torch.Generator().manual_seed(8))
+    want = moe(x, ids, w)
+    pending = moe.submit(x.clone(), ids.clone(), w.clone())  # the clones live only in the Pending
+    assert torch.equal(pending.wait(), want)
+    assert pending.done()
