@@ -7,8 +7,9 @@ Importing this module registers the op under EXPERT_OPS (ktrans.operators.expert
   their type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16, F32); other ggml types (Q2_K, Q3_K,
   IQ*, MXFP4) are dequantized once at load, with a
   warning, to float32 (or bfloat16 when the model dtype is bfloat16);
-- float weights (a safetensors checkpoint): quantized at load to `quant` (default Q8_0; "BF16" keeps them in
-  bfloat16, "F32" in float32). A matrix whose rows do not fill whole blocks of that type stays float.
+- float weights (a safetensors checkpoint): kept in the model's dtype (F32 or BF16), so the CPU rules reproduce
+  the plain model; a rule's `quant: Q8_0` (or Q4_K, Q5_K, Q6_K) quantizes them at load instead, trading exactness
+  for a 2-4x smaller working set. A matrix whose rows do not fill whole blocks of that type stays float.
 
 submit() queues the layer on the CPU thread pool and returns at once, so the MoE block runs the shared expert
 meanwhile; sync() waits and returns [T, hidden] in x's dtype. The pool is ktrans.kernels.cpu.get_pool(): size it
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 NATIVE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "F32")
 QUANTS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "F32")
-DEFAULT_QUANT = "Q8_0"
 _TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -48,8 +48,8 @@ class KExpertsCPU(ExpertsOp):
     def __init__(self, operator, device, streaming: bool = False, quant: str | None = None):
         super().__init__(operator, device, streaming)
         self.layer = _layer_index(operator.key)
-        quant = (quant or getattr(operator, "options", {}).get("quant") or DEFAULT_QUANT).upper()
-        if quant not in QUANTS:
+        quant = (quant or getattr(operator, "options", {}).get("quant") or "").upper() or None
+        if quant is not None and quant not in QUANTS:
             raise ValueError(f"{self.key}: KExpertsCPU quant must be one of {QUANTS}, got {quant!r}")
         self.quant = quant
         self.moe: cpu.CPUMoE | None = None
@@ -85,7 +85,7 @@ class KExpertsCPU(ExpertsOp):
         name = Q.quant_type(raw.ggml_type).name
         if name in _TORCH_FLOAT:  # float experts: quantize to self.quant (or keep a float type)
             floats = raw.data.contiguous().view(_TORCH_FLOAT[name]).reshape(self.num_experts, rows, cols)
-            return self._from_float(floats, kind)
+            return self._from_float(floats, kind, dtype)
         if name in NATIVE_TYPES:
             return raw.data, name
         keep = "BF16" if dtype == torch.bfloat16 else "F32"
@@ -96,8 +96,8 @@ class KExpertsCPU(ExpertsOp):
             out[e] = torch.from_numpy(Q.dequantize(raw.data[e].contiguous().numpy(), name, (rows, cols)))
         return out, keep
 
-    def _from_float(self, floats: torch.Tensor, kind: str):
-        quant = self.quant
+    def _from_float(self, floats: torch.Tensor, kind: str, dtype: torch.dtype):
+        quant = self.quant or ("BF16" if dtype == torch.bfloat16 else "F32")
         cols = floats.shape[-1]
         if quant not in _TORCH_FLOAT and cols % Q.quant_type(quant).block_size:
             log.info("%s: %s rows of %d values do not fill %s blocks; keeping them as F32", self.key, kind, cols,
@@ -131,6 +131,6 @@ class KExpertsCPU(ExpertsOp):
 
     def extra_repr(self) -> str:
         if not self.load_report:
-            return f"quant={self.quant}"
+            return f"quant={self.quant or 'model dtype'}"
         r = self.load_report
         return f"{'/'.join(r['types'])}, {r['bytes'] / 2**20:.1f} MiB, {r['path']}"

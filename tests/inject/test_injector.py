@@ -37,9 +37,9 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
     err = ((a - b).abs().max() / b.abs().max()).item()
-    assert err <= TOL, f"relative max error {err:.2e} > {TOL:.0e}"
+    assert err <= tol, f"relative max error {err:.2e} > {tol:.0e}"
 
 
 def _decode_logits(model, prompts, conts):
@@ -70,6 +70,22 @@ def test_injected_logits_equal_plain(ckpt, plain, rules_file):
     conts = [_ids(5, 60 + i) for i in range(3)]
     _close(_decode_logits(model, prompts, conts), _decode_logits(plain, prompts, conts))
     assert pool_devices(model) == (torch.device("cpu"), torch.device("cpu"))
+
+
+def test_shipped_cpu_rules_equal_plain(ckpt, plain):
+    """Qwen3Next-cpu.yaml exactly as shipped (C++ experts, float weights kept in fp32) against the plain model.
+
+    The C++ kernels sum in another order than torch (blocked, fused multiply-add), so fp32 rounding differs per
+    expert matmul and compounds over the layers: 1.3e-6 (small) and 1.6e-5 (other shape) of the logit scale, bounded at 5e-5.
+    """
+    model, inj = injected(ckpt, rules(CPU_RULES.read_text()))
+    assert type(model.model.layers[0].mlp.experts.op).__name__ == "KExpertsCPU"
+    prompts = [_ids(n, 20 + n) for n in (1, 9, 33)]
+    for plan in (None, [[1], [4, 5], [1, 13, 19]]):
+        for a, b in zip(run_chunks(model, prompts, plan)[0], run_chunks(plain, prompts, plan)[0]):
+            _close(a, b, tol=5e-5)
+    conts = [_ids(5, 70 + i) for i in range(3)]
+    _close(_decode_logits(model, prompts, conts), _decode_logits(plain, prompts, conts), tol=5e-5)
 
 
 def test_every_module_is_placed_and_loaded(ckpt):

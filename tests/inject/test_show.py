@@ -70,7 +70,7 @@ def test_text_report_and_unused_rule_warning(capsys, tmp_path):
     path.write_text((RULES_DIR / "Qwen3Next-cpu.yaml").read_text() + "\n- match: {name: '^model\\.vision'}\n")
     assert main(["rules", "show", "--optimize_config_path", str(path), "--config", "qwen3-next-80b-a3b"]) == 0
     out = capsys.readouterr()
-    assert "model.layers.{0..47}.mlp.experts" in out.out and "KExpertsTorch" in out.out
+    assert "model.layers.{0..47}.mlp.experts" in out.out and "KExpertsCPU" in out.out
     assert "warning: rule 11 (line" in out.err and "matches no module" in out.err
 
 

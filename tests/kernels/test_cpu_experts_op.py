@@ -16,8 +16,10 @@ from ktrans.weights.gguf_source import GGUFSource
 from ktrans.weights.gguf_writer import write_gguf
 from ktrans.weights.source import GGUFWeightSource, StateDictSource
 
-TORCH_RULES = (RULES_DIR / "Qwen3Next-cpu.yaml").read_text()
-CPU_RULES = TORCH_RULES.replace('_op: "KExpertsTorch"', '_op: "KExpertsCPU"')
+CPU_RULES = (RULES_DIR / "Qwen3Next-cpu.yaml").read_text()  # as shipped: KExpertsCPU in both phases
+TORCH_RULES = CPU_RULES.replace('_op: "KExpertsCPU"', '_op: "KExpertsTorch"')
+Q8_RULES = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      quant: "Q8_0"')
+assert CPU_RULES != TORCH_RULES and "quant" in Q8_RULES
 # The experts' output against KExpertsTorch (relative RMS): int8 activations cost ~1-1.5%, as in test_cpu_moe.
 OP_TOL = 0.03
 # The logits of the whole tiny model (relative RMS over prefill and decode positions): four layers of that.
@@ -101,10 +103,20 @@ def _all_logits(model, ids):
     return torch.cat(out).float()
 
 
-def test_float_checkpoint_is_quantized_at_load(tiny):
+def test_float_checkpoint_kept_in_model_dtype_by_default(tiny):
+    """Without `quant`, float experts stay float32: the shipped CPU rules reproduce the torch reference."""
     config, state = tiny
     source = StateDictSource(state)
     ref, model = build(config, source, TORCH_RULES), build(config, source, CPU_RULES)
+    assert model.model.layers[0].mlp.experts.op.load_report["types"] == ("F32",) * 3
+    prompt = list(range(100, 112))
+    assert rel(_all_logits(model, prompt), _all_logits(ref, prompt)) < 1e-6
+
+
+def test_float_checkpoint_is_quantized_at_load_when_asked(tiny):
+    config, state = tiny
+    source = StateDictSource(state)
+    ref, model = build(config, source, TORCH_RULES), build(config, source, Q8_RULES)
     assert model.model.layers[0].mlp.experts.op.load_report["types"] == ("Q8_0",) * 3
     prompt = list(range(100, 112))
     assert rel(_all_logits(model, prompt), _all_logits(ref, prompt)) < LOGIT_TOL

@@ -30,9 +30,10 @@ class SuccessorModel(nn.Module):
 
     def forward(self, batch):
         ids = batch.input_ids[batch.logits_indices].tolist()
-        logits = torch.full((len(ids), self.config.vocab_size), -10.0)
+        # a margin of 60 nats: with default sampling (temperature 1) a stray token has probability ~1e-21
+        logits = torch.full((len(ids), self.config.vocab_size), -30.0)
         for row, t in enumerate(ids):
-            logits[row, self.successor.get(t, IM_END)] = 10.0
+            logits[row, self.successor.get(t, IM_END)] = 30.0
         return logits
 
 
