@@ -64,7 +64,11 @@ def load(opts: ServeOptions, show_progress: bool = True):
         raise ValueError("--device places the plain model; with --optimize_config_path the rules place every module")
     if opts.cpu_infer is not None and opts.cpu_infer <= 0:
         raise ValueError(f"--cpu_infer must be positive, got {opts.cpu_infer}")
-    torch.set_num_threads(opts.cpu_infer or default_cpu_infer())
+    threads = opts.cpu_infer or default_cpu_infer()
+    torch.set_num_threads(threads)
+    from ktrans.kernels import cpu
+
+    cpu.get_pool(threads)  # before the model is built: each KExpertsCPU layer binds the pool it is given
     source = ModelSource(opts.model_path, opts.gguf_path)
     tokenizer = load_tokenizer(source)
     dtype = parse_dtype(opts.dtype)
