@@ -6,7 +6,6 @@ loopback port, for tests and benchmarks.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 import threading
@@ -88,7 +87,9 @@ def default_cpu_infer() -> int:
     """All cores but one: the HTTP loop, tokenization and detokenization need a core too, and torch's OpenMP
     threads slow down badly when one of them has to share (2 threads on a 2-core box serve at about half the
     speed of 1; see doc/benchmarks.md)."""
-    return max(1, (os.cpu_count() or 2) - 1)
+    from ktrans.kernels.cpu import default_threads
+
+    return max(1, default_threads() - 1)  # the cores this process may use (affinity), not all the host has
 
 
 def engine_config(opts: ServeOptions, model) -> EngineConfig:

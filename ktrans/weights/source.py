@@ -15,7 +15,7 @@ Implementations: `HFWeightSource` (ktrans.weights.hf), `GGUFWeightSource` (below
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 

@@ -194,6 +194,10 @@ def test_chunk_rule_matches_hf(length, chunk_size):
     m = hf()
     q, k, v, g, beta, s0 = make_gdr(length)
     o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=chunk_size)
+    # Older transformers releases take q/k already expanded to the value heads; expanding here (the mapping
+    # value head h -> key head h // ratio) suits both, since newer ones skip their own expansion when equal.
+    ratio = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     o_hf, s_hf = m.torch_chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None], chunk_size=chunk_size, initial_state=s0[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True,
