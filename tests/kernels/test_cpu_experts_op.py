@@ -26,15 +26,6 @@ OP_TOL = 0.03
 LOGIT_TOL = 0.05
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    """The tiny model's torch ops gain nothing from threads, and they would fight the kernel pool for the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")

@@ -21,19 +21,6 @@ BOUND = {"Q8_0": 0.01, "Q4_0": 0.01, "Q4_1": 0.01, "Q5_0": 0.01, "Q5_1": 0.01, "
 _TORCH_FLOAT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    return cpu.make_pool(2)
-
-
 def weight(qtype: str, n_out: int, n_in: int, seed: int = 0):
     x = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
     if qtype in _TORCH_FLOAT:

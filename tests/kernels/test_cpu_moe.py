@@ -55,20 +55,6 @@ def layer(qtypes: tuple[str, str, str]):
     return _CACHE[qtypes]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    """The float64 reference is tiny; torch's OpenMP threads would only fight the kernel pool for the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    return cpu.make_pool(2)
-
-
 def make_moe(qtypes, pool, isa="auto"):
     raw, _, h, i = layer(qtypes)
     return cpu.CPUMoE(*raw, n_experts=E, hidden=h, intermediate=i, types=qtypes, pool=pool, isa=isa)
