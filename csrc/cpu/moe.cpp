@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ktrans {
@@ -91,7 +92,26 @@ struct MoEJob : Job {
   std::vector<const uint8_t*> xg, xu, hin;  // per pair: activation rows for gate, up, down
   Buffer xg_buf, xu_buf, h_buf, hq_buf;
   int max_group = 0;
+  // Per active expert (a cache line each): gate/up blocks finished. The task finishing the last block quantizes the
+  // expert's h rows for down and then adds one more, so `> blocks` means "h of this expert is ready".
+  std::unique_ptr<std::atomic<int>[]> ready;
 };
+
+constexpr int kReadyStride = 16;  // ints per expert in MoEJob::ready: one cache line each, no false sharing
+
+// Spin until cond(): pause for a while, then yield (a descheduled thread may be the one we wait for).
+template <class F>
+void spin_until(F cond) {
+  for (int i = 0; !cond(); ++i) {
+    if (i < 4096) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
 
 struct LinearJob : Job {
   std::vector<const uint8_t*> xrows;
@@ -180,7 +200,12 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
   ThreadPool* pl = &pool;
   const int n_active = static_cast<int>(J.experts.size());
 
-  if (fg != ACT_F32 || (sep_u && fu != ACT_F32)) {
+  // A decode step's few rows are quantized right here (a microsecond or two), not as a one-task phase that every
+  // other thread would wait behind.
+  if (T <= kRowsPerQuant) {
+    if (fg != ACT_F32) quantize_act(fg, x, ldx, static_cast<int>(T), H, J.xg_buf.get(), lg);
+    if (sep_u && fu != ACT_F32) quantize_act(fu, x, ldx, static_cast<int>(T), H, J.xu_buf.get(), lu);
+  } else if (fg != ACT_F32 || (sep_u && fu != ACT_F32)) {
     job->phases.push_back({ceil_div(T, kRowsPerQuant), [=, &K](int task, int) {
       const int t0 = task * kRowsPerQuant;
       const int n = static_cast<int>(std::min<int64_t>(kRowsPerQuant, T - t0));
@@ -192,47 +217,77 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
   const int64_t rows_gu = block_rows(n_active * I, pool.size(), 8, I);
   const int64_t rows_dn = block_rows(H, pool.size(), 4, 256);
   const int blocks_gu = ceil_div(I, rows_gu);
-  job->phases.push_back({n_active * blocks_gu, [=, &K](int task, int thread) {
+  const int n_gu = n_active * blocks_gu, n_dn = ceil_div(H, rows_dn);
+  // Byte sizes once here: type_row_bytes is an out-of-line switch, too slow for the per-task (and, in the
+  // prefetch loop, per-cache-line) arithmetic below.
+  const size_t g_rb = G.row_bytes(), g_eb = G.expert_bytes(), u_rb = U.row_bytes(), u_eb = U.expert_bytes();
+  const size_t d_rb = D.row_bytes(), d_eb = D.expert_bytes();
+  J.ready.reset(new std::atomic<int>[static_cast<size_t>(std::max(n_active, 1)) * kReadyStride]);
+  for (int a = 0; a < n_active; ++a) J.ready[a * kReadyStride].store(0, std::memory_order_relaxed);
+
+  // One phase, no barrier: tasks [0, n_gu) are gate/up blocks (expert-major), the rest are down blocks. Tasks are
+  // taken in order, so by the time a thread takes a down task every gate/up task has been taken by a running
+  // thread; a down task consumes the experts in order (the same summation order as ever, so results do not depend
+  // on the thread count), waiting for each expert's h only if it is not ready yet.
+  auto gate_up = [=, &K](int task, int thread) {
     const int a = task / blocks_gu;
     const int64_t r0 = static_cast<int64_t>(task % blocks_gu) * rows_gu;
     const int m = static_cast<int>(std::min<int64_t>(rows_gu, I - r0));
     const int e = jp->experts[a], p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
+    float* hbase = reinterpret_cast<float*>(jp->h_buf.get());
+    // Counted even when a kernel throws, so the down tasks never wait forever (the job then fails anyway).
+    struct Mark {
+      MoEJob* jp;
+      int a, p0, n;
+      int blocks;
+      ActFormat fd;
+      int64_t I, ldh;
+      size_t ld;
+      float* hbase;
+      ~Mark() {
+        std::atomic<int>& r = jp->ready[a * kReadyStride];
+        if (r.fetch_add(1, std::memory_order_acq_rel) + 1 == blocks) {
+          if (fd != ACT_F32) quantize_act(fd, hbase + p0 * ldh, ldh, n, I, jp->hq_buf.get() + p0 * ld, ld);
+          r.fetch_add(1, std::memory_order_release);
+        }
+      }
+    } mark{jp, a, p0, n, blocks_gu, fd, I, ldh, ld, hbase};
     float* g = static_cast<float*>(pl->scratch(thread, 2 * sizeof(float) * n * m));
     float* u = g + n * m;
-    K.gemm(G.type, G.data + e * G.expert_bytes() + r0 * G.row_bytes(), G.row_bytes(), m, &jp->xg[p0], n, H, g, m);
-    K.gemm(U.type, U.data + e * U.expert_bytes() + r0 * U.row_bytes(), U.row_bytes(), m, &jp->xu[p0], n, H, u, m);
-    float* hbase = reinterpret_cast<float*>(jp->h_buf.get());
+    K.gemm(G.type, G.data + e * g_eb + r0 * g_rb, g_rb, m, &jp->xg[p0], n, H, g, m);
+    K.gemm(U.type, U.data + e * u_eb + r0 * u_rb, u_rb, m, &jp->xu[p0], n, H, u, m);
     for (int i = 0; i < n; ++i) silu_mul(g + i * m, u + i * m, hbase + (p0 + i) * ldh + r0, m);
-  }});
+  };
 
-  if (fd != ACT_F32) {
-    job->phases.push_back({ceil_div(n_pairs, kRowsPerQuant), [=](int task, int) {
-      const int p0 = task * kRowsPerQuant;
-      const int n = std::min(kRowsPerQuant, n_pairs - p0);
-      const float* h = reinterpret_cast<const float*>(jp->h_buf.get()) + p0 * ldh;
-      quantize_act(fd, h, ldh, n, I, jp->hq_buf.get() + p0 * ld, ld);
-    }});
-  }
-
-  job->phases.push_back({ceil_div(H, rows_dn), [=, &K](int task, int thread) {
+  auto down = [=, &K](int task, int thread) {
     const int64_t c0 = static_cast<int64_t>(task) * rows_dn;
     const int m = static_cast<int>(std::min<int64_t>(rows_dn, H - c0));
     for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
     float* y = static_cast<float*>(pl->scratch(thread, sizeof(float) * std::max(jp->max_group, 1) * m));
-    auto chunk = [&](int a) { return D.data + jp->experts[a] * D.expert_bytes() + c0 * D.row_bytes(); };
+    auto chunk = [&](int a) { return D.data + jp->experts[a] * d_eb + c0 * d_rb; };
+    const int chunk_bytes = static_cast<int>(std::min<size_t>(kPrefetchBytes, m * d_rb));
     for (int a = 0; a < n_active; ++a) {
       const int p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
       // The kernels prefetch ahead within a chunk; start the next expert's chunk now so it is not cold.
-      if (a + 1 < n_active)
-        for (int off = 0; off < kPrefetchBytes && off < m * static_cast<int>(D.row_bytes()); off += 64)
-          __builtin_prefetch(chunk(a + 1) + off);
-      K.gemm(D.type, chunk(a), D.row_bytes(), m, &jp->hin[p0], n, I, y, m);
+      if (a + 1 < n_active) {
+        const uint8_t* next = chunk(a + 1);
+        for (int off = 0; off < chunk_bytes; off += 64) __builtin_prefetch(next + off);
+      }
+      const std::atomic<int>& r = jp->ready[a * kReadyStride];
+      spin_until([&] { return r.load(std::memory_order_acquire) > blocks_gu || jp->failed(); });
+      if (jp->failed()) return;
+      K.gemm(D.type, chunk(a), d_rb, m, &jp->hin[p0], n, I, y, m);
       for (int i = 0; i < n; ++i) {
         float* o = out + jp->pair_tok[p0 + i] * ldo + c0;
         const float w = jp->pair_w[p0 + i];
         for (int r = 0; r < m; ++r) o[r] += w * y[i * m + r];
       }
     }
+  };
+
+  job->phases.push_back({n_gu + n_dn, [=](int task, int thread) {
+    if (task < n_gu) gate_up(task, thread);
+    else down(task - n_gu, thread);
   }});
   return pool.submit(std::move(job));
 }

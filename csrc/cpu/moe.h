@@ -24,7 +24,8 @@ struct ExpertMatrix {
 // out[t] = sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]), e = ids[t, k]; negative ids are skipped.
 // Work is split by output rows: gate/up tasks are (expert, block of intermediate rows), down tasks are blocks of
 // hidden rows that loop over the active experts, so every core streams its own weight rows and no two tasks
-// write the same output element.
+// write the same output element. Both run as one pool phase: a down task waits only for the experts whose h
+// is not ready yet, in expert order, so the sums do not depend on the thread count.
 class MoE {
  public:
   MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertMatrix up, ExpertMatrix down,

@@ -34,6 +34,8 @@ class Job {
  public:
   virtual ~Job() = default;
   std::vector<Phase> phases;
+  // A task threw: the job's remaining tasks are skipped, so a task waiting on another must stop waiting.
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
 
  private:
   friend class ThreadPool;
