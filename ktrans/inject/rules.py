@@ -27,6 +27,7 @@ import torch
 import yaml
 from torch import nn
 
+from ktrans.config import RULES_DIR
 from ktrans.operators import OPERATORS, BaseOperator
 from ktrans.operators.base import COMMON_KWARGS, canonical_device, device_type
 
@@ -136,8 +137,12 @@ class RuleSet:
 def load_rules(path: str | Path, check: bool = False) -> RuleSet:
     """Read and validate a rule file; with check=True also require its devices to exist on this machine."""
     path = Path(path)
+    if not path.is_file() and (RULES_DIR / path.name).is_file() and path.parent.name in ("optimize_rules", ""):
+        # `optimize_rules/Qwen3Next-serve.yaml` as in the docs, run from outside the checkout: the shipped file
+        path = RULES_DIR / path.name
     if not path.is_file():
-        raise RuleError(f"{path}: no such rule file (shipped rules are in optimize_rules/)")
+        shipped = ", ".join(sorted(p.name for p in RULES_DIR.glob("*.yaml")))
+        raise RuleError(f"{path}: no such rule file (shipped rules, usable as optimize_rules/NAME: {shipped})")
     rules = parse_rules(path.read_text(), source=str(path))
     if check:
         check_devices(rules)

@@ -22,6 +22,8 @@ LINEAR = """
     kwargs: {kwargs}
 """
 
+CPU_PATH = RULES_DIR / "Qwen3Next-cpu.yaml"
+
 
 def error(text: str) -> str:
     with pytest.raises(RuleError) as e:
@@ -181,5 +183,18 @@ def test_duplicate_keys():
 
 
 def test_missing_file():
-    with pytest.raises(RuleError, match="no-such.yaml: no such rule file"):
+    with pytest.raises(RuleError, match="no-such.yaml: no such rule file.*Qwen3Next-serve.yaml"):
         load_rules("no-such.yaml")
+
+
+def test_shipped_rules_found_from_any_directory(tmp_path, monkeypatch):
+    """`--optimize_config_path optimize_rules/Qwen3Next-cpu.yaml`, as the docs write it, works outside the checkout;
+    a user's own file of that relative path still wins when it exists."""
+    monkeypatch.chdir(tmp_path)
+    assert len(load_rules("optimize_rules/Qwen3Next-cpu.yaml").rules) == len(load_rules(CPU_PATH).rules)
+    (tmp_path / "optimize_rules").mkdir()
+    (tmp_path / "optimize_rules" / "Qwen3Next-cpu.yaml").write_text(
+        "- match: {name: '^lm_head$'}\n  replace: {class: default, kwargs: {generate_device: cpu}}\n")
+    assert len(load_rules("optimize_rules/Qwen3Next-cpu.yaml").rules) == 1
+    with pytest.raises(RuleError, match="no such rule file"):
+        load_rules("elsewhere/Qwen3Next-cpu.yaml")
