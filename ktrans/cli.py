@@ -151,7 +151,7 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max_queued_requests", type=int, default=1024, help="waiting requests before HTTP 503")
     s.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
     s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=False,
-                   help="capture decode steps in CUDA graphs (GPU only)")
+                   help="accepted for KTransformers' command lines; CUDA graph capture is not implemented yet")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="interactive terminal chat with a running server")
