@@ -26,6 +26,7 @@ from ktrans.serve.protocol import (ChatCompletionRequest, CompletionRequest, Det
                                    error_body)
 from ktrans.serve.reasoning import THINK_START, ReasoningParser
 from ktrans.serve.sampler import SamplingParams
+from ktrans.serve.tools import ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +165,13 @@ class OpenAIServer:
         results = await self._until_done_or_gone(request, self._collect(streams))
         if results is None:
             return Response(status_code=499)
-        return fmt.chat_response(rid, self.created, self.model_name, results, parsers, body.logprobs, self.tokenizer)
+        return fmt.chat_response(rid, self.created, self.model_name, results, parsers, body.logprobs, self.tokenizer,
+                                 body.parse_tools)
 
     async def _chat_events(self, rid, body: ChatCompletionRequest, streams, parsers) -> AsyncIterator[str]:
         chunk = fmt.ChunkMaker(rid, "chat.completion.chunk", self.model_name)
         usage = fmt.Usage(len(streams), body.n)
+        tools = [ToolCallParser() if body.parse_tools else None for _ in streams]
         try:
             for i in range(len(streams)):
                 yield chunk.choice(i, delta={"role": "assistant", "content": ""})
@@ -181,12 +184,18 @@ class OpenAIServer:
                 if out.finished and parsers[i]:
                     r2, c2 = parsers[i].finish()
                     reasoning, content = reasoning + r2, content + c2
+                calls: list[dict] = []
+                if tools[i]:
+                    content, calls = tools[i].feed(content, final=out.finished)
                 delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
                 lp = fmt.chat_logprobs(out.logprobs, self.tokenizer) if body.logprobs and out.logprobs else None
                 if delta or lp:
                     yield chunk.choice(i, delta=delta, logprobs=lp)
+                for call in calls:  # one delta per call, when its block closes
+                    yield chunk.choice(i, delta={"tool_calls": [call]})
                 if out.finished:
-                    yield chunk.choice(i, delta={}, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                    reason = fmt.tool_finish_reason(out.finish_reason, bool(tools[i] and tools[i].calls))
+                    yield chunk.choice(i, delta={}, finish_reason=reason, stop_reason=out.stop_reason)
             if body.include_usage:
                 yield chunk.usage(usage.as_dict())
             yield "data: [DONE]\n\n"

@@ -8,6 +8,7 @@ import time
 from ktrans.serve.output import RequestOutput
 from ktrans.serve.reasoning import split_reasoning
 from ktrans.serve.request import TokenLogprob
+from ktrans.serve.tools import parse_tool_calls
 
 
 def sse(obj) -> str:
@@ -93,8 +94,14 @@ def completion_logprobs(entries: list[TokenLogprob], tokenizer, offsets: TextOff
     return out
 
 
+def tool_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """A response that stopped after calling tools finishes with "tool_calls" (one cut by max_tokens keeps
+    "length")."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
 def chat_response(rid: str, created: int, model: str, results: list[list[RequestOutput]], parsers, want_logprobs: bool,
-                  tokenizer) -> dict:
+                  tokenizer, parse_tools: bool = False) -> dict:
     usage, choices = Usage(len(results), len(results)), []
     for i, outs in enumerate(results):
         for o in outs:
@@ -104,11 +111,15 @@ def chat_response(rid: str, created: int, model: str, results: list[list[Request
             reasoning, content = split_reasoning(text, parsers[i].saw_reasoning)
         else:
             reasoning, content = None, text
-        message = {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": []}
+        calls: list[dict] = []
+        if parse_tools:
+            content, calls = parse_tool_calls(content)
+        message = {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls}
         lps = [e for o in outs for e in (o.logprobs or [])]
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(lps, tokenizer) if want_logprobs else None,
-                        "finish_reason": last.finish_reason, "stop_reason": last.stop_reason})
+                        "finish_reason": tool_finish_reason(last.finish_reason, bool(calls)),
+                        "stop_reason": last.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage.as_dict()}
 

@@ -3,6 +3,8 @@
 Field checks here become HTTP 400 errors in the OpenAI shape, naming the field. Unknown fields are accepted and
 ignored, as OpenAI clients send fields a server may not know. Beyond OpenAI's fields, the vLLM extensions users
 rely on are accepted: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs.
+`tool_choice` is accepted in all its forms; only "none" changes anything (tool calls are not parsed): "required"
+and a named function are not enforced.
 """
 from __future__ import annotations
 
@@ -112,6 +114,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
@@ -120,6 +124,20 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens or self.max_tokens
         return self.sampling_params(max_tokens, self.top_logprobs or 0, self.logprobs)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f'tool_choice is "none", "auto", "required" or a named function, not {v!r}')
+        if isinstance(v, dict) and (v.get("type") != "function" or not isinstance(v.get("function"), dict)):
+            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+        return v
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether tool calls in the output become `tool_calls` (there are tools and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def enable_thinking(self) -> bool:
