@@ -104,6 +104,15 @@ class _Tracked:
     sent_prompt_logprobs: bool = False
 
 
+def make_pools(model, num_pages: int, page_size: int, num_slots: int) -> tuple[KVPool, StatePool]:
+    """KV pages and DeltaNet state slots in the model's float dtype, on the devices where attention and DeltaNet
+    run (under rules these need not be the device of the model's first parameter)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    kv_device, state_device = pool_devices(model)
+    kv = KVPool(model.config, num_pages, page_size, dtype=dtype, device=kv_device)
+    return kv, StatePool(model.config, num_slots, dtype=dtype, device=state_device)
+
+
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), metrics=None):
         self.model = model
@@ -112,11 +121,8 @@ class Engine:
         self.config = config
         self.metrics = metrics
         self.device = next(model.parameters()).device  # where batches are built; operators copy what they need
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        kv_device, state_device = pool_devices(model)  # the pools live where attention and DeltaNet run
         num_pages = -(-config.cache_lens // config.page_size)
-        self.kv = KVPool(mc, num_pages, config.page_size, dtype=dtype, device=kv_device)
-        self.states = StatePool(mc, config.max_batch_size, dtype=dtype, device=state_device)
+        self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.chunk_size, config.page_size),
                                    self.kv.allocator, self.states)
         capacity = num_pages * config.page_size

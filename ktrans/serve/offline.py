@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
-from ktrans.runtime.pools import KVPool, StatePool
+from ktrans.serve.engine import make_pools
 from ktrans.serve.sampler import SamplingParams, sample, token_logprob, top_logprobs
 
 
@@ -25,14 +25,6 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def make_pools(model, num_tokens: int, num_slots: int = 1, page_size: int = 16) -> tuple[KVPool, StatePool]:
-    config = model.config
-    p = next(model.parameters())
-    kv = KVPool(config, num_pages=max(1, -(-num_tokens // page_size)) * num_slots, page_size=page_size,
-                dtype=p.dtype, device=p.device)
-    return kv, StatePool(config, num_slots=num_slots, dtype=p.dtype, device=p.device)
-
-
 def generate(model, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
              stop_token_ids: set[int] | None = None, echo: bool = False, chunk_size: int = 0,
              page_size: int = 16) -> GenerationResult:
@@ -42,7 +34,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, params: Sampling
         raise ValueError(f"--max_new_tokens must be >= 0, got {max_new_tokens}")
     device = next(model.parameters()).device
     total = len(prompt_ids) + max_new_tokens
-    kv, states = make_pools(model, total, page_size=page_size)
+    kv, states = make_pools(model, -(-total // page_size), page_size, num_slots=1)
     pages = kv.allocator.alloc(kv.pages_for(total))
     slot = states.alloc()
     res = GenerationResult(prompt_ids=list(prompt_ids))

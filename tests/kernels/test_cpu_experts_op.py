@@ -83,9 +83,9 @@ def rel(y, ref) -> float:
 
 def _all_logits(model, ids):
     from ktrans.runtime.batch import ForwardBatch, SeqChunk
-    from ktrans.serve.offline import make_pools
+    from ktrans.serve.engine import make_pools
 
-    kv, states = make_pools(model, len(ids) + 1, page_size=16)
+    kv, states = make_pools(model, -(-(len(ids) + 1) // 16), 16, num_slots=1)
     pages = kv.allocator.alloc(kv.pages_for(len(ids) + 1))
     slot = states.alloc()
     out = [model(ForwardBatch.build([SeqChunk(ids[:8], 0, slot, pages)], kv, states))]
