@@ -310,7 +310,7 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
         raise CliError(f"--threads must be >= 1, got {args.threads}")
     try:
         run(args.shape, args.quant, tokens, threads=args.threads, reference=args.reference, isa=args.isa,
-            as_json=args.json)
+            as_json=args.json, tiles=args.tiles, trace=args.trace)
     except ValueError as e:
         raise CliError(str(e)) from None
     return 0
@@ -324,6 +324,10 @@ def _add_bench_moe_parser(bench_sub) -> None:
     bm.add_argument("--threads", type=int, default=None, help="CPU threads (default: KTRANS_CPU_INFER or all cores)")
     bm.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2", "scalar"], help="kernel path")
     bm.add_argument("--reference", action="store_true", help="also time the torch reference on the same inputs")
+    bm.add_argument("--tiles", default="auto", choices=["auto", "amx", "vnni", "off"],
+                    help="Q4_K/Q5_K prefill tiles: AMX where present (auto), AVX-512 VNNI, or off (row kernels)")
+    bm.add_argument("--trace", action="store_true",
+                    help="also report when the pool's threads start and end their share of a call (diagnostics)")
     bm.add_argument("--json", action="store_true", help="one JSON line per token count")
     bm.set_defaults(func=cmd_bench_moe)
 

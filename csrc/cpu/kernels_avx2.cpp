@@ -20,7 +20,8 @@ namespace {
 template <int Bytes>
 inline void prefetch_ahead(const uint8_t* w) {
   for (int off = 0; off < Bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T0);
+    if (kPrefetchL2) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T1);
+    else _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T0);
 }
 
 // The opening stretch of a block of rows, which the in-loop prefetch (kPrefetchBytes ahead) never covers.

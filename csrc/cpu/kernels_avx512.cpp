@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include "quant.h"
+#include "tiles.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
@@ -20,7 +21,8 @@ namespace {
 template <int Bytes>
 inline void prefetch_ahead(const uint8_t* w) {
   for (int off = 0; off < Bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T0);
+    if (kPrefetchL2) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T1);
+    else _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T0);
 }
 
 // The opening stretch of a block of rows, which the in-loop prefetch (kPrefetchBytes ahead) never covers.
@@ -339,6 +341,10 @@ RowsFn rows_fn(int t, int r, int c) {
 // depend on how the rows were split between tasks.
 void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
           size_t ldc) {
+  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= tile_min_tokens()) {  // prefill: 16 rows at a time
+    gemm_k4_tiles_avx512(t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
+    return;
+  }
   prefetch_start(w, M * ldw);
   for (int n0 = 0; n0 < N; n0 += 4) {
     const int nc = N - n0 < 4 ? N - n0 : 4;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "isa.h"
+#include "tiles.h"
 #include "moe.h"
 #include "pool.h"
 #include "quant.h"
@@ -93,7 +94,11 @@ PYBIND11_MODULE(_cpu, m) {
       .def_property_readonly("pinned", &ThreadPool::pinned)
       .def("wait", &ThreadPool::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),
            "Block until the job with this ticket is done; raises its error, if any.")
-      .def("done", &ThreadPool::done, py::arg("ticket"));
+      .def("done", &ThreadPool::done, py::arg("ticket"))
+      .def("set_trace", &ThreadPool::set_trace, py::arg("on"),
+           "Diagnostics: record when each thread starts and ends its share of every job.")
+      .def("last_trace", &ThreadPool::last_trace,
+           "Per thread id of the last traced job: (ns from submit to its first task, to the end of its last, tasks).");
 
   py::class_<PyMoE>(m, "MoE", "One MoE layer's routed experts on raw ggml blocks (stacked [E, rows, cols]).")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_experts, int hidden, int intermediate,
@@ -134,6 +139,15 @@ PYBIND11_MODULE(_cpu, m) {
            },
            py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            py::call_guard<py::gil_scoped_release>());
+
+  m.def("set_tile_min_tokens", &set_tile_min_tokens, py::arg("n"),
+        "From how many activation rows per gemm call the Q4_K/Q5_K tile kernels run (tuning, tests); returns the "
+        "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 6.");
+  m.def("tile_min_tokens", &tile_min_tokens, "From how many activation rows per call the Q4_K/Q5_K tiles run.");
+  m.def("set_amx_mode", &set_amx_mode, py::arg("mode"),
+        "Q4_K/Q5_K prefill tiles: 1 = AMX where the CPU has it, 0 = AVX-512 VNNI, 2 = the AMX data flow emulated in "
+        "C++ (tests). Returns the previous request. KTRANS_AMX sets the start value (1).");
+  m.def("amx_mode", &amx_mode, "How the Q4_K/Q5_K prefill tiles run now: 1 AMX, 0 AVX-512 VNNI, 2 emulated AMX.");
 
   m.def("bench_gemm",
         [](int type, uintptr_t w, int64_t M, int64_t k, int N, int reps, const std::string& isa) {

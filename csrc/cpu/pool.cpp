@@ -22,6 +22,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
+
 // Spin while cond() is false: pause for a while, then yield the core (a thread may be descheduled when the
 // machine has fewer free cores than threads, and then spinning only delays it).
 template <class F>
@@ -33,6 +35,8 @@ void spin_until(F cond) {
 }
 
 }  // namespace
+
+void SpinLock::pause() { KTRANS_PAUSE(); }
 
 ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
     : n_threads_(n_threads), n_workers_(std::max(n_threads - 1, 1)), spin_us_(std::max(spin_us, 0)) {
@@ -84,10 +88,15 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
     job->next_[p].store(0);
     job->done_[p].store(0);
   }
+  if (trace_on_.load(std::memory_order_relaxed)) {
+    job->trace_.assign(n_workers_ + 1, {-1, -1, 0});
+    job->t_submit_ = now_ns();
+  }
   uint64_t ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) throw std::runtime_error("the CPU thread pool is shut down");
+    std::lock_guard<SpinLock> q(q_mu_);
     queue_.push_back(std::move(job));
     ticket = base_ + queue_.size() - 1;
     posted_.store(ticket + 1, std::memory_order_release);
@@ -106,7 +115,7 @@ void ThreadPool::wait(uint64_t ticket) {
       std::shared_ptr<Job> job;
       uint64_t seq;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        std::lock_guard<SpinLock> q(q_mu_);
         if (queue_.empty()) break;
         seq = base_;
         job = queue_.front();
@@ -139,6 +148,11 @@ void* ThreadPool::scratch(int thread, size_t bytes) {
   return s.p;
 }
 
+std::vector<std::array<int64_t, 3>> ThreadPool::last_trace() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_trace_;
+}
+
 bool ThreadPool::wait_for_job(uint64_t seq) {
   const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
   for (int i = 0; posted_.load(std::memory_order_acquire) <= seq; ++i) {
@@ -157,12 +171,15 @@ bool ThreadPool::run_job(Job& job, int id) {
   // wait()) finds the tasks taken and passes through, and the job is complete when its last task is, not when
   // every thread has seen it.
   bool finished_job = false;
+  const bool tr = !job.trace_.empty();
+  int64_t t_first = -1, t_last = -1, n_run = 0;
   const size_t last = job.phases.size() - 1;
   for (size_t p = 0; p <= last; ++p) {
     const Phase& ph = job.phases[p];
     for (;;) {
       const int t = job.next_[p].fetch_add(1, std::memory_order_relaxed);
       if (t >= ph.n_tasks) break;
+      if (tr && t_first < 0) t_first = now_ns();
       if (!job.failed_.load(std::memory_order_relaxed)) {
         try {
           ph.run(t, id);
@@ -172,12 +189,14 @@ bool ThreadPool::run_job(Job& job, int id) {
           job.failed_.store(true);
         }
       }
+      if (tr) t_last = now_ns(), ++n_run;
       if (job.done_[p].fetch_add(1, std::memory_order_acq_rel) + 1 == ph.n_tasks && p == last) finished_job = true;
     }
     // Also after the last phase, so no worker starts the next job before this one is complete: jobs complete in
     // order, which is what lets a ticket mean "this job and every one before it".
     spin_until([&] { return job.done_[p].load(std::memory_order_acquire) >= ph.n_tasks; });
   }
+  if (tr && n_run) job.trace_[id] = {t_first - job.t_submit_, t_last - job.t_submit_, n_run};
   return finished_job;
 }
 
@@ -185,6 +204,8 @@ void ThreadPool::complete(uint64_t seq, const Job& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (job.error_) errors_[seq] = job.error_;
+    if (!job.trace_.empty()) last_trace_ = job.trace_;
+    std::lock_guard<SpinLock> q(q_mu_);
     queue_.pop_front();  // jobs complete in order: the oldest incomplete one is this one
     ++base_;
     completed_.store(seq + 1, std::memory_order_release);
@@ -197,7 +218,7 @@ void ThreadPool::worker_loop(int id) {
     if (!wait_for_job(seq)) return;
     std::shared_ptr<Job> job;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<SpinLock> q(q_mu_);
       if (seq < base_) continue;  // already completed by the other threads
       job = queue_[seq - base_];
     }

@@ -1,6 +1,7 @@
 // Type table, activation quantization and the choice of kernel path. Baseline ISA only.
 #include "quant.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -9,6 +10,17 @@
 #include "isa.h"
 
 namespace ktrans {
+
+namespace {
+int env_or(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+}  // namespace
+
+const int kPrefetchBytes = std::max(64, env_or("KTRANS_PREFETCH_BYTES", 4096) & ~63);
+const bool kPrefetchL2 = env_or("KTRANS_PREFETCH_L2", 0) != 0;
+
 
 bool type_supported(int t) {
   switch (t) {

@@ -96,7 +96,7 @@ def _routings(shape: MoEShape, tokens: int, n: int, gen: torch.Generator):
 
 def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 64, 256, 1024),
         threads: int | None = None, reference: bool = False, isa: str = "auto", min_time_s: float = 1.0,
-        seed: int = 0, emit=print, as_json: bool = True) -> list[dict]:
+        seed: int = 0, emit=print, as_json: bool = True, tiles: str = "auto", trace: bool = False) -> list[dict]:
     if shape_name not in SHAPES:
         raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape_name!r}")
     if quant.lower() not in QUANTS:
@@ -106,6 +106,56 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
     if shape.hidden % block or shape.intermediate % block:
         raise ValueError(f"--quant {quant} needs hidden and intermediate sizes that are multiples of {block}; "
                          f"--shape {shape_name} has {shape.hidden} and {shape.intermediate}")
+    if tiles not in _TILES:
+        raise ValueError(f"--tiles must be one of {sorted(_TILES)}, got {tiles!r}")
+    from ktrans import _cpu
+
+    tile_min, amx = _TILES[tiles]
+    old_min = _cpu.set_tile_min_tokens(tile_min) if tile_min else None
+    old_amx = _cpu.set_amx_mode(amx) if amx is not None else None
+    try:
+        return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace)
+    finally:
+        if old_min is not None:
+            _cpu.set_tile_min_tokens(old_min)
+        if old_amx is not None:
+            _cpu.set_amx_mode(old_amx)
+
+
+# --tiles: (tile_min_tokens to set or None, amx mode to set or None)
+_TILES = {"auto": (None, None), "amx": (None, 1), "vnni": (None, 0), "off": (1 << 30, None)}
+
+
+def _tiles_name() -> str:
+    from ktrans import _cpu
+
+    return {0: "vnni", 1: "amx", 2: "amx-emulated"}[_cpu.amx_mode()]
+
+
+def _trace_summary(pool, moe, x, routes) -> dict:
+    """Median over calls of: when the first and last thread started their share, when the first and last ended
+    (microseconds from submit), and the wall time of the call."""
+    starts, ends, walls = [], [], []
+    pool.set_trace(True)
+    try:
+        for ids, w in routes:
+            t = time.perf_counter()
+            moe.forward(x, ids, w)
+            walls.append((time.perf_counter() - t) * 1e6)
+            tr = [r for r in pool.last_trace() if r[2] > 0]
+            s = sorted(r[0] / 1e3 for r in tr)
+            e = sorted(r[1] / 1e3 for r in tr)
+            starts.append((s[0], s[len(s) // 2], s[-1], len(s)))
+            ends.append((e[0], e[len(e) // 2], e[-1]))
+    finally:
+        pool.set_trace(False)
+    med = lambda rows, i: round(statistics.median(r[i] for r in rows), 1)  # noqa: E731
+    return {"threads_working": med(starts, 3), "start_us_min_med_max": [med(starts, i) for i in range(3)],
+            "end_us_min_med_max": [med(ends, i) for i in range(3)], "wall_us": round(statistics.median(walls), 1)}
+
+
+def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace):
+    shape, qtype = SHAPES[shape_name], QUANTS[quant.lower()]
     gen = torch.Generator().manual_seed(seed)
     pool = cpu.make_pool(threads or cpu.default_threads())
     fresh_gbs = cpu.read_bandwidth(1 << 30, reps=5, pool=pool, isa=isa)
@@ -152,6 +202,15 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
                "read_gb_per_s_fresh": round(fresh_gbs, 2),
                "iters": n_iter, "cpu_util": round(cpu_util, 2), "load_avg": round(os.getloadavg()[0], 2),
                "weights_gb": round(moe.nbytes / 1e9, 3), "setup_s": round(setup_s, 2)}
+        if qtype in ("Q4_K", "Q5_K") and moe.path == "avx512":
+            from ktrans import _cpu
+
+            # experts with at least tile_min_tokens tokens in a call run on the tiles, the others on the row kernels
+            off = _cpu.tile_min_tokens() >= _TILES["off"][0]
+            row["tiles"] = "off" if off else _tiles_name()
+            row["tile_min_tokens"] = _cpu.tile_min_tokens()
+        if trace:
+            row["trace"] = _trace_summary(pool, moe, x, routes[: min(len(routes), 50)])
         if reference:
             ref_routes = routes[:3]
             used = sorted(set(torch.cat([ids.flatten() for ids, _ in ref_routes]).tolist()))

@@ -58,9 +58,7 @@ def best_path(info: dict[str, bool] | None = None) -> tuple[str, str]:
         return path, f"forced by KTRANS_CPU_ISA={env}"
     if path == "avx512":
         why = "AVX-512 with VNNI (int8 dot products vpdpbusd / vpdpwssd)"
-        if i["amx_int8"]:
-            why += "; AMX tiles are present but there is no AMX kernel yet"
-        elif i["amx_denied"]:
+        if i["amx_denied"]:
             why += "; AMX present but the kernel denied tile permission"
         return path, why
     if path == "avx2":
@@ -73,7 +71,27 @@ def isa_report() -> dict:
     path, why = best_path(info)
     status = _cpu.path_status()
     return {"path": path, "why": why, "runnable_paths": [p for p, reason in status.items() if reason is None],
-            "features": info}
+            "prefill_tiles": prefill_tiles(path, info), "features": info}
+
+
+def prefill_tiles(path: str, info: dict[str, bool]) -> dict:
+    """How Q4_K/Q5_K experts with many tokens per call (prefill) are computed: 16 weight rows at a time on AMX or
+    AVX-512 VNNI tiles, or by the row kernels."""
+    tmin = _cpu.tile_min_tokens()
+    if path != "avx512":
+        return {"mode": "rows", "why": "the tiles are AVX-512 kernels"}
+    if tmin >= 1 << 30:
+        return {"mode": "rows", "why": "turned off (KTRANS_TILE_MIN_TOKENS)"}
+    mode = {0: "avx512-vnni", 1: "amx", 2: "amx-emulated"}[_cpu.amx_mode()]
+    if mode == "amx":
+        why = "AMX-INT8 tiles (tdpbusd) for the dot products, AVX-512 for unpacking and scales"
+    elif mode == "amx-emulated":
+        why = "the AMX data flow with the tile product in plain C++ (KTRANS_AMX=2: a test mode, slow)"
+    elif info.get("amx_int8") and os.environ.get("KTRANS_AMX", "1") == "0":
+        why = "AVX-512 VNNI tiles (AMX turned off by KTRANS_AMX=0)"
+    else:
+        why = "AVX-512 VNNI tiles (vpdpbusd, one 32-bit lane per weight row); no AMX-INT8 here"
+    return {"mode": mode, "why": why, "from_tokens_per_expert": tmin}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,407 @@
+// Q4_K / Q5_K prefill on AVX-512 VNNI: 16 weight rows per tile (see tiles.h).
+//
+// Per superblock (256 values) of the tile's 16 rows:
+//  - the nibbles are unpacked to bytes in ACT_Q8K_P order (the order the activations are stored in) and transposed
+//    16 x 16 dwords at a time, so that q[i] holds, in lane r, row r's weights at positions 4i .. 4i + 3;
+//  - the six-bit scales and mins and the two fp16 factors are unpacked and transposed the same way (one float
+//    per row and sub-block);
+//  - every activation row then takes 8 vpdpbusd per sub-block (lane r: the exact integer dot of row r with the
+//    sub-block), one multiply-add by the sub-block scale, and per superblock one multiply-add into the row's sum:
+//    sum_b d_b * da_b * sum_s sc_s dot_s  -  dmin_b * da_b * sum_j m_j bsum_j.
+// The products sc_s * dot_s and m_j * bsum_j are integers below 2^23, so their float sums are exact unless a
+// superblock's total passes 2^24; what is left is one rounding per superblock and row, in superblock order.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "quant.h"
+#include "tiles.h"
+
+namespace ktrans {
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+// Q4_K, 512 x 2048 weights, one thread on Zen 4 (bench_gemm): the tile kernel takes 0.96x the row kernel's time
+// at 4 activation rows, 0.82x at 6, 0.57x at 20, 0.48x at 64.
+std::atomic<int> g_tile_min{env_int("KTRANS_TILE_MIN_TOKENS", 6)};
+std::atomic<int> g_amx{env_int("KTRANS_AMX", 1)};
+
+}  // namespace
+
+int tile_min_tokens() { return g_tile_min.load(std::memory_order_relaxed); }
+int set_tile_min_tokens(int n) { return g_tile_min.exchange(std::max(n, 1)); }
+int amx_mode() {
+  const int m = g_amx.load(std::memory_order_relaxed);
+  return m == 2 ? 2 : (m == 1 && isa().amx_int8 ? 1 : 0);
+}
+int set_amx_mode(int mode) { return g_amx.exchange(mode); }
+
+}  // namespace ktrans
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+
+namespace ktrans {
+namespace {
+
+inline __m512i loadu(const void* p) { return _mm512_loadu_si512(p); }
+
+// In place: lane j of r[i] becomes lane i of r[j] (32-bit lanes).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int p = 0; p < 8; ++p) {
+    t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+    t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+  }
+  // u[4q + e], 128-bit lane L: rows 4q .. 4q + 3 of column 4L + e
+  for (int q = 0; q < 4; ++q) {
+    u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  // column 4L + e gathers 128-bit lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+  for (int e = 0; e < 4; ++e) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), x1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+}
+
+// One superblock of 16 rows, unpacked.
+struct alignas(64) Tile {
+  __m512i q[64];  // q[i] lane r: row r's 4 weights at ACT_Q8K_P positions 4i .. 4i + 3 (u8)
+  __m512 sc[8];   // per storage sub-block s (positions 32s .. 32s + 31): its six-bit scale, per row
+  __m512 mn[8];   // per sub-block j (values 32j .. 32j + 31): its six-bit min, per row
+  __m512 d, dmin;
+};
+
+// Storage sub-block s of ACT_Q8K_P holds the values of sub-block kNat[s].
+constexpr int kNat[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+template <bool Q5>
+void unpack_tile(const uint8_t* const rows[16], Tile& t) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi8(0x10);
+  // Q5_K high bits: the zmm of sub-blocks (s, s + 2) tests bit s of qh in its low half, bit s + 2 in its high half.
+  const __m512i t0 = _mm512_set_epi64(0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL,
+                                      0x0404040404040404LL, 0x0101010101010101LL, 0x0101010101010101LL,
+                                      0x0101010101010101LL, 0x0101010101010101LL);
+  constexpr int qoff = Q5 ? 48 : 16;
+  for (int c = 0; c < 2; ++c) {  // qs bytes 64c .. 64c + 63: low nibbles -> positions 128c + 0..63, high -> + 64..127
+    __m512i lo[16], hi[16];
+    for (int r = 0; r < 16; ++r) {
+      const __m512i q = loadu(rows[r] + qoff + 64 * c);
+      lo[r] = _mm512_and_si512(q, m4);
+      hi[r] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+      if (Q5) {
+        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + 16)));
+        lo[r] = _mm512_mask_add_epi8(lo[r], _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * c)), lo[r], sixteen);
+        hi[r] = _mm512_mask_add_epi8(hi[r], _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * c + 1)), hi[r], sixteen);
+      }
+    }
+    transpose16(lo);
+    transpose16(hi);
+    for (int j = 0; j < 16; ++j) {
+      t.q[32 * c + j] = lo[j];
+      t.q[32 * c + 16 + j] = hi[j];
+    }
+  }
+  __m512i s[16];
+  alignas(64) uint32_t hdr[16];
+  for (int r = 0; r < 16; ++r) {
+    alignas(16) uint32_t sm[4];
+    unpack_k4_scales(rows[r] + 4, sm);
+    s[r] = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+    std::memcpy(&hdr[r], rows[r], 4);
+  }
+  transpose16(s);  // s[j]: scale j (j < 8) or min j - 8 of every row
+  for (int i = 0; i < 8; ++i) {
+    t.sc[i] = _mm512_cvtepi32_ps(s[kNat[i]]);
+    t.mn[i] = _mm512_cvtepi32_ps(s[8 + i]);
+  }
+  const __m512i h = _mm512_load_si512(hdr);
+  t.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+  t.dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// NT activation rows against one unpacked superblock: acc[n] += P * d * da, macc[n] += M * dmin * da (per row).
+// a[n]: the superblock's 256 activation bytes; bs[n]: its 8 sub-block sums (float); da[n]: its scale.
+template <int NT>
+inline void tile_rows(const Tile& t, const int8_t* const* a, const float* const* bs, const float* da, __m512* acc,
+                      __m512* macc) {
+  __m512 P[NT], Mf[NT];
+  for (int n = 0; n < NT; ++n) P[n] = Mf[n] = _mm512_setzero_ps();
+  for (int s = 0; s < 8; ++s) {
+    __m512i dot[NT];
+    for (int n = 0; n < NT; ++n) dot[n] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      const __m512i w = t.q[8 * s + g];
+      for (int n = 0; n < NT; ++n) dot[n] = _mm512_dpbusd_epi32(dot[n], w, bcast4(a[n] + 32 * s + 4 * g));
+    }
+    for (int n = 0; n < NT; ++n) P[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[n]), t.sc[s], P[n]);
+  }
+  for (int j = 0; j < 8; ++j)
+    for (int n = 0; n < NT; ++n) Mf[n] = _mm512_fmadd_ps(t.mn[j], _mm512_set1_ps(bs[n][j]), Mf[n]);
+  for (int n = 0; n < NT; ++n) {
+    const __m512 s = _mm512_set1_ps(da[n]);
+    acc[n] = _mm512_fmadd_ps(P[n], _mm512_mul_ps(t.d, s), acc[n]);
+    macc[n] = _mm512_fmadd_ps(Mf[n], _mm512_mul_ps(t.dmin, s), macc[n]);
+  }
+}
+
+template <int NT>
+inline void tile_rows_at(const Tile& t, const uint8_t* const* act, const float* bsf, int64_t k, int64_t b, int n0,
+                         __m512* acc, __m512* macc) {
+  const int8_t* a[NT];
+  const float* bs[NT];
+  float da[NT];
+  const int64_t nsub = k / 32;
+  for (int n = 0; n < NT; ++n) {
+    a[n] = act_q(act[n0 + n]) + b * QK_K;
+    bs[n] = bsf + (n0 + n) * nsub + 8 * b;
+    da[n] = act_q8k_d(act[n0 + n], k)[b];
+  }
+  tile_rows<NT>(t, a, bs, da, acc + n0, macc + n0);
+}
+
+template <bool Q5>
+void gemm_tiles(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
+                size_t ldc) {
+  constexpr int kBytes = Q5 ? 176 : 144;
+  const int64_t nb = k / QK_K, nsub = k / 32;
+  // Per activation row: its sub-block sums as floats (bsums hold sums of 16), then the 16-lane accumulators.
+  thread_local std::vector<float> bsf_buf;
+  struct alignas(64) Lanes {
+    float v[16];
+  };
+  thread_local std::vector<Lanes> acc_buf;
+  bsf_buf.resize(static_cast<size_t>(N) * nsub);
+  acc_buf.resize(2 * static_cast<size_t>(N));
+  float* bsf = bsf_buf.data();
+  for (int n = 0; n < N; ++n) {
+    const int16_t* bsums = act_q8k_bsums(act[n], k);
+    for (int64_t j = 0; j < nsub; ++j) bsf[n * nsub + j] = static_cast<float>(bsums[2 * j] + bsums[2 * j + 1]);
+  }
+  __m512* acc = reinterpret_cast<__m512*>(acc_buf.data());
+  __m512* macc = acc + N;
+  Tile t;
+  for (int m0 = 0; m0 < M; m0 += 16) {
+    const int nr = std::min(16, M - m0);
+    const uint8_t* rows[16];
+    for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 16; ++r) rows[r] = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
+      if (b + 1 < nb)
+        for (int r = 0; r < nr; ++r)
+          for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBytes + off), _MM_HINT_T0);
+      unpack_tile<Q5>(rows, t);
+      int n0 = 0;
+      for (; n0 + 8 <= N; n0 += 8) tile_rows_at<8>(t, act, bsf, k, b, n0, acc, macc);
+      if (N - n0 >= 4) tile_rows_at<4>(t, act, bsf, k, b, n0, acc, macc), n0 += 4;
+      if (N - n0 >= 2) tile_rows_at<2>(t, act, bsf, k, b, n0, acc, macc), n0 += 2;
+      if (N - n0 >= 1) tile_rows_at<1>(t, act, bsf, k, b, n0, acc, macc);
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
+    for (int n = 0; n < N; ++n) _mm512_mask_storeu_ps(c + n * ldc + m0, keep, _mm512_sub_ps(acc[n], macc[n]));
+  }
+}
+
+// ---- AMX: C (16 weight rows x 16 activation rows, int32) += A (weights, u8) . B (activations, s8), per sub-block.
+// A is the tile's rows unpacked row-major (no transpose: AMX reads rows), B is 16 activation rows transposed once
+// per call into the VNNI layout (B row g: 4 bytes of every activation row). The epilogue has one activation row
+// per lane and the same float operations in the same order as tile_rows, so both give bitwise equal results.
+
+struct alignas(64) AmxCfg {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0/1: A of sub-blocks s, s + 1 (16 rows x 32 bytes); tmm2/3: their B (8 rows x 64 bytes); tmm4/5: C.
+__attribute__((target("amx-tile,amx-int8"))) void amx_begin() {
+  AmxCfg cfg;
+  for (int i = 0; i < 2; ++i) {
+    cfg.rows[i] = 16, cfg.colsb[i] = 32;
+    cfg.rows[2 + i] = 8, cfg.colsb[2 + i] = 64;
+    cfg.rows[4 + i] = 16, cfg.colsb[4 + i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+__attribute__((target("amx-tile,amx-int8"))) void amx_end() { _tile_release(); }
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_pair(const uint8_t* a, const uint8_t* b, int32_t* c) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_loadd(0, a, 256);
+  _tile_loadd(1, a + 32, 256);
+  _tile_loadd(2, b, 64);
+  _tile_loadd(3, b + 512, 64);
+  _tile_dpbusd(4, 0, 2);
+  _tile_dpbusd(5, 1, 3);
+  _tile_stored(4, c, 64);
+  _tile_stored(5, c + 256, 64);
+}
+
+// The same arithmetic in plain C++: what the tests check the data flow with on CPUs without AMX.
+void amx_pair_emulated(const uint8_t* a, const uint8_t* b, int32_t* c) {
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < 16; ++n) {
+        int32_t s = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int e = 0; e < 4; ++e)
+            s += a[m * 256 + 32 * h + 4 * g + e] * static_cast<int8_t>(b[512 * h + g * 64 + 4 * n + e]);
+        c[256 * h + m * 16 + n] = s;
+      }
+}
+
+template <bool Q5, bool kHw>
+void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
+              size_t ldc) {
+  constexpr int kBytes = Q5 ? 176 : 144;
+  constexpr int qoff = Q5 ? 48 : 16;
+  const int64_t nb = k / QK_K, nsub = k / 32;
+  const int G = (N + 15) / 16;  // groups of 16 activation rows, the last one padded with zeros
+  struct alignas(64) Lanes {
+    float v[16];
+  };
+  thread_local std::vector<Lanes> bt_buf, f_buf;
+  bt_buf.resize(static_cast<size_t>(G) * (k / 4) * 64 / sizeof(Lanes));  // B: k / 4 rows of 64 bytes per group
+  f_buf.resize(static_cast<size_t>(G) * (nb + nsub + 32));                // da, sub-block sums, acc, macc
+  uint8_t* bt = reinterpret_cast<uint8_t*>(bt_buf.data());
+  __m512* da = reinterpret_cast<__m512*>(f_buf.data());  // [G][nb]
+  __m512* bsf = da + G * nb;                              // [G][nsub]
+  __m512* acc = bsf + G * nsub;                           // [G][16 rows]
+  __m512* macc = acc + 16 * G;
+  for (int gi = 0; gi < G; ++gi) {
+    alignas(64) float dav[16], bsv[16];
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int n = 0; n < 16; ++n) dav[n] = gi * 16 + n < N ? act_q8k_d(act[gi * 16 + n], k)[b] : 0.f;
+      da[gi * nb + b] = _mm512_load_ps(dav);
+    }
+    for (int64_t j = 0; j < nsub; ++j) {
+      for (int n = 0; n < 16; ++n) {
+        const int16_t* bs = gi * 16 + n < N ? act_q8k_bsums(act[gi * 16 + n], k) : nullptr;
+        bsv[n] = bs ? static_cast<float>(bs[2 * j] + bs[2 * j + 1]) : 0.f;
+      }
+      bsf[gi * nsub + j] = _mm512_load_ps(bsv);
+    }
+    for (int64_t p = 0; p < k / 64; ++p) {
+      __m512i r[16];
+      for (int n = 0; n < 16; ++n)
+        r[n] = gi * 16 + n < N ? loadu(act_q(act[gi * 16 + n]) + 64 * p) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(bt + (gi * (k / 4) + 16 * p + j) * 64, r[j]);
+    }
+  }
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi8(0x10);
+  const __m512i t0 = _mm512_set_epi64(0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL,
+                                      0x0404040404040404LL, 0x0101010101010101LL, 0x0101010101010101LL,
+                                      0x0101010101010101LL, 0x0101010101010101LL);
+  alignas(64) uint8_t abuf[16 * 256];
+  alignas(64) int32_t cbuf[2 * 256];
+  alignas(64) float scf[16][16];
+  float dr[16], dminr[16];
+  if (kHw) amx_begin();
+  for (int m0 = 0; m0 < M; m0 += 16) {
+    const int nr = std::min(16, M - m0);
+    for (int i = 0; i < 32 * G; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 16; ++r) {
+        const uint8_t* row = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
+        if (b + 1 < nb && r < nr)
+          for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + kBytes + off), _MM_HINT_T0);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i q = loadu(row + qoff + 64 * h);
+          __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+          if (Q5) {
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)));
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * h)), lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * h + 1)), hi, sixteen);
+          }
+          _mm512_store_si512(abuf + r * 256 + 128 * h, lo);
+          _mm512_store_si512(abuf + r * 256 + 128 * h + 64, hi);
+        }
+        alignas(16) uint32_t sm[4];
+        unpack_k4_scales(row + 4, sm);
+        _mm512_store_ps(scf[r], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)))));
+        dr[r] = _cvtsh_ss(load_u16(row));
+        dminr[r] = _cvtsh_ss(load_u16(row + 2));
+      }
+      for (int gi = 0; gi < G; ++gi) {
+        const uint8_t* bg = bt + (gi * (k / 4) + 64 * b) * 64;
+        __m512 P[16];
+        for (int r = 0; r < 16; ++r) P[r] = _mm512_setzero_ps();
+        for (int s = 0; s < 8; s += 2) {
+          if (kHw) amx_pair(abuf + 32 * s, bg + 8 * s * 64, cbuf);
+          else amx_pair_emulated(abuf + 32 * s, bg + 8 * s * 64, cbuf);
+          for (int r = 0; r < 16; ++r) {
+            P[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * r)), _mm512_set1_ps(scf[r][kNat[s]]), P[r]);
+            P[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 256 + 16 * r)),
+                                   _mm512_set1_ps(scf[r][kNat[s + 1]]), P[r]);
+          }
+        }
+        const __m512 dab = da[gi * nb + b];
+        for (int r = 0; r < 16; ++r) {
+          __m512 Mf = _mm512_setzero_ps();
+          for (int j = 0; j < 8; ++j) Mf = _mm512_fmadd_ps(_mm512_set1_ps(scf[r][8 + j]), bsf[gi * nsub + 8 * b + j], Mf);
+          acc[16 * gi + r] = _mm512_fmadd_ps(P[r], _mm512_mul_ps(_mm512_set1_ps(dr[r]), dab), acc[16 * gi + r]);
+          macc[16 * gi + r] = _mm512_fmadd_ps(Mf, _mm512_mul_ps(_mm512_set1_ps(dminr[r]), dab), macc[16 * gi + r]);
+        }
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
+    for (int gi = 0; gi < G; ++gi) {
+      __m512i res[16];
+      for (int r = 0; r < 16; ++r) res[r] = _mm512_castps_si512(_mm512_sub_ps(acc[16 * gi + r], macc[16 * gi + r]));
+      transpose16(res);  // res[n]: activation row gi * 16 + n, one weight row per lane
+      for (int n = 0; n < 16 && gi * 16 + n < N; ++n)
+        _mm512_mask_storeu_ps(c + (gi * 16 + n) * ldc + m0, keep, _mm512_castsi512_ps(res[n]));
+    }
+  }
+  if (kHw) amx_end();
+}
+
+}  // namespace
+
+void gemm_k4_tiles_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
+                          int64_t k, float* c, size_t ldc) {
+  switch (amx_mode()) {
+    case 1:
+      if (q5) gemm_amx<true, true>(w, ldw, M, act, N, k, c, ldc);
+      else gemm_amx<false, true>(w, ldw, M, act, N, k, c, ldc);
+      return;
+    case 2:
+      if (q5) gemm_amx<true, false>(w, ldw, M, act, N, k, c, ldc);
+      else gemm_amx<false, false>(w, ldw, M, act, N, k, c, ldc);
+      return;
+    default:
+      if (q5) gemm_tiles<true>(w, ldw, M, act, N, k, c, ldc);
+      else gemm_tiles<false>(w, ldw, M, act, N, k, c, ldc);
+  }
+}
+
+}  // namespace ktrans
+
+#pragma GCC pop_options

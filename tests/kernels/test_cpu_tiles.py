@@ -1,0 +1,107 @@
+"""Q4_K/Q5_K prefill tiles (csrc/cpu/kernels_avx512_tile.cpp): 16 weight rows at a time with AVX-512 VNNI, or AMX.
+
+The tile kernels must agree with the row kernels (same integer dot products, a different float summation order:
+relative difference ~1e-6), with the torch reference on dequantized weights, and with each other bitwise: the AMX
+path and its C++ emulation (run everywhere) use the same float operations in the same order as the VNNI tiles.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf.constants import GGMLQuantizationType  # noqa: E402
+
+from ktrans import _cpu  # noqa: E402
+from ktrans.kernels import cpu  # noqa: E402
+from ktrans.kernels.torch.moe import moe_experts  # noqa: E402
+from ktrans.weights import quants as Q  # noqa: E402
+
+pytestmark = pytest.mark.skipif(_cpu.path_status()["avx512"] is not None, reason="the tiles are AVX-512 kernels")
+HW_AMX = bool(_cpu.isa_info().get("amx_int8", False))
+
+
+@contextlib.contextmanager
+def tiles(min_tokens: int, amx: int):
+    old_min, old_amx = _cpu.set_tile_min_tokens(min_tokens), _cpu.set_amx_mode(amx)
+    try:
+        yield
+    finally:
+        _cpu.set_tile_min_tokens(old_min)
+        _cpu.set_amx_mode(old_amx)
+
+
+def quantized(qtype, shape, seed):
+    x = (np.random.default_rng(seed).standard_normal(shape) * 0.1).astype(np.float32)
+    raw = Q.quantize(x, qtype)
+    deq = gguf_quants.dequantize(raw, GGMLQuantizationType[qtype])
+    return torch.from_numpy(raw), torch.from_numpy(deq).double()
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+MODES = [0, 2] + ([1] if HW_AMX else [])  # VNNI, emulated AMX, real AMX where the CPU has it
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("n_out,n_in,tokens", [(37, 512, 9), (64, 2048, 33), (16, 256, 1), (5, 768, 100)])
+def test_linear_tiles_match_rows_and_reference(qtype, n_out, n_in, tokens, pool):
+    raw, deq = quantized(qtype, (n_out, n_in), seed=n_out + tokens)
+    lin = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512")
+    x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(tokens))
+    ref = x.double() @ deq.T
+    with tiles(10**9, 0):
+        rows = lin(x)
+    outs = {}
+    for mode in MODES:
+        with tiles(1, mode):
+            outs[mode] = lin(x)
+        assert rel(outs[mode], ref) < 0.02, f"mode {mode}"
+        assert rel(outs[mode], rows) < 1e-5, f"mode {mode} vs the row kernel"
+    for mode in MODES[1:]:
+        assert torch.equal(outs[mode], outs[0]), f"mode {mode} differs from the VNNI tiles"
+
+
+@pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q4_K"), ("Q5_K", "Q4_K", "Q6_K")])
+def test_moe_prefill_tiles(qtypes, pool):
+    """A prefill-sized batch: 8 experts get 20-60 tokens each, so gate/up/down run on the tiles (Q6_K on rows)."""
+    E, H, I = 8, 512, 256
+    mats = [quantized(t, (E,) + s, seed=i) for i, (t, s) in enumerate(zip(qtypes, [(I, H), (I, H), (H, I)]))]
+    moe = cpu.CPUMoE(*(m[0] for m in mats), n_experts=E, hidden=H, intermediate=I, types=qtypes, pool=pool,
+                     isa="avx512")
+    gen = torch.Generator().manual_seed(0)
+    T, k = 150, 2
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    ref = moe_experts(x.double(), ids, w.double(), *(m[1] for m in mats))
+    with tiles(10**9, 0):
+        rows = moe(x, ids, w)
+    outs = {}
+    for mode in MODES:
+        with tiles(6, mode):
+            outs[mode] = moe(x, ids, w)
+        assert rel(outs[mode], ref) < 0.04
+        # h = silu(gate) * up is quantized to int8 for down: a 1e-7 difference in gate/up can move h across a
+        # rounding step there, so the row and tile results differ by more than at the linear level
+        assert rel(outs[mode], rows) < 2e-3
+        assert torch.equal(outs[mode], outs[0])
+    with tiles(6, 0):  # and the result does not depend on the thread count
+        for n in (1, 3):
+            moe_n = cpu.CPUMoE(*(m[0] for m in mats), n_experts=E, hidden=H, intermediate=I, types=qtypes,
+                               pool=cpu.make_pool(n, pin=False), isa="avx512")
+            assert torch.equal(moe_n(x, ids, w), outs[0])
+
+
+def test_tile_settings_round_trip():
+    old = _cpu.set_tile_min_tokens(7)
+    assert _cpu.set_tile_min_tokens(old) == 7
+    old = _cpu.set_amx_mode(2)
+    assert _cpu.amx_mode() == 2
+    _cpu.set_amx_mode(0)
+    assert _cpu.amx_mode() == 0
+    _cpu.set_amx_mode(old)
+    assert _cpu.amx_mode() == (1 if HW_AMX and old == 1 else (2 if old == 2 else 0))

@@ -1,0 +1,37 @@
+"""One thread, the raw Q4_K gemm kernel: row kernels vs AVX-512 VNNI tiles vs AMX tiles (tuning aid).
+
+Usage: python3 tools/gemm_tiles_bench.py   -> one JSON line per (M, k, N) with ms per mode and the speedups.
+"""
+import json
+
+import torch
+
+from ktrans import _cpu
+from ktrans.bench.moe import random_experts
+from ktrans.kernels import cpu
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    modes = {"rows": (1 << 30, 0), "vnni": (1, 0)}
+    if _cpu.isa_info().get("amx_int8"):
+        modes["amx"] = (1, 1)
+    for M, k in [(512, 2048), (32, 512)]:
+        w = random_experts("Q4_K", 1, M, k, gen)
+        for N in [4, 6, 8, 16, 20, 32, 64]:
+            row = {"M": M, "k": k, "N": N}
+            for name, (tmin, amx) in modes.items():
+                old_min, old_amx = _cpu.set_tile_min_tokens(tmin), _cpu.set_amx_mode(amx)
+                reps = max(3, int(2e8 / (M * k * N)))
+                row[name + "_ms"] = round(min(_cpu.bench_gemm(cpu.type_id("Q4_K"), w.data_ptr(), M, k, N, reps)
+                                              for _ in range(5)) * 1e3, 4)
+                _cpu.set_tile_min_tokens(old_min)
+                _cpu.set_amx_mode(old_amx)
+            for name in modes:
+                if name != "rows":
+                    row[name + "_speedup"] = round(row["rows_ms"] / row[name + "_ms"], 2)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
