@@ -18,7 +18,7 @@ def main() -> None:
         modes["amx"] = (1, 1)
     for M, k in [(512, 2048), (32, 512)]:
         w = random_experts("Q4_K", 1, M, k, gen)
-        for N in [4, 6, 8, 16, 20, 32, 64]:
+        for N in [2, 3, 4, 6, 8, 16, 20, 32, 64]:
             row = {"M": M, "k": k, "N": N}
             for name, (tmin, amx) in modes.items():
                 old_min, old_amx = _cpu.set_tile_min_tokens(tmin), _cpu.set_amx_mode(amx)

@@ -30,9 +30,10 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
-// Q4_K, 512 x 2048 weights, one thread on Zen 4 (bench_gemm): the tile kernel takes 0.96x the row kernel's time
-// at 4 activation rows, 0.82x at 6, 0.57x at 20, 0.48x at 64.
-std::atomic<int> g_tile_min{env_int("KTRANS_TILE_MIN_TOKENS", 6)};
+// Q4_K, one thread (tools/gemm_tiles_bench.py): against the row kernels, the VNNI tiles take 1.0-1.2x at 2-3
+// activation rows, 1.2x at 4, 1.5x at 6-8 and 1.8-2.1x from 16 on (a 512 x 2048 matrix on Zen 4; more for the
+// down projection's small row blocks). 4 leaves decode steps of 1-3 tokens per expert on the row kernels.
+std::atomic<int> g_tile_min{env_int("KTRANS_TILE_MIN_TOKENS", 4)};
 std::atomic<int> g_amx{env_int("KTRANS_AMX", 1)};
 
 }  // namespace
@@ -81,6 +82,46 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// The 16-byte heads (fp16 d, fp16 dmin, 12 bytes of six-bit scales and mins) of 16 blocks, one row per lane:
+// d, dmin, sc[j] and mn[j] as floats (j = sub-block 0..7). The bit layout is unpack_k4_scales' (quant.h), done on
+// 16 rows at once.
+inline void unpack_heads(const uint8_t* const rows[16], __m512& d, __m512& dmin, __m512 sc[8], __m512 mn[8]) {
+  __m512i v[4];
+  for (int q = 0; q < 4; ++q) {  // v[q], 128-bit lane L: row 4q + L's dwords [d|dmin, u0, u1, u2]
+    __m512i x = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q])));
+    for (int L = 1; L < 4; ++L) {
+      const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * q + L]));
+      x = L == 1 ? _mm512_inserti32x4(x, r, 1) : (L == 2 ? _mm512_inserti32x4(x, r, 2) : _mm512_inserti32x4(x, r, 3));
+    }
+    v[q] = x;
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  // after these, dword 4L + i of h[e] is dword e of row L + 4i; the permute puts row r at dword r
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i h0 = _mm512_permutexvar_epi32(order, _mm512_unpacklo_epi64(t0, t2));
+  const __m512i u0 = _mm512_permutexvar_epi32(order, _mm512_unpackhi_epi64(t0, t2));
+  const __m512i u1 = _mm512_permutexvar_epi32(order, _mm512_unpacklo_epi64(t1, t3));
+  const __m512i u2 = _mm512_permutexvar_epi32(order, _mm512_unpackhi_epi64(t1, t3));
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0));
+  dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h0, 16)));
+  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f), k3 = _mm512_set1_epi32(0x03030303);
+  const __m512i q[4] = {
+      _mm512_and_si512(u0, k1),                                                                      // sc0-3
+      _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4)),  // sc4-7
+      _mm512_and_si512(u1, k1),                                                                      // m0-3
+      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
+                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4)),     // m4-7
+  };
+  const __m512i ff = _mm512_set1_epi32(0xff);
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[0], 8 * j), ff));
+    sc[4 + j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[1], 8 * j), ff));
+    mn[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[2], 8 * j), ff));
+    mn[4 + j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[3], 8 * j), ff));
+  }
+}
+
 // One superblock of 16 rows, unpacked.
 struct alignas(64) Tile {
   __m512i q[64];  // q[i] lane r: row r's 4 weights at ACT_Q8K_P positions 4i .. 4i + 3 (u8)
@@ -102,6 +143,16 @@ void unpack_tile(const uint8_t* const rows[16], Tile& t) {
                                       0x0101010101010101LL, 0x0101010101010101LL);
   constexpr int qoff = Q5 ? 48 : 16;
   for (int c = 0; c < 2; ++c) {  // qs bytes 64c .. 64c + 63: low nibbles -> positions 128c + 0..63, high -> + 64..127
+    if (!Q5) {  // splitting nibbles commutes with the transpose: one transpose of the packed bytes serves both
+      __m512i q[16];
+      for (int r = 0; r < 16; ++r) q[r] = loadu(rows[r] + qoff + 64 * c);
+      transpose16(q);
+      for (int j = 0; j < 16; ++j) {
+        t.q[32 * c + j] = _mm512_and_si512(q[j], m4);
+        t.q[32 * c + 16 + j] = _mm512_and_si512(_mm512_srli_epi16(q[j], 4), m4);
+      }
+      continue;
+    }
     __m512i lo[16], hi[16];
     for (int r = 0; r < 16; ++r) {
       const __m512i q = loadu(rows[r] + qoff + 64 * c);
@@ -120,22 +171,9 @@ void unpack_tile(const uint8_t* const rows[16], Tile& t) {
       t.q[32 * c + 16 + j] = hi[j];
     }
   }
-  __m512i s[16];
-  alignas(64) uint32_t hdr[16];
-  for (int r = 0; r < 16; ++r) {
-    alignas(16) uint32_t sm[4];
-    unpack_k4_scales(rows[r] + 4, sm);
-    s[r] = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
-    std::memcpy(&hdr[r], rows[r], 4);
-  }
-  transpose16(s);  // s[j]: scale j (j < 8) or min j - 8 of every row
-  for (int i = 0; i < 8; ++i) {
-    t.sc[i] = _mm512_cvtepi32_ps(s[kNat[i]]);
-    t.mn[i] = _mm512_cvtepi32_ps(s[8 + i]);
-  }
-  const __m512i h = _mm512_load_si512(hdr);
-  t.d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-  t.dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+  __m512 sc[8];
+  unpack_heads(rows, t.d, t.dmin, sc, t.mn);
+  for (int i = 0; i < 8; ++i) t.sc[i] = sc[kNat[i]];
 }
 
 inline __m512i bcast4(const int8_t* p) {
@@ -321,8 +359,9 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
                                       0x0101010101010101LL, 0x0101010101010101LL);
   alignas(64) uint8_t abuf[16 * 256];
   alignas(64) int32_t cbuf[2 * 256];
-  alignas(64) float scf[16][16];
-  float dr[16], dminr[16];
+  alignas(64) float scf[16][16];  // [sub-block j: scale j (j < 8) or min j - 8][row]
+  alignas(64) float dr[16], dminr[16];
+  const uint8_t* heads[16];
   if (kHw) amx_begin();
   for (int m0 = 0; m0 < M; m0 += 16) {
     const int nr = std::min(16, M - m0);
@@ -343,11 +382,14 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
           _mm512_store_si512(abuf + r * 256 + 128 * h, lo);
           _mm512_store_si512(abuf + r * 256 + 128 * h + 64, hi);
         }
-        alignas(16) uint32_t sm[4];
-        unpack_k4_scales(row + 4, sm);
-        _mm512_store_ps(scf[r], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)))));
-        dr[r] = _cvtsh_ss(load_u16(row));
-        dminr[r] = _cvtsh_ss(load_u16(row + 2));
+        heads[r] = row;
+      }
+      {
+        __m512 d, dmin, sc[8], mn[8];
+        unpack_heads(heads, d, dmin, sc, mn);
+        _mm512_store_ps(dr, d);
+        _mm512_store_ps(dminr, dmin);
+        for (int j = 0; j < 8; ++j) _mm512_store_ps(scf[j], sc[j]), _mm512_store_ps(scf[8 + j], mn[j]);
       }
       for (int gi = 0; gi < G; ++gi) {
         const uint8_t* bg = bt + (gi * (k / 4) + 64 * b) * 64;
@@ -357,15 +399,15 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
           if (kHw) amx_pair(abuf + 32 * s, bg + 8 * s * 64, cbuf);
           else amx_pair_emulated(abuf + 32 * s, bg + 8 * s * 64, cbuf);
           for (int r = 0; r < 16; ++r) {
-            P[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * r)), _mm512_set1_ps(scf[r][kNat[s]]), P[r]);
+            P[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * r)), _mm512_set1_ps(scf[kNat[s]][r]), P[r]);
             P[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 256 + 16 * r)),
-                                   _mm512_set1_ps(scf[r][kNat[s + 1]]), P[r]);
+                                   _mm512_set1_ps(scf[kNat[s + 1]][r]), P[r]);
           }
         }
         const __m512 dab = da[gi * nb + b];
         for (int r = 0; r < 16; ++r) {
           __m512 Mf = _mm512_setzero_ps();
-          for (int j = 0; j < 8; ++j) Mf = _mm512_fmadd_ps(_mm512_set1_ps(scf[r][8 + j]), bsf[gi * nsub + 8 * b + j], Mf);
+          for (int j = 0; j < 8; ++j) Mf = _mm512_fmadd_ps(_mm512_set1_ps(scf[8 + j][r]), bsf[gi * nsub + 8 * b + j], Mf);
           acc[16 * gi + r] = _mm512_fmadd_ps(P[r], _mm512_mul_ps(_mm512_set1_ps(dr[r]), dab), acc[16 * gi + r]);
           macc[16 * gi + r] = _mm512_fmadd_ps(Mf, _mm512_mul_ps(_mm512_set1_ps(dminr[r]), dab), macc[16 * gi + r]);
         }
@@ -387,7 +429,12 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
 
 void gemm_k4_tiles_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
                           int64_t k, float* c, size_t ldc) {
-  switch (amx_mode()) {
+  // AMX takes activation rows 16 at a time (a partial group is padded) and transposes them once per call, so it
+  // pays from 16 rows on and for blocks of at least 128 weight rows (measured on the 16-core Xeon: 2.75x the row
+  // kernels at 16 rows of a 512 x 2048 matrix where the VNNI tiles reach 2.0x, but only 0.6-1.2x on the 32 x 512
+  // blocks of a down projection task, where the VNNI tiles reach 1.2-2.4x).
+  const int mode = amx_mode();
+  switch (mode != 0 && N >= 16 && M >= 128 ? mode : 0) {
     case 1:
       if (q5) gemm_amx<true, true>(w, ldw, M, act, N, k, c, ldc);
       else gemm_amx<false, true>(w, ldw, M, act, N, k, c, ldc);

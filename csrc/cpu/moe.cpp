@@ -326,8 +326,10 @@ uint64_t Linear::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx
       quantize_act(f, x + t0 * ldx, ldx, n, k, jp->xq_buf.get() + t0 * l, l);
     }});
   }
-  // Blocks of 16-64 rows, at least ~4 per thread when there are enough rows.
-  const int64_t rows = std::max<int64_t>(16, std::min<int64_t>(64, (N / (4 * pool.size())) & ~int64_t(3)));
+  // Blocks of 16-64 rows, at least ~4 per thread when there are enough rows; for 16+ activation rows (a prefill)
+  // up to 256, at least ~2 per thread, so the Q4_K/Q5_K tiles can take them on AMX (which wants 128+ rows).
+  const int64_t cap = T >= 16 ? 256 : 64, per = T >= 16 ? 2 : 4;
+  const int64_t rows = std::max<int64_t>(16, std::min<int64_t>(cap, (N / (per * pool.size())) & ~int64_t(15)));
   const size_t rb = type_row_bytes(type_, k);
   const uint8_t* w = w_;
   const int type = type_;

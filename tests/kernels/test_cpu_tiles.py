@@ -47,7 +47,9 @@ MODES = [0, 2] + ([1] if HW_AMX else [])  # VNNI, emulated AMX, real AMX where t
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
-@pytest.mark.parametrize("n_out,n_in,tokens", [(37, 512, 9), (64, 2048, 33), (16, 256, 1), (5, 768, 100)])
+# AMX (and its emulation) runs for blocks of >= 128 rows and >= 16 activation rows; smaller ones take the VNNI tiles
+@pytest.mark.parametrize("n_out,n_in,tokens", [(37, 512, 9), (64, 2048, 33), (16, 256, 1), (5, 768, 100),
+                                               (1024, 512, 33), (1040, 256, 16), (600, 768, 21)])
 def test_linear_tiles_match_rows_and_reference(qtype, n_out, n_in, tokens, pool):
     raw, deq = quantized(qtype, (n_out, n_in), seed=n_out + tokens)
     lin = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512")
