@@ -115,6 +115,15 @@ PYBIND11_MODULE(_cpu, m) {
            py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"),
            py::arg("isa") = "auto")
       .def_property_readonly("path", [](const PyMoE& s) { return std::string(s.moe.kernels().name); })
+      .def("run",
+           [](const PyMoE& s, uintptr_t x, int64_t T, int64_t ldx, uintptr_t ids, uintptr_t weights, int k,
+              uintptr_t out, int64_t ldo) {
+             s.pool->wait(s.moe.submit(*s.pool, ptr<const float>(x), T, ldx, ptr<const int64_t>(ids),
+                                       ptr<const float>(weights), k, ptr<float>(out), ldo));
+           },
+           py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("ids"), py::arg("weights"), py::arg("k"),
+           py::arg("out"), py::arg("ldo"), py::call_guard<py::gil_scoped_release>(),
+           "submit and wait in one call (the synchronous path).")
       .def("submit",
            [](const PyMoE& s, uintptr_t x, int64_t T, int64_t ldx, uintptr_t ids, uintptr_t weights, int k,
               uintptr_t out, int64_t ldo) {

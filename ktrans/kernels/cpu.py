@@ -199,7 +199,7 @@ def _activations(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
 def _cpu_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t as a contiguous CPU tensor of dtype; the common case (already one) skips the torch dispatches, which are
     a measurable share of a decode step's fixed cost."""
-    if t.dtype == dtype and not t.is_cuda and t.is_contiguous() and not t.requires_grad and t.device.type == "cpu":
+    if t.dtype == dtype and t.is_cpu and t.is_contiguous() and not t.requires_grad:  # (t.device.type costs more)
         return t
     return t.detach().to("cpu", dtype).contiguous()
 
@@ -244,9 +244,16 @@ class CPUMoE:
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                out: torch.Tensor | None = None) -> Pending:
         """Queue out = sum_k w[t, k] * expert_{ids[t, k]}(x[t]) and return at once. Negative ids are skipped."""
+        xf, ids, w, out = self._inputs(x, topk_ids, topk_weights, out)
+        ticket = self._moe.submit(xf.data_ptr(), xf.shape[0], self.hidden, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                                  out.data_ptr(), self.hidden)
+        self._last = Pending(self.pool, ticket, out, (self, xf, ids, w))
+        return self._last
+
+    def _inputs(self, x, topk_ids, topk_weights, out):
         xf = _activations(x, self.hidden, "CPUMoE.submit x")
         t = xf.shape[0]
-        if topk_ids.dim() != 2 or topk_ids.shape[0] != t or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
             raise ValueError(f"CPUMoE.submit: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                              f"{tuple(topk_weights.shape)} must both be [T={t}, k]")
         ids = _cpu_tensor(topk_ids, torch.int64)
@@ -255,17 +262,18 @@ class CPUMoE:
             out = torch.empty(t, self.hidden, dtype=torch.float32)
         elif out.dtype != torch.float32 or tuple(out.shape) != (t, self.hidden) or not out.is_contiguous():
             raise ValueError(f"CPUMoE.submit out: expected contiguous float32 [{t}, {self.hidden}]")
-        ticket = self._moe.submit(xf.data_ptr(), t, self.hidden, ids.data_ptr(), w.data_ptr(), ids.shape[1],
-                                  out.data_ptr(), self.hidden)
-        self._last = Pending(self.pool, ticket, out, (self, xf, ids, w))
-        return self._last
+        return xf, ids, w, out
 
     def sync(self) -> torch.Tensor | None:
         """Wait for this layer's last submit and return its output (None if nothing was submitted)."""
         return self._last.wait() if self._last is not None else None
 
     def forward(self, x, topk_ids, topk_weights) -> torch.Tensor:
-        return self.submit(x, topk_ids, topk_weights).wait()
+        """submit + wait in one call into the extension (one GIL release, no Pending): the synchronous path."""
+        xf, ids, w, out = self._inputs(x, topk_ids, topk_weights, None)
+        self._moe.run(xf.data_ptr(), xf.shape[0], self.hidden, ids.data_ptr(), w.data_ptr(), ids.shape[1],
+                      out.data_ptr(), self.hidden)
+        return out
 
     __call__ = forward
 
