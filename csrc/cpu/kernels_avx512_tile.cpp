@@ -176,6 +176,20 @@ void unpack_tile(const uint8_t* const rows[16], Tile& t) {
   for (int i = 0; i < 8; ++i) t.sc[i] = sc[kNat[i]];
 }
 
+// A tile's 16 rows are one contiguous block of 16 * ldw bytes (the rows of a task are contiguous). While the
+// tile's superblock b is worked on, the b-th share of the next tile's block is prefetched into L2, so the next tile
+// is near when it starts however few activation rows there are to hide its latency (with 3-5 rows per expert the
+// tiles are otherwise memory-bound: measured 15% slower than the row kernels in a 64-token layer on Zen 4).
+inline void prefetch_next_tile(const uint8_t* next, size_t bytes, int64_t b, int64_t nb) {
+  const size_t share = (bytes / static_cast<size_t>(nb) + 63) & ~size_t(63);
+  const size_t lo = static_cast<size_t>(b) * share, hi = std::min(bytes, lo + share);
+  for (size_t off = lo; off < hi; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
+}
+
+inline void prefetch_block(const uint8_t* p, size_t bytes) {
+  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
+}
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -243,11 +257,13 @@ void gemm_tiles(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, 
   __m512* acc = reinterpret_cast<__m512*>(acc_buf.data());
   __m512* macc = acc + N;
   Tile t;
+  prefetch_block(w, std::min(16, M) * ldw);
   for (int m0 = 0; m0 < M; m0 += 16) {
     const int nr = std::min(16, M - m0);
     const uint8_t* rows[16];
     for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      if (m0 + 16 < M) prefetch_next_tile(w + (m0 + 16) * ldw, std::min(16, M - m0 - 16) * ldw, b, nb);
       for (int r = 0; r < 16; ++r) rows[r] = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
       if (b + 1 < nb)
         for (int r = 0; r < nr; ++r)
@@ -363,10 +379,12 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
   alignas(64) float dr[16], dminr[16];
   const uint8_t* heads[16];
   if (kHw) amx_begin();
+  prefetch_block(w, std::min(16, M) * ldw);
   for (int m0 = 0; m0 < M; m0 += 16) {
     const int nr = std::min(16, M - m0);
     for (int i = 0; i < 32 * G; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      if (m0 + 16 < M) prefetch_next_tile(w + (m0 + 16) * ldw, std::min(16, M - m0 - 16) * ldw, b, nb);
       for (int r = 0; r < 16; ++r) {
         const uint8_t* row = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
         if (b + 1 < nb && r < nr)
