@@ -82,12 +82,7 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
   if (phases.empty()) phases.push_back({1, [](int, int) {}});
   job->phases = std::move(phases);
   const size_t n = job->phases.size();
-  job->next_.reset(new std::atomic<int>[n]);
-  job->done_.reset(new std::atomic<int>[n]);
-  for (size_t p = 0; p < n; ++p) {
-    job->next_[p].store(0);
-    job->done_[p].store(0);
-  }
+  job->sync_.reset(new Job::PhaseSync[n]);  // counters start at 0
   if (trace_on_.load(std::memory_order_relaxed)) {
     job->trace_.assign(n_workers_ + 1, {-1, -1, 0});
     job->t_submit_ = now_ns();
@@ -177,7 +172,7 @@ bool ThreadPool::run_job(Job& job, int id) {
   for (size_t p = 0; p <= last; ++p) {
     const Phase& ph = job.phases[p];
     for (;;) {
-      const int t = job.next_[p].fetch_add(1, std::memory_order_relaxed);
+      const int t = job.sync_[p].next.v.fetch_add(1, std::memory_order_relaxed);
       if (t >= ph.n_tasks) break;
       if (tr && t_first < 0) t_first = now_ns();
       if (!job.failed_.load(std::memory_order_relaxed)) {
@@ -190,11 +185,14 @@ bool ThreadPool::run_job(Job& job, int id) {
         }
       }
       if (tr) t_last = now_ns(), ++n_run;
-      if (job.done_[p].fetch_add(1, std::memory_order_acq_rel) + 1 == ph.n_tasks && p == last) finished_job = true;
+      if (job.sync_[p].done.v.fetch_add(1, std::memory_order_acq_rel) + 1 == ph.n_tasks) {
+        job.sync_[p].finished.v.store(1, std::memory_order_release);
+        if (p == last) finished_job = true;
+      }
     }
     // Also after the last phase, so no worker starts the next job before this one is complete: jobs complete in
     // order, which is what lets a ticket mean "this job and every one before it".
-    spin_until([&] { return job.done_[p].load(std::memory_order_acquire) >= ph.n_tasks; });
+    spin_until([&] { return job.sync_[p].finished.v.load(std::memory_order_acquire) != 0; });
   }
   if (tr && n_run) job.trace_[id] = {t_first - job.t_submit_, t_last - job.t_submit_, n_run};
   return finished_job;

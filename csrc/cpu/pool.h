@@ -40,7 +40,17 @@ class Job {
 
  private:
   friend class ThreadPool;
-  std::unique_ptr<std::atomic<int>[]> next_, done_;
+  // Per phase, each counter on a cache line of its own: `next` hands out tasks, `done` counts finished ones and
+  // `finished` is set once by whoever finishes the last task, so the threads waiting for the phase spin on a line
+  // nobody writes until then (spinning on `done`, next to `next`, made every task grab and every finish contend
+  // with all the spinning readers).
+  struct alignas(64) Counter {
+    std::atomic<int> v{0};
+  };
+  struct PhaseSync {
+    Counter next, done, finished;
+  };
+  std::unique_ptr<PhaseSync[]> sync_;
   std::atomic<bool> failed_{false};
   // With tracing on: per thread id, ns from submit to its first task's start and to its last task's end, and the
   // number of tasks it ran (-1, -1, 0 when it ran none).
