@@ -89,3 +89,33 @@ def test_pool_errors_and_bandwidth_probe(pool):
     assert cpu.read_bandwidth(64 << 20, reps=1, pool=pool) > 0.1
     assert cpu.stream_bandwidth([torch.ones(8 << 20), torch.ones(3 << 20, dtype=torch.uint8)], reps=1, pool=pool) > 0.1
     assert cpu.stream_bandwidth([torch.ones(300, dtype=torch.uint8)], reps=1, pool=pool) > 0
+
+
+_QUANT_PROBE = r'''
+import sys
+import numpy as np
+import torch
+from ktrans.kernels import cpu
+from ktrans.weights import quants as Q
+rng = np.random.default_rng(0)
+outs = []
+for qt, k in [("Q8_0", 96), ("Q4_K", 512), ("Q6_K", 256)]:
+    w = torch.from_numpy(Q.quantize(rng.standard_normal((40, k)).astype(np.float32), qt))
+    x = torch.from_numpy(rng.standard_normal((33, k)).astype(np.float32) * np.float32(rng.uniform(1e-3, 1e3)))
+    x[3] = 0          # an all-zero row
+    x[7] *= 1e-30     # tiny values
+    x[9, 5] = 1e30    # one huge value
+    outs.append(cpu.CPULinear(w, 40, k, qtype=qt)(x))
+torch.save(outs, sys.argv[1])
+'''
+
+
+def test_vector_and_scalar_activation_quantizers_agree_bitwise(tmp_path):
+    """The AVX2 activation quantizer must give the bytes of the scalar one (KTRANS_QUANT_SCALAR=1 forces that)."""
+    results = []
+    for env in ({}, {"KTRANS_QUANT_SCALAR": "1"}):
+        path = tmp_path / f"out{len(results)}.pt"
+        subprocess.run([sys.executable, "-c", _QUANT_PROBE, str(path)], env={**os.environ, **env}, check=True)
+        results.append(torch.load(path))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
