@@ -31,9 +31,10 @@ int env_int(const char* name, int fallback) {
 }
 
 // Q4_K, one thread (tools/gemm_tiles_bench.py): against the row kernels, the VNNI tiles take 1.0-1.2x at 2-3
-// activation rows, 1.2x at 4, 1.5x at 6-8 and 1.8-2.1x from 16 on (a 512 x 2048 matrix on Zen 4; more for the
-// down projection's small row blocks). 4 leaves decode steps of 1-3 tokens per expert on the row kernels.
-std::atomic<int> g_tile_min{env_int("KTRANS_TILE_MIN_TOKENS", 3)};
+// activation rows, 1.2x at 4, 1.5x at 6-8 and 1.8-2.1x from 16 on (a 512 x 2048 matrix on Zen 4; 1.2-1.3x at 2-3
+// rows on the Xeon, more for the down projection's small blocks). 3 leaves decode steps of 1-2 tokens per expert
+// on the row kernels.
+std::atomic<int> g_tile_min{std::max(1, env_int("KTRANS_TILE_MIN_TOKENS", 3))};
 std::atomic<int> g_amx{env_int("KTRANS_AMX", 1)};
 
 }  // namespace

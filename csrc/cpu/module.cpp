@@ -151,7 +151,7 @@ PYBIND11_MODULE(_cpu, m) {
 
   m.def("set_tile_min_tokens", &set_tile_min_tokens, py::arg("n"),
         "From how many activation rows per gemm call the Q4_K/Q5_K tile kernels run (tuning, tests); returns the "
-        "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 4.");
+        "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 3.");
   m.def("tile_min_tokens", &tile_min_tokens, "From how many activation rows per call the Q4_K/Q5_K tiles run.");
   m.def("set_amx_mode", &set_amx_mode, py::arg("mode"),
         "Q4_K/Q5_K prefill tiles: 1 = AMX where the CPU has it, 0 = AVX-512 VNNI, 2 = the AMX data flow emulated in "

@@ -37,6 +37,7 @@ void spin_until(F cond) {
 }  // namespace
 
 void SpinLock::pause() { KTRANS_PAUSE(); }
+void SpinLock::yield() { sched_yield(); }
 
 ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
     : n_threads_(n_threads), n_workers_(std::max(n_threads - 1, 1)), spin_us_(std::max(spin_us, 0)) {
@@ -184,7 +185,10 @@ bool ThreadPool::run_job(Job& job, int id) {
           job.failed_.store(true);
         }
       }
-      if (tr) t_last = now_ns(), ++n_run;
+      if (tr) {  // recorded before the done count releases it to whoever completes the job
+        t_last = now_ns(), ++n_run;
+        job.trace_[id] = {t_first - job.t_submit_, t_last - job.t_submit_, n_run};
+      }
       if (job.sync_[p].done.v.fetch_add(1, std::memory_order_acq_rel) + 1 == ph.n_tasks) {
         job.sync_[p].finished.v.store(1, std::memory_order_release);
         if (p == last) finished_job = true;
@@ -194,11 +198,14 @@ bool ThreadPool::run_job(Job& job, int id) {
     // order, which is what lets a ticket mean "this job and every one before it".
     spin_until([&] { return job.sync_[p].finished.v.load(std::memory_order_acquire) != 0; });
   }
-  if (tr && n_run) job.trace_[id] = {t_first - job.t_submit_, t_last - job.t_submit_, n_run};
   return finished_job;
 }
 
 void ThreadPool::complete(uint64_t seq, const Job& job) {
+  // The other threads leave a job once its last task is done, so a later job can finish before this thread gets
+  // here; completions must still go in order (the queue's front is this job, a ticket means "this and every job
+  // before it", and its error must be recorded before wait() returns).
+  spin_until([&] { return completed_.load(std::memory_order_acquire) == seq; });
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (job.error_) errors_[seq] = job.error_;

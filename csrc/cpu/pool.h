@@ -67,12 +67,15 @@ class SpinLock {
  public:
   void lock() {
     while (flag_.exchange(true, std::memory_order_acquire))
-      while (flag_.load(std::memory_order_relaxed)) pause();
+      for (int i = 0; flag_.load(std::memory_order_relaxed); ++i)
+        if (i < 4096) pause();
+        else yield();  // the holder may be descheduled (more threads than cores)
   }
   void unlock() { flag_.store(false, std::memory_order_release); }
 
  private:
   static void pause();
+  static void yield();
   std::atomic<bool> flag_{false};
 };
 

@@ -188,3 +188,29 @@ def test_submit_returns_before_the_work_is_done(pool):
     pending = moe.submit(x.clone(), ids.clone(), w.clone())  # the clones live only in the Pending
     assert torch.equal(pending.wait(), want)
     assert pending.done()
+
+
+def test_jobs_in_flight_complete_in_order_under_stress():
+    """Several jobs in flight on more threads than cores: a job's finisher may be descheduled while the others run
+    the next job to its end; completions must still go in order (this once left wait() blocked forever)."""
+    import time
+
+    pool = cpu.make_pool(4, pin=False, spin_us=0)
+    lin = cpu.CPULinear(torch.randn(16, 256), 16, 256, pool=pool)
+    x = torch.randn(1, 256)
+    want = lin(x)
+    state = {"iters": 0, "ok": True}
+
+    def loop():
+        t0 = time.time()
+        while time.time() - t0 < 4.0:
+            ps = [lin.submit(x) for _ in range(4)]
+            out = ps[-1].wait()
+            state["ok"] &= all(p.done() for p in ps) and torch.equal(out, want)
+            state["iters"] += 1
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), f"wait() blocked after {state['iters']} rounds of 4 jobs"
+    assert state["ok"] and state["iters"] > 100

@@ -49,8 +49,10 @@ MODES = [0, 2] + ([1] if HW_AMX else [])  # VNNI, emulated AMX, real AMX where t
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
 # AMX (and its emulation) runs for blocks of >= 128 rows and >= 16 activation rows; smaller ones take the VNNI tiles
 @pytest.mark.parametrize("n_out,n_in,tokens", [(37, 512, 9), (64, 2048, 33), (16, 256, 1), (5, 768, 100),
-                                               (1024, 512, 33), (1040, 256, 16), (600, 768, 21)])
+                                               (1024, 512, 33), (1040, 256, 16), (600, 768, 21),
+                                               (1224, 256, 17)])  # on 2 threads: blocks of 256, then 200 rows
 def test_linear_tiles_match_rows_and_reference(qtype, n_out, n_in, tokens, pool):
+    assert pool.size == 2  # the block sizes above (and so which blocks reach AMX) assume the 2-thread fixture pool
     raw, deq = quantized(qtype, (n_out, n_in), seed=n_out + tokens)
     lin = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512")
     x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(tokens))
@@ -91,11 +93,12 @@ def test_moe_prefill_tiles(qtypes, pool):
         # rounding step there, so the row and tile results differ by more than at the linear level
         assert rel(outs[mode], rows) < 2e-3
         assert torch.equal(outs[mode], outs[0])
-    with tiles(6, 0):  # and the result does not depend on the thread count
-        for n in (1, 3):
-            moe_n = cpu.CPUMoE(*(m[0] for m in mats), n_experts=E, hidden=H, intermediate=I, types=qtypes,
-                               pool=cpu.make_pool(n, pin=False), isa="avx512")
-            assert torch.equal(moe_n(x, ids, w), outs[0])
+    for mode in MODES:  # and the result does not depend on the thread count (blocks move between AMX and VNNI)
+        with tiles(6, mode):
+            for n in (1, 3):
+                moe_n = cpu.CPUMoE(*(m[0] for m in mats), n_experts=E, hidden=H, intermediate=I, types=qtypes,
+                                   pool=cpu.make_pool(n, pin=False), isa="avx512")
+                assert torch.equal(moe_n(x, ids, w), outs[0]), f"mode {mode}, {n} threads"
 
 
 def test_tile_settings_round_trip():
