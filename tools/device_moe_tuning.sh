@@ -16,11 +16,14 @@ bench() { ktrans bench moe --shape qwen3-next --quant q4_k --threads "$T" --json
 } | tee "$OUT/prefill.jsonl" | cut -c1-400
 {
   echo '# default'; bench --tokens 1,4 --trace
-  echo '# KTRANS_PREFETCH_L2=1'; KTRANS_PREFETCH_L2=1 bench --tokens 1,4 --trace
+  echo '# KTRANS_PREFETCH_HINT=t1'; KTRANS_PREFETCH_HINT=t1 bench --tokens 1,4 --trace
+  echo '# KTRANS_PREFETCH_HINT=nta'; KTRANS_PREFETCH_HINT=nta bench --tokens 1,4 --trace
   echo '# KTRANS_PREFETCH_BYTES=8192'; KTRANS_PREFETCH_BYTES=8192 bench --tokens 1,4 --trace
-  echo '# KTRANS_PREFETCH_BYTES=8192 KTRANS_PREFETCH_L2=1'; KTRANS_PREFETCH_BYTES=8192 KTRANS_PREFETCH_L2=1 bench --tokens 1,4 --trace
+  echo '# KTRANS_PREFETCH_BYTES=8192 KTRANS_PREFETCH_HINT=t1'; KTRANS_PREFETCH_BYTES=8192 KTRANS_PREFETCH_HINT=t1 bench --tokens 1,4 --trace
   echo '# KTRANS_PREFETCH_BYTES=2048'; KTRANS_PREFETCH_BYTES=2048 bench --tokens 1,4 --trace
   echo '# KTRANS_GU_TASKS=4 KTRANS_DN_TASKS=2'; KTRANS_GU_TASKS=4 KTRANS_DN_TASKS=2 bench --tokens 1,4 --trace
   echo '# KTRANS_GU_TASKS=2 KTRANS_DN_TASKS=1'; KTRANS_GU_TASKS=2 KTRANS_DN_TASKS=1 bench --tokens 1,4 --trace
   echo '# KTRANS_GU_TASKS=16 KTRANS_DN_TASKS=8'; KTRANS_GU_TASKS=16 KTRANS_DN_TASKS=8 bench --tokens 1,4 --trace
 } | tee "$OUT/decode.jsonl" | cut -c1-600
+# where a 1-token call's time goes, with the default and the non-temporal prefetch
+{ python3 tools/decode_overhead.py; KTRANS_PREFETCH_HINT=nta python3 tools/decode_overhead.py; } | tee "$OUT/overhead.jsonl"

@@ -17,12 +17,18 @@
 namespace ktrans {
 namespace {
 
+inline void prefetch_line(const uint8_t* p) {
+  const char* c = reinterpret_cast<const char*>(p);
+  if (kPrefetchHint == 0) _mm_prefetch(c, _MM_HINT_T0);
+  else if (kPrefetchHint == 1) _mm_prefetch(c, _MM_HINT_T1);
+  else _mm_prefetch(c, _MM_HINT_NTA);
+}
+
 // Touch every cache line of the next Bytes bytes of the weight stream, kPrefetchBytes ahead (see quant.h).
 template <int Bytes>
 inline void prefetch_ahead(const uint8_t* w) {
   for (int off = 0; off < Bytes; off += 64)
-    if (kPrefetchL2) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T1);
-    else _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes + off), _MM_HINT_T0);
+    prefetch_line(w + kPrefetchBytes + off);
 }
 
 // The opening stretch of a block of rows, which the in-loop prefetch (kPrefetchBytes ahead) never covers.

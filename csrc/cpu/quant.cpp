@@ -23,7 +23,11 @@ int env_or(const char* name, int fallback) {
 }  // namespace
 
 const int kPrefetchBytes = std::max(64, env_or("KTRANS_PREFETCH_BYTES", 4096) & ~63);
-const bool kPrefetchL2 = env_or("KTRANS_PREFETCH_L2", 0) != 0;
+const int kPrefetchHint = [] {
+  const char* v = std::getenv("KTRANS_PREFETCH_HINT");
+  const std::string h = v ? v : "";
+  return h == "t1" ? 1 : (h == "nta" ? 2 : 0);
+}();
 
 
 bool type_supported(int t) {

@@ -142,10 +142,11 @@ inline const float* act_q8k_d(const uint8_t* row, int64_t k) {
 // Weight rows are streamed once from DRAM. The kernels prefetch this far ahead of the block they read (the rows of
 // a task are contiguous, so this runs on into the next rows), and each task first prefetches its opening stretch.
 // 4 KiB measured best on the dev box (Zen 4): 1.5 KiB left a decode step ~10% short of it, 8 KiB gained nothing.
-// KTRANS_PREFETCH_BYTES sets another distance (a multiple of 64), KTRANS_PREFETCH_L2=1 prefetches into L2
-// (prefetcht1) instead of L1: tuning knobs for other CPUs, read once at load.
+// KTRANS_PREFETCH_BYTES sets another distance (a multiple of 64); KTRANS_PREFETCH_HINT=t1 prefetches into L2
+// (prefetcht1) instead of L1, =nta non-temporally (prefetchnta: the weights, read once, then displace less of
+// the caller's cache; a lead for the fixed per-call costs measured on the Xeon). Tuning knobs, read once at load.
 extern const int kPrefetchBytes;
-extern const bool kPrefetchL2;
+extern const int kPrefetchHint;  // 0: t0, 1: t1, 2: nta
 
 // ---------------------------------------------------------------------------------------------------------
 // the kernel table of one ISA path
