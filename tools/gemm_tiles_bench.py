@@ -1,7 +1,9 @@
 """One thread, the raw Q4_K gemm kernel: row kernels vs AVX-512 VNNI tiles vs AMX tiles (tuning aid).
 
-Usage: python3 tools/gemm_tiles_bench.py   -> one JSON line per (M, k, N) with ms per mode and the speedups.
+Usage: python3 tools/gemm_tiles_bench.py [--isa avx512|avx2]  -> one JSON line per (M, k, N) with ms per mode and
+the speedups (AMX only on the avx512 path of a CPU that has it).
 """
+import argparse
 import json
 
 import torch
@@ -12,18 +14,21 @@ from ktrans.kernels import cpu
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--isa", default="avx512", choices=["avx512", "avx2"])
+    isa = ap.parse_args().isa
     gen = torch.Generator().manual_seed(0)
-    modes = {"rows": (1 << 30, 0), "vnni": (1, 0)}
-    if _cpu.isa_info().get("amx_int8"):
+    modes = {"rows": (1 << 30, 0), "tiles" if isa == "avx2" else "vnni": (1, 0)}
+    if isa == "avx512" and _cpu.isa_info().get("amx_int8"):
         modes["amx"] = (1, 1)
     for M, k in [(512, 2048), (32, 512)]:
         w = random_experts("Q4_K", 1, M, k, gen)
         for N in [2, 3, 4, 6, 8, 16, 20, 32, 64]:
-            row = {"M": M, "k": k, "N": N}
+            row = {"isa": isa, "M": M, "k": k, "N": N}
             for name, (tmin, amx) in modes.items():
                 old_min, old_amx = _cpu.set_tile_min_tokens(tmin), _cpu.set_amx_mode(amx)
                 reps = max(3, int(2e8 / (M * k * N)))
-                row[name + "_ms"] = round(min(_cpu.bench_gemm(cpu.type_id("Q4_K"), w.data_ptr(), M, k, N, reps)
+                row[name + "_ms"] = round(min(_cpu.bench_gemm(cpu.type_id("Q4_K"), w.data_ptr(), M, k, N, reps, isa)
                                               for _ in range(5)) * 1e3, 4)
                 _cpu.set_tile_min_tokens(old_min)
                 _cpu.set_amx_mode(old_amx)

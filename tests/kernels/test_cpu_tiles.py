@@ -18,7 +18,8 @@ from ktrans.kernels import cpu  # noqa: E402
 from ktrans.kernels.torch.moe import moe_experts  # noqa: E402
 from ktrans.weights import quants as Q  # noqa: E402
 
-pytestmark = pytest.mark.skipif(_cpu.path_status()["avx512"] is not None, reason="the tiles are AVX-512 kernels")
+STATUS = _cpu.path_status()
+needs_avx512 = pytest.mark.skipif(STATUS["avx512"] is not None, reason="the AVX-512 / AMX tiles")
 HW_AMX = bool(_cpu.isa_info().get("amx_int8", False))
 
 
@@ -46,6 +47,7 @@ def rel(a, b) -> float:
 MODES = [0, 2] + ([1] if HW_AMX else [])  # VNNI, emulated AMX, real AMX where the CPU has it
 
 
+@needs_avx512
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
 # AMX (and its emulation) runs for blocks of >= 128 rows and >= 16 activation rows; smaller ones take the VNNI tiles
 @pytest.mark.parametrize("n_out,n_in,tokens", [(37, 512, 9), (64, 2048, 33), (16, 256, 1), (5, 768, 100),
@@ -69,6 +71,7 @@ def test_linear_tiles_match_rows_and_reference(qtype, n_out, n_in, tokens, pool)
         assert torch.equal(outs[mode], outs[0]), f"mode {mode} differs from the VNNI tiles"
 
 
+@needs_avx512
 @pytest.mark.parametrize("qtypes", [("Q4_K", "Q4_K", "Q4_K"), ("Q5_K", "Q4_K", "Q6_K")])
 def test_moe_prefill_tiles(qtypes, pool):
     """A prefill-sized batch: 8 experts get 20-60 tokens each, so gate/up/down run on the tiles (Q6_K on rows)."""
@@ -101,6 +104,27 @@ def test_moe_prefill_tiles(qtypes, pool):
                 assert torch.equal(moe_n(x, ids, w), outs[0]), f"mode {mode}, {n} threads"
 
 
+@pytest.mark.skipif(STATUS["avx2"] is not None, reason="the AVX2 tiles")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("n_out,n_in,tokens", [(37, 512, 9), (64, 2048, 33), (13, 768, 100)])
+def test_avx2_tiles_match_rows_reference_and_avx512_tiles(qtype, n_out, n_in, tokens, pool):
+    """8-row AVX2 tiles (from 8 tokens on): close to the AVX2 row kernels, and bitwise equal to the AVX-512 tiles
+    (the same float operations in the same order)."""
+    raw, deq = quantized(qtype, (n_out, n_in), seed=n_out + tokens)
+    x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(tokens))
+    lin2 = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx2")
+    with tiles(10**9, 0):
+        rows = lin2(x)
+    with tiles(1, 0):
+        tiled = lin2(x)
+        other = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512")(x) if STATUS["avx512"] is None else None
+    assert rel(tiled, x.double() @ deq.T) < 0.02
+    assert 0 < rel(tiled, rows) < 1e-5  # > 0: the tiles really ran (another summation order)
+    if other is not None:
+        assert torch.equal(tiled, other)
+
+
+@needs_avx512
 def test_tile_settings_round_trip():
     old = _cpu.set_tile_min_tokens(7)
     assert _cpu.set_tile_min_tokens(old) == 7
