@@ -59,6 +59,16 @@ void unpack_tile8(const uint8_t* const rows[8], Tile8& t) {
   const __m256i bit0 = _mm256_set1_epi8(0x01);
   constexpr int qoff = Q5 ? 48 : 16;
   for (int jj = 0; jj < 4; ++jj) {  // qs bytes 32jj .. 32jj + 31: low nibbles sub-block 2jj, high 2jj + 1
+    if (!Q5) {  // splitting nibbles commutes with the transpose: one transpose of the packed bytes serves both
+      __m256i q[8];
+      for (int r = 0; r < 8; ++r) q[r] = loadu(rows[r] + qoff + 32 * jj);
+      transpose8(q);
+      for (int g = 0; g < 8; ++g) {
+        t.q[2 * jj][g] = _mm256_and_si256(q[g], m4);
+        t.q[2 * jj + 1][g] = _mm256_and_si256(_mm256_srli_epi16(q[g], 4), m4);
+      }
+      continue;
+    }
     __m256i lo[8], hi[8];
     for (int r = 0; r < 8; ++r) {
       const __m256i q = loadu(rows[r] + qoff + 32 * jj);
