@@ -1,6 +1,6 @@
-// Q4_K / Q5_K prefill on AVX-512 VNNI: 16 weight rows per tile (see tiles.h).
+// Q4_K / Q5_K prefill on AVX-512 VNNI and AMX: 16 weight rows per tile (see tiles.h; AMX below gemm_tiles).
 //
-// Per superblock (256 values) of the tile's 16 rows:
+// VNNI, per superblock (256 values) of the tile's 16 rows:
 //  - the nibbles are unpacked to bytes in ACT_Q8K_P order (the order the activations are stored in) and transposed
 //    16 x 16 dwords at a time, so that q[i] holds, in lane r, row r's weights at positions 4i .. 4i + 3;
 //  - the six-bit scales and mins and the two fp16 factors are unpacked and transposed the same way (one float

@@ -1,10 +1,11 @@
-// Prefill kernels for Q4_K / Q5_K that take 16 weight rows at a time (see kernels_avx512_tile.cpp).
+// Prefill kernels for Q4_K / Q5_K that take 16 (AVX-512, AMX) or 8 (AVX2) weight rows at a time
+// (kernels_avx512_tile.cpp, kernels_avx2_tile.cpp).
 //
 // The row kernels multiply every weight twice per activation row (vpmaddubsw, then vpdpwssd with the sub-block
-// scale), which is what bounds a prefill. Here the 16 rows of a tile are unpacked once per superblock into the
+// scale), which is what bounds a prefill. Here the rows of a tile are unpacked once per superblock into the
 // layout of a VNNI dot product (one 32-bit lane per row, 4 consecutive weights in it), so each activation row
-// then needs one vpdpbusd per 4 x 16 weights, and the scales are applied once per sub-block. The same layout is an
-// AMX B tile, so the AMX kernel shares the unpacking.
+// then needs one vpdpbusd per 4 x 16 weights, and the scales are applied once per sub-block. AMX takes the
+// unpacked rows as they are (its A tile) and the activations transposed instead (its B tile).
 #pragma once
 
 #include <cstddef>
