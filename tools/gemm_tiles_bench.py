@@ -18,7 +18,7 @@ def main() -> None:
     ap.add_argument("--isa", default="avx512", choices=["avx512", "avx2"])
     isa = ap.parse_args().isa
     gen = torch.Generator().manual_seed(0)
-    modes = {"rows": (1 << 30, 0), "tiles" if isa == "avx2" else "vnni": (1, 0)}
+    modes = {"rows": (cpu.TILES_OFF, 0), "tiles" if isa == "avx2" else "vnni": (1, 0)}
     if isa == "avx512" and _cpu.isa_info().get("amx_int8"):
         modes["amx"] = (1, 1)
     for M, k in [(512, 2048), (32, 512)]:

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "prefetch.h"
 #include "quant.h"
 #include "tiles.h"
 
@@ -18,26 +19,6 @@
 
 namespace ktrans {
 namespace {
-
-inline void prefetch_line(const uint8_t* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  if (kPrefetchHint == 0) _mm_prefetch(c, _MM_HINT_T0);
-  else if (kPrefetchHint == 1) _mm_prefetch(c, _MM_HINT_T1);
-  else _mm_prefetch(c, _MM_HINT_NTA);
-}
-
-// Touch every cache line of the next Bytes bytes of the weight stream, kPrefetchBytes ahead (see quant.h).
-template <int Bytes>
-inline void prefetch_ahead(const uint8_t* w) {
-  for (int off = 0; off < Bytes; off += 64)
-    prefetch_line(w + kPrefetchBytes + off);
-}
-
-// The opening stretch of a block of rows, which the in-loop prefetch (kPrefetchBytes ahead) never covers.
-inline void prefetch_start(const uint8_t* w, size_t bytes) {
-  const size_t n = bytes < static_cast<size_t>(kPrefetchBytes) ? bytes : kPrefetchBytes;
-  for (size_t off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + off), _MM_HINT_T0);
-}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -303,9 +284,9 @@ RowFn row_fn(int t, int c) {
 
 void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
           size_t ldc) {
-  // prefill: 8 rows at a time, from 8 activation rows on (1.0x the row kernels at 8 on Zen 4 for a 512 x 2048
-  // matrix, 1.1-1.2x from 16; 1.2-1.4x on the small blocks of a down projection; slower below 6)
-  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= std::max(tile_min_tokens(), 8)) {
+  // prefill: 8 rows at a time (1.1-1.2x the row kernels from 16 activation rows on a 512 x 2048 matrix, 1.2-1.4x
+  // on the small blocks of a down projection)
+  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= std::max(tile_min_tokens(), kAvx2TileMinTokens)) {
     gemm_k4_tiles_avx2(t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
     return;
   }

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "prefetch.h"
 #include "quant.h"
 #include "tiles.h"
 
@@ -42,10 +43,6 @@ inline void transpose8(__m256i r[8]) {
     r[4 + e] = _mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
   }
 }
-
-// Storage sub-block s of the AVX-512 path's activation order holds sub-block kNat[s]: the P sums below run in that
-// order so that they match the AVX-512 tiles exactly.
-constexpr int kNat[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
 struct alignas(32) Tile8 {
   __m256i q[8][8];  // q[j][g] lane r: row r's weights 32j + 4g .. + 3 (u8), natural order
@@ -147,7 +144,7 @@ inline void tile_rows8(const Tile8& t, const uint8_t* const* act, const float* b
   __m256 P[NT], Mf[NT];
   for (int n = 0; n < NT; ++n) P[n] = Mf[n] = _mm256_setzero_ps();
   for (int s = 0; s < 8; ++s) {
-    const int j = kNat[s];
+    const int j = kNat[s];  // the AVX-512 tiles' order, so that both sum P alike
     __m256i dot[NT];
     dots<Q5, NT>(t, j, a, dot);
     for (int n = 0; n < NT; ++n) P[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[n]), t.sc[j], P[n]);
@@ -159,10 +156,6 @@ inline void tile_rows8(const Tile8& t, const uint8_t* const* act, const float* b
     acc[n0 + n] = _mm256_fmadd_ps(P[n], _mm256_mul_ps(t.d, sa), acc[n0 + n]);
     macc[n0 + n] = _mm256_fmadd_ps(Mf[n], _mm256_mul_ps(t.dmin, sa), macc[n0 + n]);
   }
-}
-
-inline void prefetch_range(const uint8_t* p, size_t lo, size_t hi) {
-  for (size_t off = lo; off < hi; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 }
 
 template <bool Q5>
@@ -178,22 +171,16 @@ void gemm_tiles8(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act,
   bsf_buf.resize(static_cast<size_t>(N) * nsub);
   acc_buf.resize(2 * static_cast<size_t>(N));
   float* bsf = bsf_buf.data();
-  for (int n = 0; n < N; ++n) {
-    const int16_t* bsums = act_q8k_bsums(act[n], k);
-    for (int64_t j = 0; j < nsub; ++j) bsf[n * nsub + j] = static_cast<float>(bsums[2 * j] + bsums[2 * j + 1]);
-  }
+  subblock_sums(act, N, k, bsf);
   __m256* acc = reinterpret_cast<__m256*>(acc_buf.data());
   __m256* macc = acc + N;
   Tile8 t;
-  prefetch_range(w, 0, std::min(8, M) * ldw);
+  prefetch_l2(w, 0, std::min(8, M) * ldw);
   for (int m0 = 0; m0 < M; m0 += 8) {
     const int nr = std::min(8, M - m0);
     for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm256_setzero_ps();
-    const size_t next_bytes = m0 + 8 < M ? std::min(8, M - m0 - 8) * ldw : 0;
-    const size_t share = (next_bytes / static_cast<size_t>(nb) + 63) & ~size_t(63);
     for (int64_t b = 0; b < nb; ++b) {
-      // the next tile's rows (one contiguous block) into L2, a share per superblock (see kernels_avx512_tile.cpp)
-      if (next_bytes) prefetch_range(w + (m0 + 8) * ldw, b * share, std::min(next_bytes, (b + 1) * share));
+      if (m0 + 8 < M) prefetch_next_tile(w + (m0 + 8) * ldw, std::min(8, M - m0 - 8) * ldw, b, nb);
       const uint8_t* rows[8];
       for (int r = 0; r < 8; ++r) rows[r] = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
       unpack_tile8<Q5>(rows, t);

@@ -8,6 +8,7 @@
 //  - float formats use masked loads for the tail instead of a scalar loop.
 #include <immintrin.h>
 
+#include "prefetch.h"
 #include "quant.h"
 #include "tiles.h"
 
@@ -16,26 +17,6 @@
 
 namespace ktrans {
 namespace {
-
-inline void prefetch_line(const uint8_t* p) {
-  const char* c = reinterpret_cast<const char*>(p);
-  if (kPrefetchHint == 0) _mm_prefetch(c, _MM_HINT_T0);
-  else if (kPrefetchHint == 1) _mm_prefetch(c, _MM_HINT_T1);
-  else _mm_prefetch(c, _MM_HINT_NTA);
-}
-
-// Touch every cache line of the next Bytes bytes of the weight stream, kPrefetchBytes ahead (see quant.h).
-template <int Bytes>
-inline void prefetch_ahead(const uint8_t* w) {
-  for (int off = 0; off < Bytes; off += 64)
-    prefetch_line(w + kPrefetchBytes + off);
-}
-
-// The opening stretch of a block of rows, which the in-loop prefetch (kPrefetchBytes ahead) never covers.
-inline void prefetch_start(const uint8_t* w, size_t bytes) {
-  const size_t n = bytes < static_cast<size_t>(kPrefetchBytes) ? bytes : kPrefetchBytes;
-  for (size_t off = 0; off < n; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + off), _MM_HINT_T0);
-}
 
 inline float f16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 inline __m512i loadu(const void* p) { return _mm512_loadu_si512(p); }

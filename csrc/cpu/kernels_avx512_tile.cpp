@@ -19,16 +19,12 @@
 #include <vector>
 
 #include "isa.h"
+#include "prefetch.h"
 #include "quant.h"
 #include "tiles.h"
 
 namespace ktrans {
 namespace {
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : fallback;
-}
 
 // Q4_K, one thread (tools/gemm_tiles_bench.py): against the row kernels, the VNNI tiles take 1.0-1.2x at 2-3
 // activation rows, 1.2x at 4, 1.5x at 6-8 and 1.8-2.1x from 16 on (a 512 x 2048 matrix on Zen 4; 1.2-1.3x at 2-3
@@ -131,22 +127,33 @@ struct alignas(64) Tile {
   __m512 d, dmin;
 };
 
-// Storage sub-block s of ACT_Q8K_P holds the values of sub-block kNat[s].
-constexpr int kNat[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+// Bytes 64h .. 64h + 63 of one row's Q4_K/Q5_K quants as unsigned weights: lo holds ACT_Q8K_P positions
+// 128h + 0..63 (the low nibbles), hi positions 128h + 64..127 (the high ones); Q5_K adds 16 where its qh bit is
+// set: the zmm of sub-blocks (s, s + 2) tests bit s of qh in its low half, bit s + 2 in its high half.
+template <bool Q5>
+inline void split_nibbles(const uint8_t* block, int h, __m512i& lo, __m512i& hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i q = loadu(block + (Q5 ? 48 : 16) + 64 * h);
+  lo = _mm512_and_si512(q, m4);
+  hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+  if (Q5) {
+    const __m512i sixteen = _mm512_set1_epi8(0x10);
+    const __m512i t0 = _mm512_set_epi64(0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL,
+                                        0x0404040404040404LL, 0x0101010101010101LL, 0x0101010101010101LL,
+                                        0x0101010101010101LL, 0x0101010101010101LL);
+    const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)));
+    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * h)), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * h + 1)), hi, sixteen);
+  }
+}
 
 template <bool Q5>
 void unpack_tile(const uint8_t* const rows[16], Tile& t) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i sixteen = _mm512_set1_epi8(0x10);
-  // Q5_K high bits: the zmm of sub-blocks (s, s + 2) tests bit s of qh in its low half, bit s + 2 in its high half.
-  const __m512i t0 = _mm512_set_epi64(0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL,
-                                      0x0404040404040404LL, 0x0101010101010101LL, 0x0101010101010101LL,
-                                      0x0101010101010101LL, 0x0101010101010101LL);
-  constexpr int qoff = Q5 ? 48 : 16;
   for (int c = 0; c < 2; ++c) {  // qs bytes 64c .. 64c + 63: low nibbles -> positions 128c + 0..63, high -> + 64..127
     if (!Q5) {  // splitting nibbles commutes with the transpose: one transpose of the packed bytes serves both
       __m512i q[16];
-      for (int r = 0; r < 16; ++r) q[r] = loadu(rows[r] + qoff + 64 * c);
+      for (int r = 0; r < 16; ++r) q[r] = loadu(rows[r] + 16 + 64 * c);
       transpose16(q);
       for (int j = 0; j < 16; ++j) {
         t.q[32 * c + j] = _mm512_and_si512(q[j], m4);
@@ -155,16 +162,7 @@ void unpack_tile(const uint8_t* const rows[16], Tile& t) {
       continue;
     }
     __m512i lo[16], hi[16];
-    for (int r = 0; r < 16; ++r) {
-      const __m512i q = loadu(rows[r] + qoff + 64 * c);
-      lo[r] = _mm512_and_si512(q, m4);
-      hi[r] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-      if (Q5) {
-        const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + 16)));
-        lo[r] = _mm512_mask_add_epi8(lo[r], _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * c)), lo[r], sixteen);
-        hi[r] = _mm512_mask_add_epi8(hi[r], _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * c + 1)), hi[r], sixteen);
-      }
-    }
+    for (int r = 0; r < 16; ++r) split_nibbles<Q5>(rows[r], c, lo[r], hi[r]);
     transpose16(lo);
     transpose16(hi);
     for (int j = 0; j < 16; ++j) {
@@ -175,20 +173,6 @@ void unpack_tile(const uint8_t* const rows[16], Tile& t) {
   __m512 sc[8];
   unpack_heads(rows, t.d, t.dmin, sc, t.mn);
   for (int i = 0; i < 8; ++i) t.sc[i] = sc[kNat[i]];
-}
-
-// A tile's 16 rows are one contiguous block of 16 * ldw bytes (the rows of a task are contiguous). While the
-// tile's superblock b is worked on, the b-th share of the next tile's block is prefetched into L2, so the next tile
-// is near when it starts however few activation rows there are to hide its latency (with 3-5 rows per expert the
-// tiles are otherwise memory-bound: measured 15% slower than the row kernels in a 64-token layer on Zen 4).
-inline void prefetch_next_tile(const uint8_t* next, size_t bytes, int64_t b, int64_t nb) {
-  const size_t share = (bytes / static_cast<size_t>(nb) + 63) & ~size_t(63);
-  const size_t lo = static_cast<size_t>(b) * share, hi = std::min(bytes, lo + share);
-  for (size_t off = lo; off < hi; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
-}
-
-inline void prefetch_block(const uint8_t* p, size_t bytes) {
-  for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
 }
 
 inline __m512i bcast4(const int8_t* p) {
@@ -251,14 +235,11 @@ void gemm_tiles(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, 
   bsf_buf.resize(static_cast<size_t>(N) * nsub);
   acc_buf.resize(2 * static_cast<size_t>(N));
   float* bsf = bsf_buf.data();
-  for (int n = 0; n < N; ++n) {
-    const int16_t* bsums = act_q8k_bsums(act[n], k);
-    for (int64_t j = 0; j < nsub; ++j) bsf[n * nsub + j] = static_cast<float>(bsums[2 * j] + bsums[2 * j + 1]);
-  }
+  subblock_sums(act, N, k, bsf);
   __m512* acc = reinterpret_cast<__m512*>(acc_buf.data());
   __m512* macc = acc + N;
   Tile t;
-  prefetch_block(w, std::min(16, M) * ldw);
+  prefetch_l2(w, 0, std::min(16, M) * ldw);
   for (int m0 = 0; m0 < M; m0 += 16) {
     const int nr = std::min(16, M - m0);
     const uint8_t* rows[16];
@@ -268,7 +249,7 @@ void gemm_tiles(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, 
       for (int r = 0; r < 16; ++r) rows[r] = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
       if (b + 1 < nb)
         for (int r = 0; r < nr; ++r)
-          for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBytes + off), _MM_HINT_T0);
+          for (int off = 0; off < kBytes; off += 64) __builtin_prefetch(rows[r] + kBytes + off, 0, 3);
       unpack_tile<Q5>(rows, t);
       int n0 = 0;
       for (; n0 + 8 <= N; n0 += 8) tile_rows_at<8>(t, act, bsf, k, b, n0, acc, macc);
@@ -334,7 +315,6 @@ template <bool Q5, bool kHw>
 void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
               size_t ldc) {
   constexpr int kBytes = Q5 ? 176 : 144;
-  constexpr int qoff = Q5 ? 48 : 16;
   const int64_t nb = k / QK_K, nsub = k / 32;
   const int G = (N + 15) / 16;  // groups of 16 activation rows, the last one padded with zeros
   struct alignas(64) Lanes {
@@ -357,7 +337,7 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
     for (int64_t j = 0; j < nsub; ++j) {
       for (int n = 0; n < 16; ++n) {
         const int16_t* bs = gi * 16 + n < N ? act_q8k_bsums(act[gi * 16 + n], k) : nullptr;
-        bsv[n] = bs ? static_cast<float>(bs[2 * j] + bs[2 * j + 1]) : 0.f;
+        bsv[n] = bs ? subblock_sum(bs, j) : 0.f;
       }
       bsf[gi * nsub + j] = _mm512_load_ps(bsv);
     }
@@ -369,18 +349,13 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
       for (int j = 0; j < 16; ++j) _mm512_store_si512(bt + (gi * (k / 4) + 16 * p + j) * 64, r[j]);
     }
   }
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512i sixteen = _mm512_set1_epi8(0x10);
-  const __m512i t0 = _mm512_set_epi64(0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL,
-                                      0x0404040404040404LL, 0x0101010101010101LL, 0x0101010101010101LL,
-                                      0x0101010101010101LL, 0x0101010101010101LL);
   alignas(64) uint8_t abuf[16 * 256];
   alignas(64) int32_t cbuf[2 * 256];
   alignas(64) float scf[16][16];  // [sub-block j: scale j (j < 8) or min j - 8][row]
   alignas(64) float dr[16], dminr[16];
   const uint8_t* heads[16];
   if (kHw) amx_begin();
-  prefetch_block(w, std::min(16, M) * ldw);
+  prefetch_l2(w, 0, std::min(16, M) * ldw);
   for (int m0 = 0; m0 < M; m0 += 16) {
     const int nr = std::min(16, M - m0);
     for (int i = 0; i < 32 * G; ++i) acc[i] = _mm512_setzero_ps();
@@ -389,15 +364,10 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
       for (int r = 0; r < 16; ++r) {
         const uint8_t* row = w + (m0 + std::min(r, nr - 1)) * ldw + b * kBytes;
         if (b + 1 < nb && r < nr)
-          for (int off = 0; off < kBytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(row + kBytes + off), _MM_HINT_T0);
+          for (int off = 0; off < kBytes; off += 64) __builtin_prefetch(row + kBytes + off, 0, 3);
         for (int h = 0; h < 2; ++h) {
-          const __m512i q = loadu(row + qoff + 64 * h);
-          __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-          if (Q5) {
-            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16)));
-            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * h)), lo, sixteen);
-            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hb, _mm512_slli_epi64(t0, 4 * h + 1)), hi, sixteen);
-          }
+          __m512i lo, hi;
+          split_nibbles<Q5>(row, h, lo, hi);
           _mm512_store_si512(abuf + r * 256 + 128 * h, lo);
           _mm512_store_si512(abuf + r * 256 + 128 * h + 64, hi);
         }

@@ -153,6 +153,7 @@ PYBIND11_MODULE(_cpu, m) {
         "From how many activation rows per gemm call the Q4_K/Q5_K tile kernels run (tuning, tests); returns the "
         "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 3.");
   m.def("tile_min_tokens", &tile_min_tokens, "From how many activation rows per call the Q4_K/Q5_K tiles run.");
+  m.attr("AVX2_TILE_MIN_TOKENS") = kAvx2TileMinTokens;
   m.def("set_amx_mode", &set_amx_mode, py::arg("mode"),
         "Q4_K/Q5_K prefill tiles: 1 = AMX where the CPU has it, 0 = AVX-512 VNNI, 2 = the AMX data flow emulated in "
         "C++ (tests). Returns the previous request. KTRANS_AMX sets the start value (1).");

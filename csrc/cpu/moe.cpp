@@ -17,15 +17,11 @@ namespace {
 
 constexpr int kRowsPerQuant = 8;  // activation rows per quantization task
 
-int env_or(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::max(1, std::atoi(v)) : fallback;
-}
 // Tasks per thread for gate/up and for down (KTRANS_GU_TASKS, KTRANS_DN_TASKS; read once at load): more tasks
 // balance uneven cores, fewer make longer streams for the prefetchers and fewer trips through the shared task
 // counter. 4 and 2 measured best on the 16-core Xeon for a 1-token step (0.203-0.209 ms against 0.218-0.243 ms
 // with 8 and 4, 0.248 with 2 and 1); on 2 cores the blocks hit their caps either way.
-const int kGateUpTasks = env_or("KTRANS_GU_TASKS", 4), kDownTasks = env_or("KTRANS_DN_TASKS", 2);
+const int kGateUpTasks = std::max(1, env_int("KTRANS_GU_TASKS", 4)), kDownTasks = std::max(1, env_int("KTRANS_DN_TASKS", 2));
 
 // Rows per task: about `tasks_per_thread` tasks per thread, so a slow core is balanced out, but blocks as large as
 // that allows (multiples of 16 rows, at most `cap`), since every block is a separate stream the prefetcher must

@@ -15,14 +15,12 @@
 
 namespace ktrans {
 
-namespace {
-int env_or(const char* name, int fallback) {
+int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::atoi(v) : fallback;
 }
-}  // namespace
 
-const int kPrefetchBytes = std::max(64, env_or("KTRANS_PREFETCH_BYTES", 4096) & ~63);
+const int kPrefetchBytes = std::max(64, env_int("KTRANS_PREFETCH_BYTES", 4096) & ~63);
 const int kPrefetchHint = [] {
   const char* v = std::getenv("KTRANS_PREFETCH_HINT");
   const std::string h = v ? v : "";

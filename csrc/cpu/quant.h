@@ -146,6 +146,8 @@ inline const float* act_q8k_d(const uint8_t* row, int64_t k) {
 // (prefetcht1) instead of L1, =nta non-temporally (prefetchnta: the weights, read once, then displace less of
 // the caller's cache; a lead for the fixed per-call costs measured on the Xeon). Tuning knobs, read once at load.
 extern const int kPrefetchBytes;
+// The integer value of environment variable `name` (atoi), or `fallback` when it is unset or empty.
+int env_int(const char* name, int fallback);
 extern const int kPrefetchHint;  // 0: t0, 1: t1, 2: nta
 
 // ---------------------------------------------------------------------------------------------------------

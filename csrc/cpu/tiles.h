@@ -11,13 +11,33 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "quant.h"
+
 namespace ktrans {
+
+// ACT_Q8K_P stores each 128 values as 0-31, 64-95, 32-63, 96-127: its storage sub-block s (values at positions
+// 32s .. 32s + 31) is sub-block kNat[s]. The tiles of every ISA sum the sub-blocks in this order.
+constexpr int kNat[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+// The activation sum of 32-value sub-block j of a Q8_K row, from its bsums (sums of 16).
+inline float subblock_sum(const int16_t* bsums, int64_t j) { return static_cast<float>(bsums[2 * j] + bsums[2 * j + 1]); }
+
+// out[n * (k / 32) + j] = subblock_sum of activation row n, for n < N.
+inline void subblock_sums(const uint8_t* const* act, int N, int64_t k, float* out) {
+  for (int n = 0; n < N; ++n) {
+    const int16_t* bsums = act_q8k_bsums(act[n], k);
+    for (int64_t j = 0; j < k / 32; ++j) out[n * (k / 32) + j] = subblock_sum(bsums, j);
+  }
+}
 
 // Tile kernels are used from this many activation rows per call on (below it, unpacking 16 rows costs more than
 // it saves). KTRANS_TILE_MIN_TOKENS sets the start value; set_tile_min_tokens changes it (tests, tuning) and
 // returns the previous one. A huge value turns the tile kernels off.
 int tile_min_tokens();
 int set_tile_min_tokens(int n);
+// The AVX2 tiles start at max(tile_min_tokens(), this): below 8 activation rows they lose to the AVX2 row kernels
+// (0.70-0.96x at 2-6 rows, 1.0x at 8 on Zen 4, tools/gemm_tiles_bench.py --isa avx2).
+constexpr int kAvx2TileMinTokens = 8;
 // How the tiles run: 1 = AMX tiles (asked for, and the CPU has AMX-INT8 and the OS granted tile data), 0 = AVX-512
 // VNNI, 2 = the AMX data flow with the tile multiply done in plain C++ (tests check it on CPUs without AMX).
 // KTRANS_AMX (default 1) sets what is asked for at start; set_amx_mode changes it and returns the previous request.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ktrans import _cpu
 from ktrans.kernels import cpu
 from ktrans.kernels.torch.moe import moe_experts
 
@@ -108,8 +109,6 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
                          f"--shape {shape_name} has {shape.hidden} and {shape.intermediate}")
     if tiles not in _TILES:
         raise ValueError(f"--tiles must be one of {sorted(_TILES)}, got {tiles!r}")
-    from ktrans import _cpu
-
     tile_min, amx = _TILES[tiles]
     old_min = _cpu.set_tile_min_tokens(tile_min) if tile_min else None
     old_amx = _cpu.set_amx_mode(amx) if amx is not None else None
@@ -123,13 +122,7 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
 
 
 # --tiles: (tile_min_tokens to set or None, amx mode to set or None)
-_TILES = {"auto": (None, None), "amx": (None, 1), "vnni": (None, 0), "off": (1 << 30, None)}
-
-
-def _tiles_name() -> str:
-    from ktrans import _cpu
-
-    return {0: "vnni", 1: "amx", 2: "amx-emulated"}[_cpu.amx_mode()]
+_TILES = {"auto": (None, None), "amx": (None, 1), "vnni": (None, 0), "off": (cpu.TILES_OFF, None)}
 
 
 def _trace_summary(pool, moe, x, routes) -> dict:
@@ -202,13 +195,12 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
                "read_gb_per_s_fresh": round(fresh_gbs, 2),
                "iters": n_iter, "cpu_util": round(cpu_util, 2), "load_avg": round(os.getloadavg()[0], 2),
                "weights_gb": round(moe.nbytes / 1e9, 3), "setup_s": round(setup_s, 2)}
-        if qtype in ("Q4_K", "Q5_K") and moe.path == "avx512":
-            from ktrans import _cpu
-
-            # experts with at least tile_min_tokens tokens in a call run on the tiles, the others on the row kernels
-            off = _cpu.tile_min_tokens() >= _TILES["off"][0]
-            row["tiles"] = "off" if off else _tiles_name()
-            row["tile_min_tokens"] = _cpu.tile_min_tokens()
+        if qtype in ("Q4_K", "Q5_K"):
+            # experts with at least that many tokens in a call run on the tiles, the others on the row kernels
+            tiles = cpu.prefill_tiles(moe.path, cpu.isa_info())
+            row["tiles"] = tiles["mode"]
+            if "from_tokens_per_expert" in tiles:
+                row["tile_min_tokens"] = tiles["from_tokens_per_expert"]
         if trace:
             row["trace"] = _trace_summary(pool, moe, x, routes[: min(len(routes), 50)])
         if reference:

@@ -74,14 +74,20 @@ def isa_report() -> dict:
             "prefill_tiles": prefill_tiles(path, info), "features": info}
 
 
+TILES_OFF = 1 << 30  # a tile_min_tokens that no call reaches: the tiles are off
+
+
 def prefill_tiles(path: str, info: dict[str, bool]) -> dict:
     """How Q4_K/Q5_K experts with many tokens per call (prefill) are computed: 16 weight rows at a time on AMX or
-    AVX-512 VNNI tiles, or by the row kernels."""
+    AVX-512 VNNI tiles, 8 on AVX2 tiles, or by the row kernels."""
     tmin = _cpu.tile_min_tokens()
-    if path != "avx512":
-        return {"mode": "rows", "why": "the tiles are AVX-512 kernels"}
-    if tmin >= 1 << 30:
+    if path not in ("avx512", "avx2"):
+        return {"mode": "rows", "why": "the tiles need AVX2 or AVX-512"}
+    if tmin >= TILES_OFF:
         return {"mode": "rows", "why": "turned off (KTRANS_TILE_MIN_TOKENS)"}
+    if path == "avx2":
+        return {"mode": "avx2", "why": "AVX2 tiles of 8 rows (vpmaddubsw, int16 sums per sub-block)",
+                "from_tokens_per_expert": max(tmin, _cpu.AVX2_TILE_MIN_TOKENS)}
     mode = {0: "avx512-vnni", 1: "amx", 2: "amx-emulated"}[_cpu.amx_mode()]
     if mode == "amx":
         why = "AMX-INT8 tiles (tdpbusd) for the dot products, AVX-512 for unpacking and scales"
