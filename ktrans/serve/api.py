@@ -146,12 +146,16 @@ class OpenAIServer:
         except ValueError as e:  # ChatTemplateError is a ValueError
             raise bad_request(e, "messages") from None
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+    def _sampling_params(self, body):
+        """The request's model checked and its sampling fields as SamplingParams (a 400 naming the field if bad)."""
         self.check_model(body.model)
         try:
-            params = body.to_sampling_params()
+            return body.to_sampling_params()
         except ValueError as e:
             raise bad_request(e) from None
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        params = self._sampling_params(body)
         text = self._render_chat(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
         prompt_ids = self.tokenizer.encode(text)
         thinking = body.enable_thinking
@@ -204,11 +208,7 @@ class OpenAIServer:
 
     # ---- completions --------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
-        self.check_model(body.model)
-        try:
-            params = body.to_sampling_params()
-        except ValueError as e:
-            raise bad_request(e) from None
+        params = self._sampling_params(body)
         prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in body.prompts()]
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompt_ids = [p for p in prompts for _ in range(body.n)]
