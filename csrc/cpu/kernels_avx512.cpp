@@ -42,14 +42,32 @@ inline __m512 halves(float a, float b) {
 // unpack_k4_scales plus the moves into vector registers cost twice as many instructions):
 //   sc0-3 = s0-3 & 63          sc4-7 = (s8-11 & 15) | (s0-3 >> 6) << 4
 //   m0-3  = s4-7 & 63          m4-7  = (s8-11 >> 4) | (s4-7 >> 6) << 4
-inline __m128i k4_scales_mins(const uint8_t* p) {
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // 12 bytes used
+template <class V>
+inline V k4_scales_mins_v(V s);
+
+// The same on four blocks at once, one per 128-bit lane of a zmm (the decode kernel's four rows).
+template <>
+inline __m512i k4_scales_mins_v(__m512i s) {
+  const __m512i a = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11)));
+  const __m512i b = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7)));
+  const __m512i lo = _mm512_or_si512(
+      _mm512_and_si512(a, _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0))),
+      _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15))));
+  return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(b, 2), _mm512_set1_epi8(0x30)));
+}
+
+template <>
+inline __m128i k4_scales_mins_v(__m128i s) {
   const __m128i a = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
   const __m128i b = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
   const __m128i lo = _mm_or_si128(
       _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
       _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
   return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));
+}
+
+inline __m128i k4_scales_mins(const uint8_t* p) {
+  return k4_scales_mins_v(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // 12 bytes used
 }
 
 // From bytes v (the same 16 in every 128-bit lane): int16 lanes holding byte a in 128-bit lanes 0,1 and byte b in
@@ -156,16 +174,26 @@ void rows_q45_k(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t
   const __m512i sixteen = _mm512_set1_epi8(0x10);
   // Q5_K high bits: the zmm of sub-blocks (s, s + 2) tests bit s of qh in its low half, bit s + 2 in its high half.
   const __m512i t0 = _mm512_set_epi64(0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL, 0x0404040404040404LL, 0x0101010101010101LL, 0x0101010101010101LL, 0x0101010101010101LL, 0x0101010101010101LL);
+  // vpermd indices that copy 128-bit lane r to all four
+  __m512i lane_of[R];
+  for (int r = 0; r < R; ++r) lane_of[r] = _mm512_add_epi32(_mm512_set1_epi32(4 * r), _mm512_set_epi32(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0));
   for (int64_t b = 0; b < k / QK_K; ++b) {
     // The R rows are read side by side, so prefetch their bytes as one stream, R blocks per step.
     prefetch_ahead<R * kBytes>(w + b * R * kBytes);
+    // Four rows (a decode step): their scale fields unpacked together, one row per 128-bit lane.
+    __m512i scm4 = _mm512_setzero_si512();
+    if (R == 4) {
+      const uint8_t* s0 = w + b * kBytes + 4;
+      auto ld = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(s0 + r * ldw)); };
+      scm4 = k4_scales_mins_v(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+          _mm512_castsi128_si512(ld(0)), ld(1), 1), ld(2), 2), ld(3 % R), 3));
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* wb = w + r * ldw + b * kBytes;
-      const __m128i scm = k4_scales_mins(wb + 4);
-      const __m512i sc = _mm512_broadcast_i32x4(scm);
+      const __m512i sc = R == 4 ? _mm512_permutexvar_epi32(lane_of[r], scm4) : _mm512_broadcast_i32x4(k4_scales_mins(wb + 4));
       // each min twice as int16 (bsums are per 16 values): lane 0 takes m0-m3, lane 1 m4-m7
       const __m256i mins = _mm256_shuffle_epi8(
-          _mm256_broadcastsi128_si256(scm),
+          _mm512_castsi512_si256(sc),
           _mm256_setr_epi8(8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1,
                            12, -1, 12, -1, 13, -1, 13, -1, 14, -1, 14, -1, 15, -1, 15, -1));
       const uint8_t* qs = wb + (Q5 ? 48 : 16);

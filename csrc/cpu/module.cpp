@@ -98,7 +98,11 @@ PYBIND11_MODULE(_cpu, m) {
       .def("set_trace", &ThreadPool::set_trace, py::arg("on"),
            "Diagnostics: record when each thread starts and ends its share of every job.")
       .def("last_trace", &ThreadPool::last_trace,
-           "Per thread id of the last traced job: (ns from submit to its first task, to the end of its last, tasks).");
+           "Per thread id of the last traced job: (ns from submit to its first task, to the end of its last, tasks).")
+      .def_property("caller_helps", &ThreadPool::caller_helps, &ThreadPool::set_caller_helps,
+                    "Whether wait() works on the jobs (default) or only waits (tuning).")
+      .def("last_job_times", &ThreadPool::last_job_times,
+           "(posted, completed) of the last traced job in steady-clock ns, comparable with time.perf_counter_ns().");
 
   py::class_<PyMoE>(m, "MoE", "One MoE layer's routed experts on raw ggml blocks (stacked [E, rows, cols]).")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_experts, int hidden, int intermediate,
@@ -149,6 +153,20 @@ PYBIND11_MODULE(_cpu, m) {
            py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            py::call_guard<py::gil_scoped_release>());
 
+  m.def("moe_split",
+        [] {
+          const MoESplit s = moe_split();
+          return py::make_tuple(s.gate_up_tasks, s.down_tasks, s.down_expert_rows);
+        },
+        "(gate/up tasks per thread, down tasks per thread, most rows per per-expert down task) of MoE jobs.");
+  m.def("set_moe_split",
+        [](int gate_up_tasks, int down_tasks, int down_expert_rows) {
+          const MoESplit s = set_moe_split({gate_up_tasks, down_tasks, down_expert_rows});
+          return py::make_tuple(s.gate_up_tasks, s.down_tasks, s.down_expert_rows);
+        },
+        py::arg("gate_up_tasks"), py::arg("down_tasks"), py::arg("down_expert_rows"),
+        "Set how MoE jobs split their work (tuning; start values KTRANS_GU_TASKS, KTRANS_DN_TASKS, KTRANS_DN_ROWS); "
+        "returns the previous split.");
   m.def("set_tile_min_tokens", &set_tile_min_tokens, py::arg("n"),
         "From how many activation rows per gemm call the Q4_K/Q5_K tile kernels run (tuning, tests); returns the "
         "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 3.");
@@ -198,4 +216,17 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("pool"), py::arg("data"), py::arg("nbytes"), py::arg("reps") = 3, py::arg("isa") = "auto",
         py::call_guard<py::gil_scoped_release>(),
         "Best GB/s of streaming reads over an existing buffer (e.g. the expert weights), split across the pool.");
+
+  m.def("read_tasks",
+        [](std::shared_ptr<ThreadPool> pool, const std::vector<std::vector<std::pair<uintptr_t, size_t>>>& tasks,
+           const std::string& isa) {
+          std::vector<std::vector<Range>> t(tasks.size());
+          for (size_t i = 0; i < tasks.size(); ++i)
+            for (const auto& r : tasks[i]) t[i].emplace_back(ptr<const uint8_t>(r.first), r.second);
+          py::gil_scoped_release release;
+          return read_tasks(*pool, select_kernels(isa.c_str()), t);
+        },
+        py::arg("pool"), py::arg("tasks"), py::arg("isa") = "auto",
+        "Seconds for one pool job whose task i streams the (address, bytes) ranges tasks[i], no arithmetic: the "
+        "memory side of a compute step's access pattern (diagnostics).");
 }

@@ -3,6 +3,7 @@
 #include "moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -16,12 +17,17 @@ namespace ktrans {
 namespace {
 
 constexpr int kRowsPerQuant = 8;  // activation rows per quantization task
+// Up to this many (token, expert) pairs the down projection runs per expert (see `down_experts`): a decode step
+// up to ~25 tokens at top-10, y taking at most 256 x hidden floats.
+constexpr int kDownByExpertPairs = 256;
 
-// Tasks per thread for gate/up and for down (KTRANS_GU_TASKS, KTRANS_DN_TASKS; read once at load): more tasks
-// balance uneven cores, fewer make longer streams for the prefetchers and fewer trips through the shared task
-// counter. 4 and 2 measured best on the 16-core Xeon for a 1-token step (0.203-0.209 ms against 0.218-0.243 ms
-// with 8 and 4, 0.248 with 2 and 1); on 2 cores the blocks hit their caps either way.
-const int kGateUpTasks = std::max(1, env_int("KTRANS_GU_TASKS", 4)), kDownTasks = std::max(1, env_int("KTRANS_DN_TASKS", 2));
+// Tasks per thread for gate/up and for down: more tasks balance uneven cores, fewer make longer streams for the
+// prefetchers and fewer trips through the shared task counter. 4 and 2 measured best on the 16-core Xeon for a
+// 1-token step (0.203-0.209 ms against 0.218-0.243 ms with 8 and 4, 0.248 with 2 and 1); on 2 cores the blocks
+// hit their caps either way.
+std::atomic<int> g_gate_up_tasks{std::max(1, env_int("KTRANS_GU_TASKS", 4))};
+std::atomic<int> g_down_tasks{std::max(1, env_int("KTRANS_DN_TASKS", 2))};
+std::atomic<int> g_down_expert_rows{std::max(16, env_int("KTRANS_DN_ROWS", 256))};
 
 // Rows per task: about `tasks_per_thread` tasks per thread, so a slow core is balanced out, but blocks as large as
 // that allows (multiples of 16 rows, at most `cap`), since every block is a separate stream the prefetcher must
@@ -96,7 +102,7 @@ struct MoEJob : Job {
   std::vector<int> pair_tok;  // (token, slot) pairs grouped by expert
   std::vector<float> pair_w;
   std::vector<const uint8_t*> xg, xu, hin;  // per pair: activation rows for gate, up, down
-  Buffer xg_buf, xu_buf, h_buf, hq_buf;
+  Buffer xg_buf, xu_buf, h_buf, hq_buf, y_buf;
   int max_group = 0;
   // Per active expert (a cache line each): gate/up blocks finished. The task finishing the last block quantizes the
   // expert's h rows for down and then adds one more, so `> blocks` means "h of this expert is ready".
@@ -125,6 +131,16 @@ struct LinearJob : Job {
 };
 
 }  // namespace
+
+MoESplit moe_split() {
+  return {g_gate_up_tasks.load(std::memory_order_relaxed), g_down_tasks.load(std::memory_order_relaxed),
+          g_down_expert_rows.load(std::memory_order_relaxed)};
+}
+
+MoESplit set_moe_split(MoESplit s) {
+  return {g_gate_up_tasks.exchange(std::max(1, s.gate_up_tasks)), g_down_tasks.exchange(std::max(1, s.down_tasks)),
+          g_down_expert_rows.exchange(std::max(16, s.down_expert_rows))};
+}
 
 MoE::MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertMatrix up, ExpertMatrix down,
          const Kernels& kernels)
@@ -220,21 +236,26 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     }});
   }
 
-  const int64_t rows_gu = block_rows(n_active * I, pool.size(), kGateUpTasks, I);
-  const int64_t rows_dn = block_rows(H, pool.size(), kDownTasks, 256);
-  const int blocks_gu = ceil_div(I, rows_gu);
-  const int n_gu = n_active * blocks_gu, n_dn = ceil_div(H, rows_dn);
+  const bool by_expert = n_pairs > 0 && n_pairs <= kDownByExpertPairs;  // (no pairs: zero rows)
+  const MoESplit split = moe_split();
+  const int64_t rows_gu = block_rows(n_active * I, pool.size(), split.gate_up_tasks, I);
+  const int64_t rows_dn = block_rows((by_expert ? n_active : 1) * H, pool.size(), split.down_tasks,
+                                    by_expert ? split.down_expert_rows : 256);
+  const int blocks_gu = ceil_div(I, rows_gu), blocks_dn = ceil_div(H, rows_dn);
+  const int n_gu = n_active * blocks_gu, n_dn = by_expert ? n_active * blocks_dn : blocks_dn;
+  if (by_expert) J.y_buf.alloc(static_cast<size_t>(n_pairs) * H * sizeof(float));
   // Byte sizes once here: type_row_bytes is an out-of-line switch, too slow for the per-task (and, in the
   // prefetch loop, per-cache-line) arithmetic below.
   const size_t g_rb = G.row_bytes(), g_eb = G.expert_bytes(), u_rb = U.row_bytes(), u_eb = U.expert_bytes();
   const size_t d_rb = D.row_bytes(), d_eb = D.expert_bytes();
-  J.ready.reset(new std::atomic<int>[static_cast<size_t>(std::max(n_active, 1)) * kReadyStride]);
-  for (int a = 0; a < n_active; ++a) J.ready[a * kReadyStride].store(0, std::memory_order_relaxed);
+  // ready[a]: gate/up blocks of expert a done; ready[n_active + b]: experts done with down row block b (by_expert)
+  const int n_ready = n_active + (by_expert ? blocks_dn : 0);
+  J.ready.reset(new std::atomic<int>[static_cast<size_t>(std::max(n_ready, 1)) * kReadyStride]);
+  for (int a = 0; a < n_ready; ++a) J.ready[a * kReadyStride].store(0, std::memory_order_relaxed);
 
   // One phase, no barrier: tasks [0, n_gu) are gate/up blocks (expert-major), the rest are down blocks. Tasks are
   // taken in order, so by the time a thread takes a down task every gate/up task has been taken by a running
-  // thread; a down task consumes the experts in order (the same summation order as ever, so results do not depend
-  // on the thread count), waiting for each expert's h only if it is not ready yet.
+  // thread; a down task waits for its experts' h only where it is not ready yet.
   auto gate_up = [=, &K](int task, int thread) {
     const int a = task / blocks_gu;
     const int64_t r0 = static_cast<int64_t>(task % blocks_gu) * rows_gu;
@@ -265,7 +286,19 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     for (int i = 0; i < n; ++i) silu_mul(g + i * m, u + i * m, hbase + (p0 + i) * ldh + r0, m);
   };
 
-  auto down = [=, &K](int task, int thread) {
+  // Until expert a's h is ready (false: the job failed, stop).
+  auto wait_h = [=](int a) {
+    const std::atomic<int>& r = jp->ready[a * kReadyStride];
+    spin_until([&] { return r.load(std::memory_order_acquire) > blocks_gu || jp->failed(); });
+    return !jp->failed();
+  };
+
+  // Down, two ways. Few (token, expert) pairs (a decode step): a task is one expert's block of rows, one contiguous
+  // stream, writing y for that expert's pairs into the job's buffer; whoever finishes a row block's last expert
+  // sums the block's outputs over the pairs in expert order. Many pairs (a prefill): a task is a block of output
+  // rows across all experts in order, accumulated in the thread's scratch (the y buffer would take
+  // pairs x hidden floats). Both sum in the same order, so the result does not depend on which way ran.
+  auto down_rows = [=, &K](int task, int thread) {
     const int64_t c0 = static_cast<int64_t>(task) * rows_dn;
     const int m = static_cast<int>(std::min<int64_t>(rows_dn, H - c0));
     for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
@@ -279,9 +312,7 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
         const uint8_t* next = chunk(a + 1);
         for (int off = 0; off < chunk_bytes; off += 64) __builtin_prefetch(next + off);
       }
-      const std::atomic<int>& r = jp->ready[a * kReadyStride];
-      spin_until([&] { return r.load(std::memory_order_acquire) > blocks_gu || jp->failed(); });
-      if (jp->failed()) return;
+      if (!wait_h(a)) return;
       K.gemm(D.type, chunk(a), d_rb, m, &jp->hin[p0], n, I, y, m);
       for (int i = 0; i < n; ++i) {
         float* o = out + jp->pair_tok[p0 + i] * ldo + c0;
@@ -290,10 +321,28 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
       }
     }
   };
+  auto down_experts = [=, &K](int task, int) {
+    const int a = task / blocks_dn, blk = task % blocks_dn;
+    const int64_t c0 = static_cast<int64_t>(blk) * rows_dn;
+    const int m = static_cast<int>(std::min<int64_t>(rows_dn, H - c0));
+    const int p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
+    if (!wait_h(a)) return;
+    float* yb = reinterpret_cast<float*>(jp->y_buf.get());
+    K.gemm(D.type, D.data + jp->experts[a] * d_eb + c0 * d_rb, d_rb, m, &jp->hin[p0], n, I, yb + p0 * H + c0, H);
+    if (jp->ready[(n_active + blk) * kReadyStride].fetch_add(1, std::memory_order_acq_rel) + 1 < n_active) return;
+    for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
+    for (int p = 0; p < jp->offsets[n_active]; ++p) {
+      float* o = out + jp->pair_tok[p] * ldo + c0;
+      const float* y = yb + p * H + c0;
+      const float w = jp->pair_w[p];
+      for (int r = 0; r < m; ++r) o[r] += w * y[r];
+    }
+  };
 
   job->phases.push_back({n_gu + n_dn, [=](int task, int thread) {
     if (task < n_gu) gate_up(task, thread);
-    else down(task - n_gu, thread);
+    else if (by_expert) down_experts(task - n_gu, thread);
+    else down_rows(task - n_gu, thread);
   }});
   return pool.submit(std::move(job));
 }
@@ -354,6 +403,21 @@ double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t*
     best = std::max(best, static_cast<double>(chunk) * n_tasks / s / 1e9);
   }
   return best;
+}
+
+double read_tasks(ThreadPool& pool, const Kernels& kernels, const std::vector<std::vector<Range>>& tasks) {
+  if (tasks.empty()) throw std::invalid_argument("read_tasks: no tasks");
+  std::vector<uint64_t> sink((pool.size() + 1) * 8, 0);
+  uint64_t* sp = sink.data();
+  const Kernels* K = &kernels;
+  const std::vector<std::vector<Range>>* tp = &tasks;
+  auto job = std::make_shared<Job>();
+  job->phases.push_back({static_cast<int>(tasks.size()), [=](int t, int thread) {
+    for (const Range& r : (*tp)[t]) sp[thread * 8] ^= K->stream_read(r.first, r.second & ~size_t(255));
+  }});
+  const auto t0 = std::chrono::steady_clock::now();
+  pool.wait(pool.submit(job));
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 double read_bandwidth(ThreadPool& pool, const Kernels& kernels, size_t bytes, int reps) {

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "pool.h"
 #include "quant.h"
@@ -62,6 +64,19 @@ class Linear {
 
 // Best GB/s over `reps` passes of every pool thread streaming its own chunks of [base, base + bytes).
 double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t* base, size_t bytes, int reps);
+// How a MoE job splits its work (tuning): about `gate_up_tasks` and `down_tasks` tasks per pool thread, and at
+// most `down_expert_rows` rows per down task when down runs per expert (decode). Start values: KTRANS_GU_TASKS,
+// KTRANS_DN_TASKS, KTRANS_DN_ROWS, else 4, 2 and 256. Read at every submit; set_moe_split returns the old split.
+struct MoESplit {
+  int gate_up_tasks, down_tasks, down_expert_rows;
+};
+MoESplit moe_split();
+MoESplit set_moe_split(MoESplit split);
+
+// Diagnostics: seconds from submit to completion of one job whose task i streams the byte ranges tasks[i] (each
+// rounded down to 256 bytes) with the widest loads and no arithmetic: a compute step's access pattern alone.
+using Range = std::pair<const uint8_t*, size_t>;
+double read_tasks(ThreadPool& pool, const Kernels& kernels, const std::vector<std::vector<Range>>& tasks);
 // The same over a fresh buffer of `bytes`, first touched by the pool's threads.
 double read_bandwidth(ThreadPool& pool, const Kernels& kernels, size_t bytes, int reps);
 

@@ -105,7 +105,7 @@ void ThreadPool::wait(uint64_t ticket) {
   if (ticket >= posted_.load(std::memory_order_acquire))
     throw std::invalid_argument("wait(): ticket " + std::to_string(ticket) + " was never submitted to this pool");
   std::unique_lock<std::mutex> help(help_mu_, std::defer_lock);
-  if (n_threads_ > 1 && help.try_lock()) {
+  if (n_threads_ > 1 && caller_helps_.load(std::memory_order_relaxed) && help.try_lock()) {
     // Work on the oldest incomplete job until ours is done; its tasks go to whoever takes them first.
     while (completed_.load(std::memory_order_acquire) <= ticket) {
       std::shared_ptr<Job> job;
@@ -119,6 +119,12 @@ void ThreadPool::wait(uint64_t ticket) {
       if (run_job(*job, n_workers_)) complete(seq, *job);
       else spin_until([&] { return completed_.load(std::memory_order_acquire) > seq; });
     }
+  }
+  // Not helping (or another thread helps): poll for a while, as idle workers do, then sleep.
+  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  for (int i = 0; completed_.load(std::memory_order_acquire) <= ticket; ++i) {
+    if ((i & 255) == 255 && Clock::now() > deadline) break;
+    KTRANS_PAUSE();
   }
   std::unique_lock<std::mutex> lock(mu_);
   cv_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) > ticket; });
@@ -147,6 +153,11 @@ void* ThreadPool::scratch(int thread, size_t bytes) {
 std::vector<std::array<int64_t, 3>> ThreadPool::last_trace() {
   std::lock_guard<std::mutex> lock(mu_);
   return last_trace_;
+}
+
+std::array<int64_t, 2> ThreadPool::last_job_times() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_times_;
 }
 
 bool ThreadPool::wait_for_job(uint64_t seq) {
@@ -209,7 +220,10 @@ void ThreadPool::complete(uint64_t seq, const Job& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (job.error_) errors_[seq] = job.error_;
-    if (!job.trace_.empty()) last_trace_ = job.trace_;
+    if (!job.trace_.empty()) {
+      last_trace_ = job.trace_;
+      last_times_ = {job.t_submit_, now_ns()};
+    }
     std::lock_guard<SpinLock> q(q_mu_);
     queue_.pop_front();  // jobs complete in order: the oldest incomplete one is this one
     ++base_;

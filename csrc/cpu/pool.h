@@ -55,7 +55,7 @@ class Job {
   // With tracing on: per thread id, ns from submit to its first task's start and to its last task's end, and the
   // number of tasks it ran (-1, -1, 0 when it ran none).
   std::vector<std::array<int64_t, 3>> trace_;
-  int64_t t_submit_ = 0;
+  int64_t t_submit_ = 0;  // steady-clock ns
   std::mutex error_mu_;
   std::exception_ptr error_;
 };
@@ -95,6 +95,10 @@ class ThreadPool {
 
   int size() const { return n_threads_; }
   bool pinned() const { return pinned_; }
+  // Whether wait() works on the jobs (the default) or only waits, polling for spin_us and then sleeping: the
+  // workers alone then stream the weights, and the caller's caches keep what it runs next (tuning).
+  void set_caller_helps(bool on) { caller_helps_.store(on); }
+  bool caller_helps() const { return caller_helps_.load(); }
   uint64_t submit(std::shared_ptr<Job> job);
   // Helps with (or, when another thread is helping, waits for) the oldest jobs until `ticket` is done.
   void wait(uint64_t ticket);
@@ -105,6 +109,8 @@ class ThreadPool {
   void set_trace(bool on) { trace_on_.store(on); }
   // The per-thread record of the last completed job with tracing on: [thread] -> (start ns, end ns, tasks).
   std::vector<std::array<int64_t, 3>> last_trace();
+  // ... and when it was posted and completed, in steady-clock ns (comparable with time.perf_counter_ns()).
+  std::array<int64_t, 2> last_job_times();
 
  private:
   void worker_loop(int id);
@@ -113,6 +119,7 @@ class ThreadPool {
   void complete(uint64_t seq, const Job& job);
 
   int n_threads_, n_workers_;
+  std::atomic<bool> caller_helps_{true};
   std::vector<std::thread> threads_;
   bool pinned_ = false;
   int spin_us_;
@@ -128,6 +135,7 @@ class ThreadPool {
   bool stop_ = false;
   std::atomic<bool> trace_on_{false};
   std::vector<std::array<int64_t, 3>> last_trace_;
+  std::array<int64_t, 2> last_times_{0, 0};
   struct Scratch {
     void* p = nullptr;
     size_t cap = 0;

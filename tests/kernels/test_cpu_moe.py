@@ -81,7 +81,8 @@ def test_formats_match_reference(qtype, path, pool):
     moe = make_moe(qtypes, pool, isa=path)
     assert moe.path == path
     gen = torch.Generator().manual_seed(1)
-    for t, k in [(1, 3), (7, 3), (33, 2)]:
+    # up to 256 (token, expert) pairs the down projection runs per expert, above that per block of output rows
+    for t, k in [(1, 3), (7, 3), (33, 2), (131, 2)]:
         x = torch.randn(t, moe.hidden, generator=gen)
         ids, w = routing(t, k, gen)
         err = rel_err(moe(x, ids, w), reference(qtypes, x, ids, w))
@@ -143,14 +144,15 @@ def test_empty_batch_and_bad_input(pool):
 def test_thread_counts_agree_bitwise(qtype):
     qtypes = (qtype,) * 3
     gen = torch.Generator().manual_seed(4)
-    outs = []
-    for n in (1, 2, 3, 4):
-        moe = make_moe(qtypes, cpu.make_pool(n, pin=False))
-        x = torch.randn(19, moe.hidden, generator=torch.Generator().manual_seed(5))
-        ids, w = routing(19, 3, torch.Generator().manual_seed(6))
-        outs.append(moe(x, ids, w))
-    for o in outs[1:]:
-        assert torch.equal(o, outs[0])
+    for t in (19, 100):  # 57 and 300 (token, expert) pairs: down per expert, then per block of output rows
+        outs = []
+        for n in (1, 2, 3, 4):
+            moe = make_moe(qtypes, cpu.make_pool(n, pin=False))
+            x = torch.randn(t, moe.hidden, generator=torch.Generator().manual_seed(5))
+            ids, w = routing(t, 3, torch.Generator().manual_seed(6))
+            outs.append(moe(x, ids, w))
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), f"T={t}"
     del gen
 
 
