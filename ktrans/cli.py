@@ -310,7 +310,7 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
         raise CliError(f"--threads must be >= 1, got {args.threads}")
     try:
         run(args.shape, args.quant, tokens, threads=args.threads, reference=args.reference, isa=args.isa,
-            as_json=args.json, tiles=args.tiles, trace=args.trace)
+            as_json=args.json, tiles=args.tiles, trace=args.trace, hugepages=args.hugepages == "on")
     except ValueError as e:
         raise CliError(str(e)) from None
     return 0
@@ -328,6 +328,9 @@ def _add_bench_moe_parser(bench_sub) -> None:
                     help="Q4_K/Q5_K prefill tiles: AMX where present (auto), AVX-512 VNNI, or off (row kernels)")
     bm.add_argument("--trace", action="store_true",
                     help="also report when the pool's threads start and end their share of a call (diagnostics)")
+    bm.add_argument("--hugepages", default="on", choices=["on", "off"],
+                    help="copy the expert weights into 2 MiB transparent huge pages (as KExpertsCPU does by default) "
+                         "or read them where they are")
     bm.add_argument("--json", action="store_true", help="one JSON line per token count")
     bm.set_defaults(func=cmd_bench_moe)
 

@@ -76,9 +76,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--patterns", action="store_true",
                     help="only the memory side: read times of the step's access pattern and of alternatives")
-    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp]",
+    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,hp]",
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
-                         "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp")
+                         "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; hp: the "
+                         "same weights copied into transparent huge pages")
     args = ap.parse_args()
     shape = SHAPES["qwen3-next"]
     gen = torch.Generator().manual_seed(0)
@@ -163,19 +164,24 @@ def ab(moe, pool, gen, iters: int, specs: list[str]) -> None:
     for spec in specs:
         name, _, val = spec.partition("=")
         parts = val.split(",")
-        configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:])
+        configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], "hp" in parts[3:])
+    hp = None
+    if any(c[2] for c in configs.values()):
+        hp = cpu.CPUMoE(*moe.weights, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
+                        types=moe.types, pool=pool, hugepages=True)
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
     old = _cpu.moe_split()
     probe0 = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool)
     try:
         for i in range(iters + 20):
-            for name, (split, helps) in configs.items():
+            for name, (split, helps, use_hp) in configs.items():
                 _cpu.set_moe_split(*split)
                 pool.caller_helps = helps
                 ids, w = _routings(shape, 1, 1, gen)[0]
+                m = hp if use_hp else moe
                 t0 = time.perf_counter()
-                moe(x, ids, w)
+                m(x, ids, w)
                 if i >= 20:
                     times[name].append(time.perf_counter() - t0)
     finally:
@@ -187,7 +193,16 @@ def ab(moe, pool, gen, iters: int, specs: list[str]) -> None:
     for k, v in times.items():
         us = statistics.median(v) * 1e6
         row[k] = {"us": round(us, 1), "gb_per_s": round(nbytes / us / 1e3, 1), "ratio": round(nbytes / us / 1e3 / probe, 3)}
-    print(json.dumps(row | {"read_gb_per_s": round(probe, 1), "threads": pool.size}))
+    extra = {}
+    if hp is not None:
+        try:
+            rollup = open("/proc/self/smaps_rollup").read()
+            anon_huge = next(int(l.split()[1]) for l in rollup.splitlines() if l.startswith("AnonHugePages"))
+        except (OSError, StopIteration):
+            anon_huge = None
+        extra = {"hugepages": hp.hugepages, "anon_huge_mb": anon_huge and anon_huge // 1024,
+                 "read_gb_per_s_hugepages": round(cpu.stream_bandwidth(hp.weights, reps=3, pool=pool), 1)}
+    print(json.dumps(row | {"read_gb_per_s": round(probe, 1), "threads": pool.size} | extra))
 
 
 def patterns(moe, pool, gen, iters: int) -> None:

@@ -3,6 +3,7 @@
 // alive until the job that reads them is waited for. Every call that computes or blocks releases the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/mman.h>
 
 #include <chrono>
 #include <memory>
@@ -217,6 +218,18 @@ PYBIND11_MODULE(_cpu, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Best GB/s of streaming reads over an existing buffer (e.g. the expert weights), split across the pool.");
 
+  m.def("advise_hugepages",
+        [](uintptr_t p, size_t n) {
+          // The whole 2 MiB pages inside [p, p + n); untouched anonymous pages there then fault in as huge pages
+          // where the kernel's transparent_hugepage mode is "madvise" (or "always").
+          const uintptr_t h = uintptr_t(1) << 21, lo = (p + h - 1) & ~(h - 1), hi = (p + n) & ~(h - 1);
+#ifdef MADV_HUGEPAGE
+          return hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE) == 0;
+#else
+          return false;
+#endif
+        },
+        py::arg("p"), py::arg("n"), "madvise(MADV_HUGEPAGE) on the 2 MiB pages inside [p, p + n); True if applied.");
   m.def("read_tasks",
         [](std::shared_ptr<ThreadPool> pool, const std::vector<std::vector<std::pair<uintptr_t, size_t>>>& tasks,
            const std::string& isa) {

@@ -53,6 +53,8 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
   pinned_ = pin && own_cores;
   if (!own_cores) spin_us_ = 0;
   scratch_.resize(n_workers_ + 1);
+  slots_.reset(new std::atomic<Job*>[kSlots]);
+  for (int i = 0; i < kSlots; ++i) slots_[i].store(nullptr, std::memory_order_relaxed);
   threads_.reserve(n_workers_);
   for (int i = 0; i < n_workers_; ++i) {
     threads_.emplace_back([this, i] { worker_loop(i); });
@@ -88,14 +90,30 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
     job->trace_.assign(n_workers_ + 1, {-1, -1, 0});
     job->t_submit_ = now_ns();
   }
+  job->refs_.store(n_workers_, std::memory_order_relaxed);
+  job->self_ = job;
+  Job* raw = job.get();
   uint64_t ticket;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) throw std::runtime_error("the CPU thread pool is shut down");
-    std::lock_guard<SpinLock> q(q_mu_);
-    queue_.push_back(std::move(job));
-    ticket = base_ + queue_.size() - 1;
-    posted_.store(ticket + 1, std::memory_order_release);
+  for (int i = 0;; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) {
+        job->self_.reset();
+        throw std::runtime_error("the CPU thread pool is shut down");
+      }
+      ticket = posted_.load(std::memory_order_relaxed);  // posted_ only changes here, under mu_
+      std::atomic<Job*>& slot = slots_[ticket % kSlots];
+      if (slot.load(std::memory_order_acquire) == nullptr) {
+        slot.store(raw, std::memory_order_relaxed);
+        std::lock_guard<SpinLock> q(q_mu_);
+        queue_.push_back(std::move(job));
+        posted_.store(ticket + 1, std::memory_order_release);
+        break;
+      }
+    }
+    // kSlots jobs in flight, or a worker kSlots jobs behind: let it catch up (not holding mu_, which it may need)
+    if (i < 4096) KTRANS_PAUSE();
+    else sched_yield();
   }
   cv_work_.notify_all();
   return ticket;
@@ -233,16 +251,19 @@ void ThreadPool::complete(uint64_t seq, const Job& job) {
 }
 
 void ThreadPool::worker_loop(int id) {
+  // Every worker passes every job once, in order: runs it, or skips it when the others have completed it already.
   for (uint64_t seq = 0;; ++seq) {
     if (!wait_for_job(seq)) return;
-    std::shared_ptr<Job> job;
-    {
-      std::lock_guard<SpinLock> q(q_mu_);
-      if (seq < base_) continue;  // already completed by the other threads
-      job = queue_[seq - base_];
-    }
-    if (run_job(*job, id)) complete(seq, *job);
+    Job* job = slots_[seq % kSlots].load(std::memory_order_acquire);  // set before posted_, cleared after leave()
+    if (completed_.load(std::memory_order_acquire) <= seq && run_job(*job, id)) complete(seq, *job);
+    leave(seq, job);
   }
+}
+
+void ThreadPool::leave(uint64_t seq, Job* job) {
+  if (job->refs_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  std::shared_ptr<Job> last = std::move(job->self_);  // freed on return unless queue_ or a waiter still holds it
+  slots_[seq % kSlots].store(nullptr, std::memory_order_release);
 }
 
 }  // namespace ktrans

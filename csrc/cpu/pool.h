@@ -52,6 +52,10 @@ class Job {
   };
   std::unique_ptr<PhaseSync[]> sync_;
   std::atomic<bool> failed_{false};
+  // Workers take a posted job from its ring slot without a lock or a shared_ptr copy: the job keeps itself alive
+  // (self_) until every worker has passed it (refs_ counts them down), and only then frees its slot.
+  std::atomic<int> refs_{0};
+  std::shared_ptr<Job> self_;
   // With tracing on: per thread id, ns from submit to its first task's start and to its last task's end, and the
   // number of tasks it ran (-1, -1, 0 when it ran none).
   std::vector<std::array<int64_t, 3>> trace_;
@@ -114,6 +118,7 @@ class ThreadPool {
 
  private:
   void worker_loop(int id);
+  void leave(uint64_t seq, Job* job);  // a worker is done with job seq (ran it or skipped it)
   bool wait_for_job(uint64_t seq);
   bool run_job(Job& job, int id);  // true for the thread that finished the job's last task
   void complete(uint64_t seq, const Job& job);
@@ -128,6 +133,11 @@ class ThreadPool {
   std::mutex help_mu_;  // one helping caller at a time: it uses the last scratch slot
   std::condition_variable cv_work_, cv_done_;
   std::deque<std::shared_ptr<Job>> queue_;  // queue_[i] is the job with ticket base_ + i
+  // Job seq sits in slots_[seq % kSlots] from submit until every worker has passed it; a submit whose slot is still
+  // taken (kSlots jobs behind a slow worker) waits. Workers read the slots, never queue_, so a posted job reaches
+  // all of them at once instead of through one lock (on a 16-core Xeon the last worker started ~9 us after submit).
+  static constexpr int kSlots = 64;
+  std::unique_ptr<std::atomic<Job*>[]> slots_;
   uint64_t base_ = 0;
   std::atomic<uint64_t> posted_{0};     // tickets handed out
   std::atomic<uint64_t> completed_{0};  // every ticket below this is done

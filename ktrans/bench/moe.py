@@ -97,7 +97,8 @@ def _routings(shape: MoEShape, tokens: int, n: int, gen: torch.Generator):
 
 def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 64, 256, 1024),
         threads: int | None = None, reference: bool = False, isa: str = "auto", min_time_s: float = 1.0,
-        seed: int = 0, emit=print, as_json: bool = True, tiles: str = "auto", trace: bool = False) -> list[dict]:
+        seed: int = 0, emit=print, as_json: bool = True, tiles: str = "auto", trace: bool = False,
+        hugepages: bool = True) -> list[dict]:
     if shape_name not in SHAPES:
         raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape_name!r}")
     if quant.lower() not in QUANTS:
@@ -113,7 +114,8 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
     old_min = _cpu.set_tile_min_tokens(tile_min) if tile_min else None
     old_amx = _cpu.set_amx_mode(amx) if amx is not None else None
     try:
-        return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace)
+        return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace,
+                    hugepages)
     finally:
         if old_min is not None:
             _cpu.set_tile_min_tokens(old_min)
@@ -147,7 +149,7 @@ def _trace_summary(pool, moe, x, routes) -> dict:
             "end_us_min_med_max": [med(ends, i) for i in range(3)], "wall_us": round(statistics.median(walls), 1)}
 
 
-def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace):
+def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace, hugepages):
     shape, qtype = SHAPES[shape_name], QUANTS[quant.lower()]
     gen = torch.Generator().manual_seed(seed)
     pool = cpu.make_pool(threads or cpu.default_threads())
@@ -158,7 +160,8 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
     gate = random_experts(qtype, E, I, H, gen)
     up = random_experts(qtype, E, I, H, gen)
     down = random_experts(qtype, E, H, I, gen)
-    moe = cpu.CPUMoE(gate, up, down, n_experts=E, hidden=H, intermediate=I, types=(qtype,) * 3, pool=pool, isa=isa)
+    moe = cpu.CPUMoE(gate, up, down, n_experts=E, hidden=H, intermediate=I, types=(qtype,) * 3, pool=pool, isa=isa,
+                       hugepages=hugepages)
     setup_s = time.perf_counter() - t0
 
     results = []
@@ -194,7 +197,7 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
                "gb_per_s": round(gbs, 2), "read_gb_per_s": round(read_gbs, 2), "ratio": round(gbs / read_gbs, 3),
                "read_gb_per_s_fresh": round(fresh_gbs, 2),
                "iters": n_iter, "cpu_util": round(cpu_util, 2), "load_avg": round(os.getloadavg()[0], 2),
-               "weights_gb": round(moe.nbytes / 1e9, 3), "setup_s": round(setup_s, 2)}
+               "weights_gb": round(moe.nbytes / 1e9, 3), "hugepages": moe.hugepages, "setup_s": round(setup_s, 2)}
         if qtype in ("Q4_K", "Q5_K"):
             # experts with at least that many tokens in a call run on the tiles, the others on the row kernels
             tiles = cpu.prefill_tiles(moe.path, cpu.isa_info())

@@ -52,6 +52,7 @@ class KExpertsCPU(ExpertsOp):
         if quant is not None and quant not in QUANTS:
             raise ValueError(f"{self.key}: KExpertsCPU quant must be one of {QUANTS}, got {quant!r}")
         self.quant = quant
+        self.hugepages = bool(getattr(operator, "options", {}).get("hugepages", True))
         self.moe: cpu.CPUMoE | None = None
         self.source: WeightSource | None = None  # set by the injector for a streaming op
         self.dtype = torch.float32
@@ -71,9 +72,10 @@ class KExpertsCPU(ExpertsOp):
             w, qtype = self._matrix(source, kind, rows, cols, dtype)
             mats.append(w)
             types.append(qtype)
-        moe = cpu.CPUMoE(*mats, n_experts=self.num_experts, hidden=h, intermediate=i, types=tuple(types))
+        moe = cpu.CPUMoE(*mats, n_experts=self.num_experts, hidden=h, intermediate=i, types=tuple(types),
+                         hugepages=self.hugepages)
         self.load_report = {"types": tuple(types), "bytes": moe.nbytes, "load_s": time.perf_counter() - t0,
-                            "path": moe.path}
+                            "path": moe.path, "hugepages": moe.hugepages}
         return moe
 
     def _matrix(self, source: WeightSource, kind: str, rows: int, cols: int, dtype: torch.dtype):

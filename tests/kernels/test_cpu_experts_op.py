@@ -111,3 +111,14 @@ def test_float_checkpoint_is_quantized_at_load_when_asked(tiny):
     assert model.model.layers[0].mlp.experts.op.load_report["types"] == ("Q8_0",) * 3
     prompt = list(range(100, 112))
     assert rel(_all_logits(model, prompt), _all_logits(ref, prompt)) < LOGIT_TOL
+
+
+def test_hugepages_rule_kwarg(tiny):
+    """`hugepages: false` reads the weights in place; a value that is not a bool is refused, naming the field."""
+    config, state = tiny
+    off = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      hugepages: false')
+    op = build(config, StateDictSource(state), off).model.layers[0].mlp.experts.op
+    assert op.hugepages is False and op.load_report["hugepages"] is False
+    bad = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      hugepages: "yes"')
+    with pytest.raises(Exception, match="hugepages.*must be a bool"):
+        parse_rules(bad, "bad.yaml")

@@ -216,3 +216,36 @@ def test_jobs_in_flight_complete_in_order_under_stress():
     t.join(60)
     assert not t.is_alive(), f"wait() blocked after {state['iters']} rounds of 4 jobs"
     assert state["ok"] and state["iters"] > 100
+
+
+def test_more_jobs_in_flight_than_ring_slots():
+    """Workers pick jobs from a ring of 64 slots; a submit whose slot is still taken waits for the workers, so 300
+    jobs in flight at once all run, in order, with their own inputs."""
+    pool = cpu.make_pool(3, pin=False)
+    lin = cpu.CPULinear(torch.randn(24, 64), 24, 64, pool=pool)
+    xs = [torch.randn(2, 64, generator=torch.Generator().manual_seed(i)) for i in range(300)]
+    want = [lin(x) for x in xs]
+    pending = [lin.submit(x) for x in xs]
+    outs = [p.wait() for p in reversed(pending)][::-1]
+    assert all(torch.equal(o, w) for o, w in zip(outs, want))
+
+
+def test_hugepage_copy_gives_the_same_results(pool):
+    """Matrices of 4 MiB and more are copied into 2 MiB-aligned memory advised into transparent huge pages; the
+    kernels read the same bytes there, so the output is bitwise the one read in place."""
+    gen = torch.Generator().manual_seed(9)
+    e, h, i = 64, 256, 512  # Q8_0: 64 x 512 x 272 bytes = 8.9 MB per matrix
+    mats = [torch.randint(0, 256, (e * r * cpu.row_bytes("Q8_0", c),), dtype=torch.uint8, generator=gen)
+            for r, c in ((i, h), (i, h), (h, i))]
+    for m in mats:  # small finite fp16 scales at the start of each 34-byte block
+        m.view(-1, 34)[:, :2] = torch.full((m.numel() // 34,), 0.004).half().view(torch.uint8).view(-1, 2)
+    kw = dict(n_experts=e, hidden=h, intermediate=i, types=("Q8_0",) * 3, pool=pool)
+    in_place = cpu.CPUMoE(*mats, hugepages=False, **kw)
+    copied = cpu.CPUMoE(*mats, **kw)
+    assert not in_place.hugepages and all(w.data_ptr() == m.data_ptr() for w, m in zip(in_place.weights, mats))
+    for w, m in zip(copied.weights, mats):
+        assert w.data_ptr() % (1 << 21) == 0 and w.data_ptr() != m.data_ptr() and torch.equal(w, m)
+    x = torch.randn(5, h, generator=gen)
+    ids, w = routing(5, 4, gen)
+    ids = ids % e
+    assert torch.equal(copied(x, ids, w), in_place(x, ids, w))
