@@ -76,22 +76,22 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--patterns", action="store_true",
                     help="only the memory side: read times of the step's access pattern and of alternatives")
-    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,hp]",
+    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,noclamp]",
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
-                         "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; hp: the "
-                         "same weights copied into transparent huge pages")
+                         "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; nohp: the "
+                         "same weights read in place, not copied into transparent huge pages; noclamp: prefetch past "
+                         "the end of a call's rows")
     args = ap.parse_args()
     shape = SHAPES["qwen3-next"]
     gen = torch.Generator().manual_seed(0)
     E, H, I = shape.n_experts, shape.hidden, shape.intermediate
     pool = cpu.make_pool(args.threads or cpu.default_threads())
-    moe = cpu.CPUMoE(random_experts("Q4_K", E, I, H, gen), random_experts("Q4_K", E, I, H, gen),
-                     random_experts("Q4_K", E, H, I, gen), n_experts=E, hidden=H, intermediate=I,
-                     types=("Q4_K",) * 3, pool=pool)
+    raw = [random_experts("Q4_K", E, r, c, gen) for r, c in ((I, H), (I, H), (H, I))]
+    moe = cpu.CPUMoE(*raw, n_experts=E, hidden=H, intermediate=I, types=("Q4_K",) * 3, pool=pool)  # huge pages
     if args.patterns:
         return patterns(moe, pool, gen, args.iters)
     if args.ab:
-        return ab(moe, pool, gen, args.iters, args.ab)
+        return ab(moe, raw, pool, gen, args.iters, args.ab)
     x = torch.randn(1, H, generator=gen)
     out = torch.empty(1, H)
     routes = _routings(shape, 1, args.iters, gen)
@@ -157,35 +157,38 @@ def main() -> None:
     print(json.dumps(med | gbs | {"read_gb_per_s": round(probe, 1), "step_bytes": step_bytes, "threads": pool.size}))
 
 
-def ab(moe, pool, gen, iters: int, specs: list[str]) -> None:
+def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     """Interleaved A/B of work splits: one forward per config per round, each on a fresh routing."""
     shape = SHAPES["qwen3-next"]
     configs = {}
     for spec in specs:
         name, _, val = spec.partition("=")
         parts = val.split(",")
-        configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], "hp" in parts[3:])
-    hp = None
+        configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], "nohp" in parts[3:],
+                         "noclamp" not in parts[3:])
+    flat = None  # the same weights read where torch allocated them (4 KiB pages unless THP is "always")
     if any(c[2] for c in configs.values()):
-        hp = cpu.CPUMoE(*moe.weights, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
-                        types=moe.types, pool=pool, hugepages=True)
+        flat = cpu.CPUMoE(*raw, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
+                          types=moe.types, pool=pool, hugepages=False)
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
     old = _cpu.moe_split()
     probe0 = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool)
     try:
         for i in range(iters + 20):
-            for name, (split, helps, use_hp) in configs.items():
+            for name, (split, helps, in_place, clamp) in configs.items():
                 _cpu.set_moe_split(*split)
+                _cpu.set_prefetch_clamp(clamp)
                 pool.caller_helps = helps
                 ids, w = _routings(shape, 1, 1, gen)[0]
-                m = hp if use_hp else moe
+                m = flat if in_place else moe
                 t0 = time.perf_counter()
                 m(x, ids, w)
                 if i >= 20:
                     times[name].append(time.perf_counter() - t0)
     finally:
         _cpu.set_moe_split(*old)
+        _cpu.set_prefetch_clamp(True)
         pool.caller_helps = True
     probe = max(probe0, cpu.stream_bandwidth(moe.weights, reps=3, pool=pool))
     nbytes = 10 * moe.expert_bytes
@@ -193,15 +196,15 @@ def ab(moe, pool, gen, iters: int, specs: list[str]) -> None:
     for k, v in times.items():
         us = statistics.median(v) * 1e6
         row[k] = {"us": round(us, 1), "gb_per_s": round(nbytes / us / 1e3, 1), "ratio": round(nbytes / us / 1e3 / probe, 3)}
-    extra = {}
-    if hp is not None:
+    extra = {"hugepages": moe.hugepages}
+    if flat is not None:
         try:
             rollup = open("/proc/self/smaps_rollup").read()
             anon_huge = next(int(l.split()[1]) for l in rollup.splitlines() if l.startswith("AnonHugePages"))
         except (OSError, StopIteration):
             anon_huge = None
-        extra = {"hugepages": hp.hugepages, "anon_huge_mb": anon_huge and anon_huge // 1024,
-                 "read_gb_per_s_hugepages": round(cpu.stream_bandwidth(hp.weights, reps=3, pool=pool), 1)}
+        extra |= {"anon_huge_mb": anon_huge and anon_huge // 1024,
+                  "read_gb_per_s_in_place": round(cpu.stream_bandwidth(flat.weights, reps=3, pool=pool), 1)}
     print(json.dumps(row | {"read_gb_per_s": round(probe, 1), "threads": pool.size} | extra))
 
 

@@ -50,6 +50,7 @@ inline __m256i bcast_u8_as_16(__m256i v, int i) {
 // ---- Q8_0 x ACT_Q8_0: |w| * sign(a, w) keeps maddubs' unsigned x signed form exact.
 template <int C>
 void row_q8_0(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
+  const uint8_t* const pf_end = rows_end();
   __m256 acc[C];
   const int8_t* aq[C];
   const float* ad[C];
@@ -60,7 +61,7 @@ void row_q8_0(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / QK8_0; ++b, w += 34) {
-    prefetch_ahead<34>(w);
+    prefetch_ahead<34>(w, pf_end);
     const __m256i wq = loadu(w + 2);
     const __m256i wabs = _mm256_sign_epi8(wq, wq);
     const float dw = f16(w);
@@ -98,6 +99,7 @@ inline __m256i legacy_q(const uint8_t* blk) {
 
 template <int T, int C>
 void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
+  const uint8_t* const pf_end = rows_end();
   constexpr LegacyLayout L = legacy_layout(T);
   __m256 acc[C];
   float mins[C];
@@ -107,7 +109,7 @@ void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* o
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / QK8_0; ++b, w += L.bytes) {
-    prefetch_ahead<L.bytes>(w);
+    prefetch_ahead<L.bytes>(w, pf_end);
     const __m256i q = legacy_q<T>(w);
     const float d = f16(w), m = legacy_min(w, L);
     for (int c = 0; c < C; ++c) {
@@ -122,13 +124,14 @@ void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* o
 // ---- Q4_K / Q5_K x ACT_Q8K. Per 64 values j: low nibbles are sub-block 2j, high nibbles 2j+1.
 template <bool Q5, int C>
 void row_q45_k(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
+  const uint8_t* const pf_end = rows_end();
   constexpr int kBytes = Q5 ? 176 : 144;
   __m256 acc[C], macc[C];
   for (int c = 0; c < C; ++c) acc[c] = macc[c] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i bit0 = _mm256_set1_epi8(0x01);
   for (int64_t b = 0; b < k / QK_K; ++b, w += kBytes) {
-    prefetch_ahead<kBytes>(w);
+    prefetch_ahead<kBytes>(w, pf_end);
     const __m256i scm = _mm256_broadcastsi128_si256(k4_scales_mins(w + 4));
     // each min twice as int16 (bsums are per 16 values): lane 0 takes m0-m3, lane 1 m4-m7
     const __m256i mins = _mm256_shuffle_epi8(scm, _mm256_setr_epi8(8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1,
@@ -169,12 +172,13 @@ void row_q45_k(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
 // 64-95 and 96-127; qh[l] holds the two high bits of those four values. Scales are per 16 values.
 template <int C>
 void row_q6_k(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
+  const uint8_t* const pf_end = rows_end();
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i m30 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < k / QK_K; ++b, w += 210) {
-    prefetch_ahead<210>(w);
+    prefetch_ahead<210>(w, pf_end);
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
     __m256i sumi[C];
     for (int c = 0; c < C; ++c) sumi[c] = _mm256_setzero_si256();
@@ -230,6 +234,7 @@ inline float scalar_w(const uint8_t* w, int64_t i) {
 
 template <int T, int C>
 void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
+  const uint8_t* const pf_end = rows_end();
   __m256 acc0[C], acc1[C];
   const float* x[C];
   for (int c = 0; c < C; ++c) {
@@ -238,7 +243,7 @@ void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
   }
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    prefetch_ahead<(T == GGML_F32 ? 4 : 2) * 16>(w + (T == GGML_F32 ? 4 : 2) * i);
+    prefetch_ahead<(T == GGML_F32 ? 4 : 2) * 16>(w + (T == GGML_F32 ? 4 : 2) * i, pf_end);
     const __m256 w0 = load8<T>(w, i), w1 = load8<T>(w, i + 8);
     for (int c = 0; c < C; ++c) {
       acc0[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[c] + i), acc0[c]);
@@ -290,6 +295,7 @@ void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act,
     gemm_k4_tiles_avx2(t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
     return;
   }
+  set_rows_end(w + M * ldw);
   prefetch_start(w, M * ldw);
   for (int n0 = 0; n0 < N; n0 += 4) {
     const int nc = N - n0 < 4 ? N - n0 : 4;

@@ -168,6 +168,9 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("gate_up_tasks"), py::arg("down_tasks"), py::arg("down_expert_rows"),
         "Set how MoE jobs split their work (tuning; start values KTRANS_GU_TASKS, KTRANS_DN_TASKS, KTRANS_DN_ROWS); "
         "returns the previous split.");
+  m.def("set_prefetch_clamp", &set_prefetch_clamp, py::arg("on"),
+        "Whether the kernels' prefetch stops at the end of a call's weight rows (default True; A/B diagnostics). "
+        "Returns the previous value.");
   m.def("set_tile_min_tokens", &set_tile_min_tokens, py::arg("n"),
         "From how many activation rows per gemm call the Q4_K/Q5_K tile kernels run (tuning, tests); returns the "
         "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 3.");

@@ -2,6 +2,7 @@
 #include "quant.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -26,6 +27,9 @@ const int kPrefetchHint = [] {
   const std::string h = v ? v : "";
   return h == "t1" ? 1 : (h == "nta" ? 2 : 0);
 }();
+std::atomic<bool> g_prefetch_clamp{true};
+
+bool set_prefetch_clamp(bool on) { return g_prefetch_clamp.exchange(on); }
 
 
 bool type_supported(int t) {

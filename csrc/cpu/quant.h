@@ -149,6 +149,8 @@ extern const int kPrefetchBytes;
 // The integer value of environment variable `name` (atoi), or `fallback` when it is unset or empty.
 int env_int(const char* name, int fallback);
 extern const int kPrefetchHint;  // 0: t0, 1: t1, 2: nta
+// Whether the in-loop prefetch stops at the end of a gemm call's rows (default; see prefetch.h); returns the old value.
+bool set_prefetch_clamp(bool on);
 
 // ---------------------------------------------------------------------------------------------------------
 // the kernel table of one ISA path
