@@ -76,11 +76,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--patterns", action="store_true",
                     help="only the memory side: read times of the step's access pattern and of alternatives")
-    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,noclamp]",
+    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,noclamp][,pfBYTES/HINT]",
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
                          "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; nohp: the "
                          "same weights read in place, not copied into transparent huge pages; noclamp: prefetch past "
-                         "the end of a call's rows")
+                         "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta)")
     args = ap.parse_args()
     shape = SHAPES["qwen3-next"]
     gen = torch.Generator().manual_seed(0)
@@ -164,8 +164,9 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     for spec in specs:
         name, _, val = spec.partition("=")
         parts = val.split(",")
+        pf = next((tuple(int(x) for x in f[2:].split("/")) for f in parts[3:] if f.startswith("pf")), None)
         configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], "nohp" in parts[3:],
-                         "noclamp" not in parts[3:])
+                         "noclamp" not in parts[3:], pf)
     flat = None  # the same weights read where torch allocated them (4 KiB pages unless THP is "always")
     if any(c[2] for c in configs.values()):
         flat = cpu.CPUMoE(*raw, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
@@ -173,11 +174,14 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
     old = _cpu.moe_split()
+    old_pf = _cpu.set_prefetch(4096, 0)
+    _cpu.set_prefetch(*old_pf)
     probe0 = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool)
     try:
         for i in range(iters + 20):
-            for name, (split, helps, in_place, clamp) in configs.items():
+            for name, (split, helps, in_place, clamp, pf) in configs.items():
                 _cpu.set_moe_split(*split)
+                _cpu.set_prefetch(*(pf or old_pf))
                 _cpu.set_prefetch_clamp(clamp)
                 pool.caller_helps = helps
                 ids, w = _routings(shape, 1, 1, gen)[0]
@@ -188,6 +192,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
                     times[name].append(time.perf_counter() - t0)
     finally:
         _cpu.set_moe_split(*old)
+        _cpu.set_prefetch(*old_pf)
         _cpu.set_prefetch_clamp(True)
         pool.caller_helps = True
     probe = max(probe0, cpu.stream_bandwidth(moe.weights, reps=3, pool=pool))
