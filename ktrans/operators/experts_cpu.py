@@ -135,4 +135,5 @@ class KExpertsCPU(ExpertsOp):
         if not self.load_report:
             return f"quant={self.quant or 'model dtype'}"
         r = self.load_report
-        return f"{'/'.join(r['types'])}, {r['bytes'] / 2**20:.1f} MiB, {r['path']}"
+        pages = "huge pages" if r.get("hugepages") else "4 KiB pages"
+        return f"{'/'.join(r['types'])}, {r['bytes'] / 2**20:.1f} MiB, {r['path']}, {pages}"
