@@ -71,7 +71,9 @@ def isa_report() -> dict:
     path, why = best_path(info)
     status = _cpu.path_status()
     return {"path": path, "why": why, "runnable_paths": [p for p, reason in status.items() if reason is None],
-            "prefill_tiles": prefill_tiles(path, info), "features": info}
+            "prefill_tiles": prefill_tiles(path, info),
+            # CPUMoE copies expert weights into huge pages only where this is "always" or "madvise"
+            "transparent_hugepages": thp_mode(), "features": info}
 
 
 TILES_OFF = 1 << 30  # a tile_min_tokens that no call reaches: the tiles are off
@@ -191,6 +193,16 @@ def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
 _HUGEPAGE_MIN_BYTES = 4 << 20
 
 
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"), None where it cannot be read."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
 def in_hugepages(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A copy of t's bytes in fresh anonymous memory advised into transparent huge pages (2 MiB: a decode step's
     scattered expert rows then miss the TLB ~500x less often than in 4 KiB pages, such as those of a GGUF file's
@@ -248,10 +260,11 @@ class CPUMoE:
         self.weights = tuple(
             _as_bytes(t, name, n_experts * rows * _cpu.type_row_bytes(ty, cols))
             for t, name, ty, (rows, cols) in zip((gate, up, down), ("gate", "up", "down"), self.types, shapes))
-        # hugepages: matrices of 4 MiB and more are copied into transparent huge pages (see in_hugepages);
-        # self.hugepages says whether the kernel took the advice for all of them.
+        # hugepages: matrices of 4 MiB and more are copied into transparent huge pages (see in_hugepages) where
+        # the kernel's THP mode allows them; self.hugepages says whether it took the advice for all of them.
         self.hugepages = False
-        if hugepages and min(w.numel() for w in self.weights) >= _HUGEPAGE_MIN_BYTES:
+        if hugepages and thp_mode() in ("always", "madvise") and \
+                min(w.numel() for w in self.weights) >= _HUGEPAGE_MIN_BYTES:
             copies = [in_hugepages(w) for w in self.weights]
             self.weights = tuple(c for c, _ in copies)
             self.hugepages = all(ok for _, ok in copies)

@@ -230,7 +230,7 @@ def test_more_jobs_in_flight_than_ring_slots():
     assert all(torch.equal(o, w) for o, w in zip(outs, want))
 
 
-def test_hugepage_copy_gives_the_same_results(pool):
+def test_hugepage_copy_gives_the_same_results(pool, monkeypatch):
     """Matrices of 4 MiB and more are copied into 2 MiB-aligned memory advised into transparent huge pages; the
     kernels read the same bytes there, so the output is bitwise the one read in place."""
     gen = torch.Generator().manual_seed(9)
@@ -249,3 +249,6 @@ def test_hugepage_copy_gives_the_same_results(pool):
     ids, w = routing(5, 4, gen)
     ids = ids % e
     assert torch.equal(copied(x, ids, w), in_place(x, ids, w))
+    monkeypatch.setattr(cpu, "thp_mode", lambda: "never")  # THP off: no copy, no memory spent on one
+    kept = cpu.CPUMoE(*mats, **kw)
+    assert not kept.hugepages and all(w.data_ptr() == m.data_ptr() for w, m in zip(kept.weights, mats))
