@@ -56,14 +56,24 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
   slots_.reset(new std::atomic<Job*>[kSlots]);
   for (int i = 0; i < kSlots; ++i) slots_[i].store(nullptr, std::memory_order_relaxed);
   threads_.reserve(n_workers_);
-  for (int i = 0; i < n_workers_; ++i) {
-    threads_.emplace_back([this, i] { worker_loop(i); });
-    if (pinned_) {
-      cpu_set_t one;
-      CPU_ZERO(&one);
-      CPU_SET(cpus[i + 1], &one);
-      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(one), &one);
+  try {
+    for (int i = 0; i < n_workers_; ++i) {
+      threads_.emplace_back([this, i] { worker_loop(i); });
+      if (pinned_) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[i + 1], &one);
+        pthread_setaffinity_np(threads_.back().native_handle(), sizeof(one), &one);
+      }
     }
+  } catch (...) {  // could not start them all: stop and join the ones that did, then report
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_work_.notify_all();
+    for (auto& t : threads_) t.join();
+    throw;
   }
 }
 
@@ -104,9 +114,14 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
       ticket = posted_.load(std::memory_order_relaxed);  // posted_ only changes here, under mu_
       std::atomic<Job*>& slot = slots_[ticket % kSlots];
       if (slot.load(std::memory_order_acquire) == nullptr) {
-        slot.store(raw, std::memory_order_relaxed);
         std::lock_guard<SpinLock> q(q_mu_);
-        queue_.push_back(std::move(job));
+        try {
+          queue_.push_back(job);  // first: if it throws, nothing is published and the slot stays free
+        } catch (...) {
+          job->self_.reset();
+          throw;
+        }
+        slot.store(raw, std::memory_order_relaxed);
         posted_.store(ticket + 1, std::memory_order_release);
         break;
       }
@@ -146,8 +161,10 @@ void ThreadPool::wait(uint64_t ticket) {
   }
   std::unique_lock<std::mutex> lock(mu_);
   cv_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) > ticket; });
-  auto it = errors_.find(ticket);
-  if (it != errors_.end()) {
+  // A ticket stands for its job and every one before it, errors included: the earliest error not yet reported
+  // among them is raised (and forgotten), so waiting only on a layer's last job still surfaces an earlier failure.
+  auto it = errors_.begin();
+  if (it != errors_.end() && it->first <= ticket) {
     std::exception_ptr e = it->second;
     errors_.erase(it);
     std::rethrow_exception(e);

@@ -104,7 +104,8 @@ class ThreadPool {
   void set_caller_helps(bool on) { caller_helps_.store(on); }
   bool caller_helps() const { return caller_helps_.load(); }
   uint64_t submit(std::shared_ptr<Job> job);
-  // Helps with (or, when another thread is helping, waits for) the oldest jobs until `ticket` is done.
+  // Helps with (or, when another thread is helping, waits for) the oldest jobs until `ticket` is done; raises the
+  // earliest not yet raised error of that job or one before it.
   void wait(uint64_t ticket);
   bool done(uint64_t ticket) const { return completed_.load(std::memory_order_acquire) > ticket; }
   // A per-thread buffer of at least `bytes` (64-byte aligned), valid until that thread's next call.

@@ -176,6 +176,20 @@ class Pending:
                 self._done, self._keep = True, ()
         return self._out
 
+    def __del__(self):
+        # Dropped without wait(): the job may still read the inputs and write the output this holds, so let it end
+        # before they are freed (its error, if any, is left to whoever waits next).
+        if not self._done and self._keep:
+            try:
+                self._pool.wait(self._ticket)
+            except Exception:  # noqa: BLE001 - nowhere to report it from a finalizer
+                pass
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
 
 def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
     """A contiguous CPU tensor holding exactly nbytes (the caller keeps it alive)."""
@@ -308,6 +322,8 @@ class CPUMoE:
             out = torch.empty(t, self.hidden, dtype=torch.float32)
         elif out.dtype != torch.float32 or tuple(out.shape) != (t, self.hidden) or not out.is_contiguous():
             raise ValueError(f"CPUMoE.submit out: expected contiguous float32 [{t}, {self.hidden}]")
+        elif t and _overlap(out, xf):
+            raise ValueError("CPUMoE.submit out: must not share memory with x (the job reads x while it writes out)")
         return xf, ids, w, out
 
     def sync(self) -> torch.Tensor | None:

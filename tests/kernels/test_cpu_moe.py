@@ -252,3 +252,19 @@ def test_hugepage_copy_gives_the_same_results(pool, monkeypatch):
     monkeypatch.setattr(cpu, "thp_mode", lambda: "never")  # THP off: no copy, no memory spent on one
     kept = cpu.CPUMoE(*mats, **kw)
     assert not kept.hugepages and all(w.data_ptr() == m.data_ptr() for w, m in zip(kept.weights, mats))
+
+
+def test_out_must_not_alias_x_and_a_dropped_pending_waits(pool):
+    moe = make_moe(("Q8_0",) * 3, pool)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(6, moe.hidden, generator=gen)
+    ids, w = routing(6, 3, gen)
+    with pytest.raises(ValueError, match="share memory with x"):
+        moe.submit(x, ids, w, out=x)
+    want = moe(x, ids, w)
+    moe.submit(x.clone(), ids.clone(), w.clone())  # dropped at once: its finalizer waits before the clones go
+    moe._last = None
+    import gc
+
+    gc.collect()
+    assert torch.equal(moe(x, ids, w), want)
