@@ -76,11 +76,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--patterns", action="store_true",
                     help="only the memory side: read times of the step's access pattern and of alternatives")
-    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,noclamp][,pfBYTES/HINT]",
+    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,noclamp][,pfBYTES/HINT][,checked]",
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
                          "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; nohp: the "
                          "same weights read in place, not copied into transparent huge pages; noclamp: prefetch past "
-                         "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta)")
+                         "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta); checked: inputs through "
+                         "CPUMoE._inputs, not forward's flat check")
     args = ap.parse_args()
     shape = SHAPES["qwen3-next"]
     gen = torch.Generator().manual_seed(0)
@@ -166,7 +167,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
         parts = val.split(",")
         pf = next((tuple(int(x) for x in f[2:].split("/")) for f in parts[3:] if f.startswith("pf")), None)
         configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], "nohp" in parts[3:],
-                         "noclamp" not in parts[3:], pf)
+                         "noclamp" not in parts[3:], pf, "checked" in parts[3:])
     flat = None  # the same weights read where torch allocated them (4 KiB pages unless THP is "always")
     if any(c[2] for c in configs.values()):
         flat = cpu.CPUMoE(*raw, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
@@ -179,7 +180,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     probe0 = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool)
     try:
         for i in range(iters + 20):
-            for name, (split, helps, in_place, clamp, pf) in configs.items():
+            for name, (split, helps, in_place, clamp, pf, checked) in configs.items():
                 _cpu.set_moe_split(*split)
                 _cpu.set_prefetch(*(pf or old_pf))
                 _cpu.set_prefetch_clamp(clamp)
@@ -187,7 +188,12 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
                 ids, w = _routings(shape, 1, 1, gen)[0]
                 m = flat if in_place else moe
                 t0 = time.perf_counter()
-                m(x, ids, w)
+                if checked:  # the general input path (every check, in helper functions) instead of forward's flat one
+                    xf, i2, w2, o2 = m._inputs(x, ids, w, None)
+                    m._moe.run(xf.data_ptr(), xf.shape[0], m.hidden, i2.data_ptr(), w2.data_ptr(), i2.shape[1],
+                               o2.data_ptr(), m.hidden)
+                else:
+                    m(x, ids, w)
                 if i >= 20:
                     times[name].append(time.perf_counter() - t0)
     finally:

@@ -21,6 +21,7 @@ from ktrans import _cpu  # ImportError here means the package was installed with
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
               "Q6_K": 14, "BF16": 30}
 _FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_F32, _I64 = torch.float32, torch.int64
 
 
 def type_id(qtype: int | str) -> int:
@@ -332,7 +333,17 @@ class CPUMoE:
 
     def forward(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """submit + wait in one call into the extension (one GIL release, no Pending): the synchronous path."""
-        xf, ids, w, out = self._inputs(x, topk_ids, topk_weights, None)
+        # What the model passes (contiguous float32 x [T, hidden], int64 ids and float32 weights [T, k] on the CPU)
+        # is checked in one flat expression: a decode step's caller runs this on a core whose caches the weight
+        # stream has just emptied, where every extra function and attribute lookup costs (doc/cpu_kernels.md).
+        xs, ks = x.shape, topk_ids.shape
+        if (len(xs) == 2 and len(ks) == 2 and xs[1] == self.hidden and ks[0] == xs[0] and topk_weights.shape == ks
+                and x.dtype is _F32 and topk_ids.dtype is _I64 and topk_weights.dtype is _F32
+                and x.is_cpu and topk_ids.is_cpu and topk_weights.is_cpu and not x.requires_grad
+                and x.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+            xf, ids, w, out = x, topk_ids, topk_weights, torch.empty(xs[0], self.hidden)
+        else:
+            xf, ids, w, out = self._inputs(x, topk_ids, topk_weights, None)
         self._moe.run(xf.data_ptr(), xf.shape[0], self.hidden, ids.data_ptr(), w.data_ptr(), ids.shape[1],
                       out.data_ptr(), self.hidden)
         return out

@@ -268,3 +268,21 @@ def test_out_must_not_alias_x_and_a_dropped_pending_waits(pool):
 
     gc.collect()
     assert torch.equal(moe(x, ids, w), want)
+
+
+def test_forward_takes_other_dtypes_and_layouts_through_the_checked_path(pool):
+    """forward's flat check takes the model's own tensors as they are; anything else goes through the general
+    path, which converts (or refuses with the same errors), with the same result."""
+    moe = make_moe(("Q8_0",) * 3, pool)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(7, moe.hidden, generator=gen)
+    ids, w = routing(7, 3, gen)
+    want = moe(x, ids, w)
+    wide = torch.randn(moe.hidden, 7, generator=gen)
+    wide.copy_(x.t())
+    for args in [(x.double(), ids.int(), w.double()), (wide.t(), ids, w), (x.requires_grad_(), ids, w)]:
+        assert torch.equal(moe(*args), want)
+    with pytest.raises(ValueError, match="activations"):
+        moe(torch.randn(7, moe.hidden + 1), ids, w)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe(x.detach(), ids[:5], w[:5])
