@@ -80,8 +80,8 @@ def main() -> None:
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
                          "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; nohp: the "
                          "same weights read in place, not copied into transparent huge pages; noclamp: prefetch past "
-                         "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta); checked: inputs through "
-                         "CPUMoE._inputs, not forward's flat check")
+                         "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta); "
+                         "checked: inputs through CPUMoE._inputs_checked, not the flat check")
     args = ap.parse_args()
     shape = SHAPES["qwen3-next"]
     gen = torch.Generator().manual_seed(0)
@@ -188,8 +188,8 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
                 ids, w = _routings(shape, 1, 1, gen)[0]
                 m = flat if in_place else moe
                 t0 = time.perf_counter()
-                if checked:  # the general input path (every check, in helper functions) instead of forward's flat one
-                    xf, i2, w2, o2 = m._inputs(x, ids, w, None)
+                if checked:  # the general input path (every check, in helper functions) instead of the flat one
+                    xf, i2, w2, o2 = m._inputs_checked(x, ids, w, None)
                     m._moe.run(xf.data_ptr(), xf.shape[0], m.hidden, i2.data_ptr(), w2.data_ptr(), i2.shape[1],
                                o2.data_ptr(), m.hidden)
                 else:
@@ -206,7 +206,8 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     row = {}
     for k, v in times.items():
         us = statistics.median(v) * 1e6
-        row[k] = {"us": round(us, 1), "gb_per_s": round(nbytes / us / 1e3, 1), "ratio": round(nbytes / us / 1e3 / probe, 3)}
+        gbs = nbytes / us / 1e3
+        row[k] = {"us": round(us, 1), "gb_per_s": round(gbs, 1), "ratio": round(gbs / probe, 3)}
     extra = {"hugepages": moe.hugepages}
     if flat is not None:
         try:

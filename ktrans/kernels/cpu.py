@@ -312,6 +312,20 @@ class CPUMoE:
         return self._last
 
     def _inputs(self, x, topk_ids, topk_weights, out):
+        # What the model passes (contiguous float32 x [T, hidden], int64 ids and float32 weights [T, k] on the CPU)
+        # is checked in one flat expression: a decode step's caller runs this on a core whose caches the weight
+        # stream has just emptied, where every extra function and attribute lookup costs (doc/cpu_kernels.md).
+        xs, ks = x.shape, topk_ids.shape
+        if (out is None and len(xs) == 2 and len(ks) == 2 and xs[1] == self.hidden and ks[0] == xs[0]
+                and topk_weights.shape == ks and x.dtype is _F32 and topk_ids.dtype is _I64
+                and topk_weights.dtype is _F32 and x.is_cpu and topk_ids.is_cpu and topk_weights.is_cpu
+                and not x.requires_grad and x.is_contiguous() and topk_ids.is_contiguous()
+                and topk_weights.is_contiguous()):
+            return x, topk_ids, topk_weights, torch.empty(xs[0], self.hidden)
+        return self._inputs_checked(x, topk_ids, topk_weights, out)
+
+    def _inputs_checked(self, x, topk_ids, topk_weights, out):
+        """Every check, with conversions (other dtypes, layouts, devices) and the errors that name the field."""
         xf = _activations(x, self.hidden, "CPUMoE.submit x")
         t = xf.shape[0]
         if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
@@ -333,17 +347,7 @@ class CPUMoE:
 
     def forward(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """submit + wait in one call into the extension (one GIL release, no Pending): the synchronous path."""
-        # What the model passes (contiguous float32 x [T, hidden], int64 ids and float32 weights [T, k] on the CPU)
-        # is checked in one flat expression: a decode step's caller runs this on a core whose caches the weight
-        # stream has just emptied, where every extra function and attribute lookup costs (doc/cpu_kernels.md).
-        xs, ks = x.shape, topk_ids.shape
-        if (len(xs) == 2 and len(ks) == 2 and xs[1] == self.hidden and ks[0] == xs[0] and topk_weights.shape == ks
-                and x.dtype is _F32 and topk_ids.dtype is _I64 and topk_weights.dtype is _F32
-                and x.is_cpu and topk_ids.is_cpu and topk_weights.is_cpu and not x.requires_grad
-                and x.is_contiguous() and topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-            xf, ids, w, out = x, topk_ids, topk_weights, torch.empty(xs[0], self.hidden)
-        else:
-            xf, ids, w, out = self._inputs(x, topk_ids, topk_weights, None)
+        xf, ids, w, out = self._inputs(x, topk_ids, topk_weights, None)
         self._moe.run(xf.data_ptr(), xf.shape[0], self.hidden, ids.data_ptr(), w.data_ptr(), ids.shape[1],
                       out.data_ptr(), self.hidden)
         return out
