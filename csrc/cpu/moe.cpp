@@ -328,7 +328,7 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
     float* y = static_cast<float*>(pl->scratch(thread, sizeof(float) * std::max(jp->max_group, 1) * m));
     auto chunk = [&](int a) { return D.data + jp->experts[a] * d_eb + c0 * d_rb; };
-    const int chunk_bytes = static_cast<int>(std::min<size_t>(kPrefetchBytes, m * d_rb));
+    const int chunk_bytes = static_cast<int>(std::min<size_t>(g_prefetch_bytes, m * d_rb));
     for (int a = 0; a < n_active; ++a) {
       const int p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
       // The kernels prefetch ahead within a chunk; start the next expert's chunk now so it is not cold.

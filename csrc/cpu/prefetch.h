@@ -11,13 +11,13 @@ namespace ktrans {
 
 // One cache line, with the hint KTRANS_PREFETCH_HINT picked (see quant.h).
 inline void prefetch_line(const uint8_t* p) {
-  if (kPrefetchHint == 0) __builtin_prefetch(p, 0, 3);       // prefetcht0
-  else if (kPrefetchHint == 1) __builtin_prefetch(p, 0, 2);  // prefetcht1
+  if (g_prefetch_hint == 0) __builtin_prefetch(p, 0, 3);       // prefetcht0
+  else if (g_prefetch_hint == 1) __builtin_prefetch(p, 0, 2);  // prefetcht1
   else __builtin_prefetch(p, 0, 0);                          // prefetchnta
 }
 
 // Where the weight rows of this thread's running gemm call end (each ISA's gemm sets it through set_rows_end): the
-// in-loop prefetch stops there. Otherwise every stream's last kPrefetchBytes pull in bytes past its block: the next
+// in-loop prefetch stops there. Otherwise every stream's last g_prefetch_bytes pull in bytes past its block: the next
 // block's rows, which another task (on another core) reads, or rows no task reads at all (the next expert's). A
 // decode step has ~220 such stream ends, ~0.9 MB of its 17.7 MB.
 inline thread_local const uint8_t* tl_rows_end = nullptr;
@@ -29,17 +29,17 @@ inline void set_rows_end(const uint8_t* end) {
 // Read once per kernel call (a thread_local in a shared library costs a call to reach).
 inline const uint8_t* rows_end() { return tl_rows_end ? tl_rows_end : reinterpret_cast<const uint8_t*>(~uintptr_t(0)); }
 
-// Touch every cache line of the next Bytes bytes of the weight stream, kPrefetchBytes ahead, up to `end`.
+// Touch every cache line of the next Bytes bytes of the weight stream, g_prefetch_bytes ahead, up to `end`.
 template <int Bytes>
 inline void prefetch_ahead(const uint8_t* w, const uint8_t* end) {
-  const uint8_t* p = w + kPrefetchBytes;
+  const uint8_t* p = w + g_prefetch_bytes;
   for (int off = 0; off < Bytes; off += 64)
     if (p + off < end) prefetch_line(p + off);
 }
 
-// The opening stretch of a block of rows, which the in-loop prefetch (kPrefetchBytes ahead) never covers.
+// The opening stretch of a block of rows, which the in-loop prefetch (g_prefetch_bytes ahead) never covers.
 inline void prefetch_start(const uint8_t* w, size_t bytes) {
-  const size_t n = bytes < static_cast<size_t>(kPrefetchBytes) ? bytes : kPrefetchBytes;
+  const size_t n = bytes < static_cast<size_t>(g_prefetch_bytes) ? bytes : g_prefetch_bytes;
   for (size_t off = 0; off < n; off += 64) __builtin_prefetch(w + off, 0, 3);
 }
 

@@ -21,8 +21,8 @@ int env_int(const char* name, int fallback) {
   return v && *v ? std::atoi(v) : fallback;
 }
 
-int kPrefetchBytes = std::max(64, env_int("KTRANS_PREFETCH_BYTES", 4096) & ~63);
-int kPrefetchHint = [] {
+int g_prefetch_bytes = std::max(64, env_int("KTRANS_PREFETCH_BYTES", 4096) & ~63);
+int g_prefetch_hint = [] {
   const char* v = std::getenv("KTRANS_PREFETCH_HINT");
   const std::string h = v ? v : "";
   return h == "t1" ? 1 : (h == "nta" ? 2 : 0);
@@ -32,9 +32,9 @@ std::atomic<bool> g_prefetch_clamp{true};
 bool set_prefetch_clamp(bool on) { return g_prefetch_clamp.exchange(on); }
 
 std::pair<int, int> set_prefetch(int bytes, int hint) {
-  const std::pair<int, int> old{kPrefetchBytes, kPrefetchHint};
-  kPrefetchBytes = std::max(64, bytes & ~63);
-  kPrefetchHint = std::min(std::max(hint, 0), 2);
+  const std::pair<int, int> old{g_prefetch_bytes, g_prefetch_hint};
+  g_prefetch_bytes = std::max(64, bytes & ~63);
+  g_prefetch_hint = std::min(std::max(hint, 0), 2);
   return old;
 }
 

@@ -146,10 +146,10 @@ inline const float* act_q8k_d(const uint8_t* row, int64_t k) {
 // KTRANS_PREFETCH_BYTES sets another distance (a multiple of 64); KTRANS_PREFETCH_HINT=t1 prefetches into L2
 // (prefetcht1) instead of L1, =nta non-temporally (prefetchnta: the weights, read once, then displace less of
 // the caller's cache; a lead for the fixed per-call costs measured on the Xeon). Tuning knobs, read once at load.
-extern int kPrefetchBytes;
+extern int g_prefetch_bytes;
 // The integer value of environment variable `name` (atoi), or `fallback` when it is unset or empty.
 int env_int(const char* name, int fallback);
-extern int kPrefetchHint;  // 0: t0, 1: t1, 2: nta
+extern int g_prefetch_hint;  // 0: t0, 1: t1, 2: nta
 // Tuning: set both (only while no job runs); returns the previous (bytes, hint).
 std::pair<int, int> set_prefetch(int bytes, int hint);
 // Whether the in-loop prefetch stops at the end of a gemm call's rows (default; see prefetch.h); returns the old value.
