@@ -140,16 +140,16 @@ inline const float* act_q8k_d(const uint8_t* row, int64_t k) {
   return reinterpret_cast<const float*>(row + k + 2 * (k / 16));
 }
 
-// Weight rows are streamed once from DRAM. The kernels prefetch this far ahead of the block they read (the rows of
-// a task are contiguous, so this runs on into the next rows), and each task first prefetches its opening stretch.
-// 4 KiB measured best on the dev box (Zen 4): 1.5 KiB left a decode step ~10% short of it, 8 KiB gained nothing.
-// KTRANS_PREFETCH_BYTES sets another distance (a multiple of 64); KTRANS_PREFETCH_HINT=t1 prefetches into L2
-// (prefetcht1) instead of L1, =nta non-temporally (prefetchnta: the weights, read once, then displace less of
-// the caller's cache; a lead for the fixed per-call costs measured on the Xeon). Tuning knobs, read once at load.
+// Weight rows are streamed once from DRAM. The kernels prefetch this far ahead of the block they read (on into the
+// call's next rows, never past the last: see prefetch.h), and each call first prefetches its opening stretch.
+// 4 KiB measured best on both machines: on the dev box (Zen 4) 2 KiB left a decode step 13-18% slower, 3-6 KiB
+// within 1%, 8 KiB 3-4% slower; on the 16-core Xeon 2 and 8 KiB were slower too. KTRANS_PREFETCH_BYTES sets another
+// distance (a multiple of 64) and KTRANS_PREFETCH_HINT=t1 prefetches into L2 (prefetcht1), =nta non-temporally
+// (prefetchnta): both measured slower (nta at 0.44 of the Xeon's bandwidth instead of 0.66).
 extern int g_prefetch_bytes;
+extern int g_prefetch_hint;  // 0: t0, 1: t1, 2: nta
 // The integer value of environment variable `name` (atoi), or `fallback` when it is unset or empty.
 int env_int(const char* name, int fallback);
-extern int g_prefetch_hint;  // 0: t0, 1: t1, 2: nta
 // Tuning: set both (only while no job runs); returns the previous (bytes, hint).
 std::pair<int, int> set_prefetch(int bytes, int hint);
 // Whether the in-loop prefetch stops at the end of a gemm call's rows (default; see prefetch.h); returns the old value.
