@@ -10,7 +10,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace ktrans {
@@ -111,20 +110,6 @@ struct MoEJob : Job {
 };
 
 constexpr int kReadyStride = 16;  // ints per expert in MoEJob::ready: one cache line each, no false sharing
-
-// Spin until cond(): pause for a while, then yield (a descheduled thread may be the one we wait for).
-template <class F>
-void spin_until(F cond) {
-  for (int i = 0; !cond(); ++i) {
-    if (i < 4096) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
 
 struct LinearJob : Job {
   std::vector<const uint8_t*> xrows;
@@ -414,18 +399,11 @@ double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t*
   if (bytes < 256) throw std::invalid_argument("read bandwidth: the buffer needs at least 256 bytes");
   const int n_tasks = static_cast<int>(std::min<size_t>(pool.size() * 16, bytes / 256));
   const size_t chunk = (bytes / n_tasks) & ~size_t(255);
-  std::vector<uint64_t> sink((pool.size() + 1) * 8, 0);  // a slot per thread id, the helping caller's included
-  uint64_t* sp = sink.data();
-  const Kernels* K = &kernels;
+  std::vector<std::vector<Range>> tasks(n_tasks);
+  for (int t = 0; t < n_tasks; ++t) tasks[t] = {Range(base + t * chunk, chunk)};
   double best = 0.0;
-  for (int r = 0; r < std::max(reps, 1); ++r) {
-    auto job = std::make_shared<Job>();
-    job->phases.push_back({n_tasks, [=](int t, int thread) { sp[thread * 8] ^= K->stream_read(base + t * chunk, chunk); }});
-    const auto t0 = std::chrono::steady_clock::now();
-    pool.wait(pool.submit(job));
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    best = std::max(best, static_cast<double>(chunk) * n_tasks / s / 1e9);
-  }
+  for (int r = 0; r < std::max(reps, 1); ++r)
+    best = std::max(best, static_cast<double>(chunk) * n_tasks / read_tasks(pool, kernels, tasks) / 1e9);
   return best;
 }
 

@@ -10,13 +10,6 @@
 #include <stdexcept>
 #include <string>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define KTRANS_PAUSE() _mm_pause()
-#else
-#define KTRANS_PAUSE() ((void)0)
-#endif
-
 namespace ktrans {
 namespace {
 
@@ -24,20 +17,7 @@ using Clock = std::chrono::steady_clock;
 
 int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
 
-// Spin while cond() is false: pause for a while, then yield the core (a thread may be descheduled when the
-// machine has fewer free cores than threads, and then spinning only delays it).
-template <class F>
-void spin_until(F cond) {
-  for (int i = 0; !cond(); ++i) {
-    if (i < 4096) KTRANS_PAUSE();
-    else sched_yield();
-  }
-}
-
 }  // namespace
-
-void SpinLock::pause() { KTRANS_PAUSE(); }
-void SpinLock::yield() { sched_yield(); }
 
 ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
     : n_threads_(n_threads), n_workers_(std::max(n_threads - 1, 1)), spin_us_(std::max(spin_us, 0)) {
@@ -126,9 +106,7 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
         break;
       }
     }
-    // kSlots jobs in flight, or a worker kSlots jobs behind: let it catch up (not holding mu_, which it may need)
-    if (i < 4096) KTRANS_PAUSE();
-    else sched_yield();
+    backoff(i);  // kSlots jobs in flight, or a worker kSlots jobs behind: let it catch up (not holding mu_)
   }
   cv_work_.notify_all();
   return ticket;
@@ -157,7 +135,7 @@ void ThreadPool::wait(uint64_t ticket) {
   const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
   for (int i = 0; completed_.load(std::memory_order_acquire) <= ticket; ++i) {
     if ((i & 255) == 255 && Clock::now() > deadline) break;
-    KTRANS_PAUSE();
+    cpu_pause();
   }
   std::unique_lock<std::mutex> lock(mu_);
   cv_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) > ticket; });
@@ -203,7 +181,7 @@ bool ThreadPool::wait_for_job(uint64_t seq) {
       cv_work_.wait(lock, [&] { return stop_ || posted_.load(std::memory_order_acquire) > seq; });
       return posted_.load(std::memory_order_acquire) > seq;
     }
-    KTRANS_PAUSE();
+    cpu_pause();
   }
   return true;
 }
