@@ -192,17 +192,21 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
-    """A contiguous CPU tensor holding exactly nbytes (the caller keeps it alive)."""
+def _cpu_weights(t, what: str, nbytes: int) -> torch.Tensor:
+    """t (a tensor or numpy array) as a CPU tensor of exactly nbytes, not necessarily contiguous."""
     if not isinstance(t, torch.Tensor):
         t = torch.from_numpy(t)
     if t.device.type != "cpu":
         raise ValueError(f"{what}: weights must be in CPU memory, got a tensor on {t.device}")
-    t = t.contiguous()
     have = t.numel() * t.element_size()
     if have != nbytes:
         raise ValueError(f"{what}: expected {nbytes} bytes, got {have} (shape {tuple(t.shape)}, {t.dtype})")
     return t
+
+
+def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
+    """A contiguous CPU tensor holding exactly nbytes (the caller keeps it alive)."""
+    return _cpu_weights(t, what, nbytes).contiguous()
 
 
 _HUGEPAGE_MIN_BYTES = 4 << 20
@@ -228,7 +232,7 @@ def in_hugepages(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     off = (-buf.data_ptr()) % h
     view = buf[off:off + n]
     ok = _cpu.advise_hugepages(view.data_ptr(), n)
-    view.copy_(t.reshape(-1).view(torch.uint8))
+    view.view(t.dtype).view(t.shape).copy_(t)  # one copy, also from a non-contiguous t
     return view, ok
 
 
@@ -272,17 +276,17 @@ class CPUMoE:
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
         self.types = tuple(_weight_type(t, q) for t, q in zip((gate, up, down), types))
         shapes = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
-        self.weights = tuple(
-            _as_bytes(t, name, n_experts * rows * _cpu.type_row_bytes(ty, cols))
-            for t, name, ty, (rows, cols) in zip((gate, up, down), ("gate", "up", "down"), self.types, shapes))
+        sizes = [n_experts * rows * _cpu.type_row_bytes(ty, cols) for ty, (rows, cols) in zip(self.types, shapes)]
+        mats = [_cpu_weights(t, name, n) for t, name, n in zip((gate, up, down), ("gate", "up", "down"), sizes)]
         # hugepages: matrices of 4 MiB and more are copied into transparent huge pages (see in_hugepages) where
         # the kernel's THP mode allows them; self.hugepages says whether it took the advice for all of them.
         self.hugepages = False
-        if hugepages and thp_mode() in ("always", "madvise") and \
-                min(w.numel() for w in self.weights) >= _HUGEPAGE_MIN_BYTES:
-            copies = [in_hugepages(w) for w in self.weights]
+        if hugepages and thp_mode() in ("always", "madvise") and min(sizes) >= _HUGEPAGE_MIN_BYTES:
+            copies = [in_hugepages(t) for t in mats]
             self.weights = tuple(c for c, _ in copies)
             self.hugepages = all(ok for _, ok in copies)
+        else:
+            self.weights = tuple(t.contiguous() for t in mats)
         self.pool = pool or get_pool()
         g, u, d = self.weights
         self._moe = _cpu.MoE(self.pool, n_experts, hidden, intermediate, g.data_ptr(), self.types[0],

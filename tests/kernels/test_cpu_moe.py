@@ -286,3 +286,21 @@ def test_forward_takes_other_dtypes_and_layouts_through_the_checked_path(pool):
         moe(torch.randn(7, moe.hidden + 1), ids, w)
     with pytest.raises(ValueError, match="topk_ids"):
         moe(x.detach(), ids[:5], w[:5])
+
+
+def test_hugepage_copy_of_a_non_contiguous_view(pool):
+    """Half of a fused gate_up tensor (a non-contiguous view) lands in huge pages in one copy, values intact."""
+    gen = torch.Generator().manual_seed(12)
+    e, h, i = 16, 256, 256  # float32: 4 MiB per matrix
+    gate_up = torch.randn(e, 2 * i, h, generator=gen) * 0.02
+    down = torch.randn(e, h, i, generator=gen) * 0.02
+    kw = dict(n_experts=e, hidden=h, intermediate=i, pool=pool)
+    copied = cpu.CPUMoE(gate_up[:, :i], gate_up[:, i:], down, **kw)
+    in_place = cpu.CPUMoE(gate_up[:, :i], gate_up[:, i:], down, hugepages=False, **kw)
+    if cpu.thp_mode() in ("always", "madvise"):
+        assert all(w.data_ptr() % (1 << 21) == 0 for w in copied.weights)
+    for a, b in zip(copied.weights, in_place.weights):
+        assert torch.equal(a.view(torch.uint8).reshape(-1), b.reshape(-1).view(torch.uint8))
+    x = torch.randn(3, h, generator=gen)
+    ids, w = routing(3, 2, gen)
+    assert torch.equal(copied(x, ids, w), in_place(x, ids, w))
