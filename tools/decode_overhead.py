@@ -112,6 +112,7 @@ def main() -> None:
         moe(x, ids, w)
         t1 = time.perf_counter()
         res["forward_us"].append((t1 - t0) * 1e6)
+        res["work_end_us"].append(max(r[1] for r in pool.last_trace() if r[2] > 0) / 1e3)
         # the same call in its two parts, on other experts (the Python checks and buffers; the extension's run)
         ids4, w4 = _routings(shape, 1, 1, gen)[0]
         t0 = time.perf_counter_ns()
@@ -131,8 +132,6 @@ def main() -> None:
         res["last_end_us"].append(max(r[1] for r in tr) / 1e3)
         res["end_to_complete_us"].append((completed - posted) / 1e3 - max(r[1] for r in tr) / 1e3)
         res["complete_to_return_us"].append((t2 - completed) / 1e3)
-        tr = [r for r in pool.last_trace() if r[2] > 0]
-        res["work_end_us"].append(max(r[1] for r in tr) / 1e3)
         t0 = time.perf_counter()
         ticket = raw.submit(x.data_ptr(), 1, H, ids2.data_ptr(), w2.data_ptr(), shape.top_k, out.data_ptr(), H)
         t1 = time.perf_counter()
@@ -174,10 +173,9 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
                           types=moe.types, pool=pool, hugepages=False)
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
-    old = _cpu.moe_split()
-    old_pf = _cpu.set_prefetch(4096, 0)
-    _cpu.set_prefetch(*old_pf)
+    old, old_pf = _cpu.moe_split(), _cpu.prefetch()
     probe0 = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool)
+    old_clamp = _cpu.set_prefetch_clamp(True)
     try:
         for i in range(iters + 20):
             for name, (split, helps, in_place, clamp, pf, checked) in configs.items():
@@ -199,7 +197,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     finally:
         _cpu.set_moe_split(*old)
         _cpu.set_prefetch(*old_pf)
-        _cpu.set_prefetch_clamp(True)
+        _cpu.set_prefetch_clamp(old_clamp)
         pool.caller_helps = True
     probe = max(probe0, cpu.stream_bandwidth(moe.weights, reps=3, pool=pool))
     nbytes = 10 * moe.expert_bytes
@@ -221,36 +219,29 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
 
 
 def patterns(moe, pool, gen, iters: int) -> None:
-    """Median read time (us) and GB/s of each access pattern, on fresh random experts each time."""
+    """Median read time (us) and GB/s of each access pattern, each read on fresh random experts."""
     shape = SHAPES["qwen3-next"]
-    variants = {
-        "step": {}, "down_rows": {"down_by_expert": False}, "fused_gate_up": {"fused_gate_up": True}}
-    times = {k: [] for k in [*variants, "gate_up_only", "down_only", "down_rows_only", "flat"]}
-    nbytes = {}
+    times, nbytes = {}, {}
+
+    def fresh() -> list[int]:
+        return sorted(_routings(shape, 1, 1, gen)[0][0].flatten().tolist())
+
+    def read(name: str, tasks) -> None:
+        nbytes[name] = sum(n for t in tasks for _, n in t)
+        times.setdefault(name, []).append(_cpu.read_tasks(pool, tasks))
+
+    n_gu = shape.top_k * -(-moe.intermediate // _block_rows(shape.top_k * moe.intermediate, pool.size,
+                                                              _cpu.moe_split()[0], moe.intermediate))
     for _ in range(iters):
-        for name, kw in variants.items():
-            experts = sorted(_routings(shape, 1, 1, gen)[0][0].flatten().tolist())
-            tasks = step_tasks(moe, experts, pool.size, **kw)
-            nbytes[name] = sum(n for t in tasks for _, n in t)
-            times[name].append(_cpu.read_tasks(pool, tasks))
-            n_tasks = len(tasks) if name == "step" else n_tasks
-            if name in ("step", "down_rows"):
-                n_gu = len(experts) * -(-moe.intermediate // _block_rows(
-                    len(experts) * moe.intermediate, pool.size, _cpu.moe_split()[0], moe.intermediate))
-                part = "gate_up_only" if name == "step" else "down_rows_only"
-                sub = tasks[:n_gu] if name == "step" else tasks[n_gu:]
-                experts = sorted(_routings(shape, 1, 1, gen)[0][0].flatten().tolist())
-                tasks = step_tasks(moe, experts, pool.size, **kw)
-                sub = tasks[:n_gu] if name == "step" else tasks[n_gu:]
-                nbytes[part] = sum(n for t in sub for _, n in t)
-                times[part].append(_cpu.read_tasks(pool, sub))
-                if name == "step":
-                    sub = tasks[n_gu:]
-                    nbytes["down_only"] = sum(n for t in sub for _, n in t)
-                    times["down_only"].append(_cpu.read_tasks(pool, sub))
+        step = step_tasks(moe, fresh(), pool.size)
+        read("step", step)
+        read("down_rows", step_tasks(moe, fresh(), pool.size, down_by_expert=False))
+        read("fused_gate_up", step_tasks(moe, fresh(), pool.size, fused_gate_up=True))
+        read("gate_up_only", step_tasks(moe, fresh(), pool.size)[:n_gu])
+        read("down_only", step_tasks(moe, fresh(), pool.size)[n_gu:])
+        read("down_rows_only", step_tasks(moe, fresh(), pool.size, down_by_expert=False)[n_gu:])
         first = int(torch.randint(0, moe.n_experts - 40, (1,), generator=gen))
-        nbytes["flat"] = nbytes["step"]
-        times["flat"].append(_cpu.read_tasks(pool, flat_tasks(moe, first, nbytes["step"], n_tasks)))
+        read("flat", flat_tasks(moe, first, nbytes["step"], len(step)))
     row = {}
     for k, v in times.items():
         us = statistics.median(v) * 1e6

@@ -168,6 +168,8 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("gate_up_tasks"), py::arg("down_tasks"), py::arg("down_expert_rows"),
         "Set how MoE jobs split their work (tuning; start values KTRANS_GU_TASKS, KTRANS_DN_TASKS, KTRANS_DN_ROWS); "
         "returns the previous split.");
+  m.def("prefetch", [] { return py::make_tuple(g_prefetch_bytes, g_prefetch_hint); },
+        "The kernels' software prefetch (distance in bytes, hint: 0 t0, 1 t1, 2 nta).");
   m.def("set_prefetch", &set_prefetch, py::arg("bytes"), py::arg("hint"),
         "Tuning: the kernels' software prefetch distance in bytes and hint (0 t0, 1 t1, 2 nta), start values "
         "KTRANS_PREFETCH_BYTES and KTRANS_PREFETCH_HINT; only between jobs. Returns the previous (bytes, hint).");
