@@ -17,6 +17,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+#include "k4_scales.h"  // after the target: compiled for AVX2 here
+
 namespace ktrans {
 namespace {
 
@@ -30,17 +32,6 @@ inline float hsum(__m256 v) {
 inline float f16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
 inline __m256i loadu(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-
-// Q4_K/Q5_K: the 12 bytes of six-bit scales and mins at p -> bytes [sc0..sc7 | m0..m7] (see kernels_avx512.cpp).
-inline __m128i k4_scales_mins(const uint8_t* p) {
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // 12 bytes used
-  const __m128i a = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-  const __m128i b = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-  const __m128i lo = _mm_or_si128(
-      _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
-      _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-  return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));
-}
 
 // Byte i of v (the same 16 bytes in both lanes) zero-extended into every int16 lane.
 inline __m256i bcast_u8_as_16(__m256i v, int i) {

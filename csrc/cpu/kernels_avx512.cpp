@@ -15,6 +15,8 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 
+#include "k4_scales.h"  // after the target: compiled for AVX-512 here
+
 namespace ktrans {
 namespace {
 
@@ -38,15 +40,8 @@ inline __m512 halves(float a, float b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
 }
 
-// Q4_K/Q5_K: the 12 bytes of six-bit scales and mins at p -> bytes [sc0..sc7 | m0..m7], in SIMD (the scalar
-// unpack_k4_scales plus the moves into vector registers cost twice as many instructions):
-//   sc0-3 = s0-3 & 63          sc4-7 = (s8-11 & 15) | (s0-3 >> 6) << 4
-//   m0-3  = s4-7 & 63          m4-7  = (s8-11 >> 4) | (s4-7 >> 6) << 4
-template <class V>
-inline V k4_scales_mins_v(V s);
-
-// The same on four blocks at once, one per 128-bit lane of a zmm (the decode kernel's four rows).
-template <>
+// k4_scales_mins_v (k4_scales.h) on four blocks at once, one per 128-bit lane of a zmm (the decode kernel's four
+// rows).
 inline __m512i k4_scales_mins_v(__m512i s) {
   const __m512i a = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11)));
   const __m512i b = _mm512_shuffle_epi8(s, _mm512_broadcast_i32x4(_mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7)));
@@ -54,20 +49,6 @@ inline __m512i k4_scales_mins_v(__m512i s) {
       _mm512_and_si512(a, _mm512_broadcast_i32x4(_mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0))),
       _mm512_and_si512(_mm512_srli_epi16(a, 4), _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15))));
   return _mm512_or_si512(lo, _mm512_and_si512(_mm512_srli_epi16(b, 2), _mm512_set1_epi8(0x30)));
-}
-
-template <>
-inline __m128i k4_scales_mins_v(__m128i s) {
-  const __m128i a = _mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-  const __m128i b = _mm_shuffle_epi8(s, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-  const __m128i lo = _mm_or_si128(
-      _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
-      _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-  return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));
-}
-
-inline __m128i k4_scales_mins(const uint8_t* p) {
-  return k4_scales_mins_v(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // 12 bytes used
 }
 
 // From bytes v (the same 16 in every 128-bit lane): int16 lanes holding byte a in 128-bit lanes 0,1 and byte b in
