@@ -310,7 +310,8 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
         raise CliError(f"--threads must be >= 1, got {args.threads}")
     try:
         run(args.shape, args.quant, tokens, threads=args.threads, reference=args.reference, isa=args.isa,
-            as_json=args.json, tiles=args.tiles, trace=args.trace, hugepages=args.hugepages == "on")
+            as_json=args.json, tiles=args.tiles, trace=args.trace, hugepages=args.hugepages == "on",
+            repack=args.repack == "on")
     except ValueError as e:
         raise CliError(str(e)) from None
     return 0
@@ -331,6 +332,9 @@ def _add_bench_moe_parser(bench_sub) -> None:
     bm.add_argument("--hugepages", default="on", choices=["on", "off"],
                     help="copy the expert weights into 2 MiB transparent huge pages (as KExpertsCPU does by default) "
                          "or read them where they are")
+    bm.add_argument("--repack", default="on", choices=["on", "off"],
+                    help="repack Q4_K 16 rows at a time where the kernel path reads that (Q4_K_X16, as KExpertsCPU "
+                         "does by default) or keep the GGUF blocks as they are")
     bm.add_argument("--json", action="store_true", help="one JSON line per token count")
     bm.set_defaults(func=cmd_bench_moe)
 

@@ -76,10 +76,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--patterns", action="store_true",
                     help="only the memory side: read times of the step's access pattern and of alternatives")
-    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,noclamp][,pfBYTES/HINT][,checked]",
+    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,norepack][,noclamp][,pfBYTES/HINT][,checked]",
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
                          "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; nohp: the "
-                         "same weights read in place, not copied into transparent huge pages; noclamp: prefetch past "
+                         "weights not in transparent huge pages; norepack: Q4_K kept as it is, not repacked into Q4_K_X16; noclamp: prefetch past "
                          "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta); "
                          "checked: inputs through CPUMoE._inputs_checked, not the flat check")
     args = ap.parse_args()
@@ -165,12 +165,16 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
         name, _, val = spec.partition("=")
         parts = val.split(",")
         pf = next((tuple(int(x) for x in f[2:].split("/")) for f in parts[3:] if f.startswith("pf")), None)
-        configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], "nohp" in parts[3:],
+        variant = ("nohp" not in parts[3:], "norepack" not in parts[3:])  # (hugepages, repack)
+        configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], variant,
                          "noclamp" not in parts[3:], pf, "checked" in parts[3:])
-    flat = None  # the same weights read where torch allocated them (4 KiB pages unless THP is "always")
-    if any(c[2] for c in configs.values()):
-        flat = cpu.CPUMoE(*raw, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
-                          types=moe.types, pool=pool, hugepages=False)
+    # Per (hugepages, repack): the layer's weights held that way (without huge pages: 4 KiB pages unless THP is
+    # "always").
+    variants = {(True, True): moe}
+    for v in {c[2] for c in configs.values()} - variants.keys():
+        variants[v] = cpu.CPUMoE(*raw, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
+                                 types=moe.types, pool=pool, hugepages=v[0], repack=v[1])
+    flat = next((m for v, m in variants.items() if not v[0]), None)
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
     old, old_pf = _cpu.moe_split(), _cpu.prefetch()
@@ -178,13 +182,13 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     old_clamp = _cpu.set_prefetch_clamp(True)
     try:
         for i in range(iters + 20):
-            for name, (split, helps, in_place, clamp, pf, checked) in configs.items():
+            for name, (split, helps, variant, clamp, pf, checked) in configs.items():
                 _cpu.set_moe_split(*split)
                 _cpu.set_prefetch(*(pf or old_pf))
                 _cpu.set_prefetch_clamp(clamp)
                 pool.caller_helps = helps
                 ids, w = _routings(shape, 1, 1, gen)[0]
-                m = flat if in_place else moe
+                m = variants[variant]
                 t0 = time.perf_counter()
                 if checked:  # the general input path (every check, in helper functions) instead of the flat one
                     xf, i2, w2, o2 = m._inputs_checked(x, ids, w, None)
@@ -206,7 +210,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
         us = statistics.median(v) * 1e6
         gbs = nbytes / us / 1e3
         row[k] = {"us": round(us, 1), "gb_per_s": round(gbs, 1), "ratio": round(gbs / probe, 3)}
-    extra = {"hugepages": moe.hugepages}
+    extra = {"hugepages": moe.hugepages, "layouts": moe.layouts}
     if flat is not None:
         try:
             rollup = open("/proc/self/smaps_rollup").read()

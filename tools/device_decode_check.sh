@@ -2,16 +2,18 @@
 # Issue 5's decode target on the lent GPU machine's CPU in one device call (after the build): interleaved A/B of the
 # decode-step options (tools/decode_overhead.py --ab), the 1-token timeline, `ktrans bench moe` three times, and
 # kt-kernel 0.7.2 (needs carry [".ktk"], see tools/device_ktkernel.sh). JSON lines under $OUT.
-# Usage: bash tools/device_decode_check.sh   (THREADS defaults to all cores; SKIP_KT=1 leaves kt-kernel out)
+# Usage: bash tools/device_decode_check.sh   (THREADS defaults to all cores; SKIP_KT=1 leaves kt-kernel out;
+#        AB_ROUNDS (default 3) A/B runs; AB sets the configurations, e.g. AB="base=4,2,256 norepack=4,2,256,norepack")
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$T
 { uname -r; nproc; cat /sys/kernel/mm/transparent_hugepage/enabled; } > "$OUT/machine.txt" 2>&1
-for i in 1 2 3; do
-  python3 tools/decode_overhead.py --threads "$T" --iters 400 --ab base=4,2,256 nohp=4,2,256,nohp \
-    noclamp=4,2,256,noclamp checked=4,2,256,checked dn128=4,2,128 gu3=3,2,256
+AB=${AB:-"base=4,2,256 norepack=4,2,256,norepack nohp=4,2,256,nohp"}
+for i in $(seq "${AB_ROUNDS:-3}"); do
+  # shellcheck disable=SC2086
+  python3 tools/decode_overhead.py --threads "$T" --iters 400 --ab $AB
 done 2>&1 | tee "$OUT/ab.jsonl" | cut -c1-400
 python3 tools/decode_overhead.py --threads "$T" --iters 300 2>&1 | tee "$OUT/overhead.jsonl" | cut -c1-400
 for i in 1 2 3; do

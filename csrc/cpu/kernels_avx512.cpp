@@ -343,6 +343,10 @@ RowsFn rows_fn(int t, int r, int c) {
 // depend on how the rows were split between tasks.
 void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
           size_t ldc) {
+  if (t == KT_Q4_K_X16) {  // repacked at load: always the tiles' arithmetic, fused for one activation row
+    gemm_q4k_x16_avx512(w, ldw, M, act, N, k, c, ldc);
+    return;
+  }
   if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= tile_min_tokens()) {  // prefill: 16 rows at a time
     gemm_k4_tiles_avx512(t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
     return;
@@ -364,7 +368,7 @@ void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act,
 ActFormat act_format(int t) {
   switch (t) {
     case GGML_Q8_0: case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: return ACT_Q8_0;
-    case GGML_Q4_K: case GGML_Q5_K: return ACT_Q8K_P;
+    case GGML_Q4_K: case GGML_Q5_K: case KT_Q4_K_X16: return ACT_Q8K_P;
     case GGML_Q6_K: return ACT_Q8K;
     default: return ACT_F32;
   }
@@ -390,7 +394,7 @@ uint64_t stream_read(const uint8_t* p, size_t n) {
 namespace ktrans {
 
 const Kernels& kernels_avx512() {
-  static const Kernels k{Isa::avx512, "avx512", act_format, gemm, stream_read};
+  static const Kernels k{Isa::avx512, "avx512", act_format, gemm, stream_read, true};
   return k;
 }
 

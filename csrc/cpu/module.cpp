@@ -226,6 +226,17 @@ PYBIND11_MODULE(_cpu, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Best GB/s of streaming reads over an existing buffer (e.g. the expert weights), split across the pool.");
 
+  m.attr("Q4_K_X16") = KT_Q4_K_X16;
+  m.def("reads_q4k_x16", [](const std::string& isa) { return select_kernels(isa.c_str()).reads_q4k_x16; },
+        py::arg("isa") = "auto", "Whether the kernel path takes Q4_K repacked 16 rows at a time (Q4_K_X16).");
+  m.def("repack_q4k_x16",
+        [](std::shared_ptr<ThreadPool> pool, uintptr_t src, uintptr_t dst, int64_t rows, int64_t k) {
+          repack_q4k_x16(*pool, ptr<const uint8_t>(src), ptr<uint8_t>(dst), rows, k);
+        },
+        py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("k"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Q4_K rows [rows, k] at src into the Q4_K_X16 layout at dst (the same number of bytes), on the pool.");
+
   m.def("advise_hugepages",
         [](uintptr_t p, size_t n) {
           // The whole 2 MiB pages inside [p, p + n); untouched anonymous pages there then fault in as huge pages

@@ -82,8 +82,12 @@ void silu_mul(const float* __restrict g, const float* __restrict u, float* __res
   for (int i = 0; i < n; ++i) h[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
 }
 
-void check_matrix(const char* what, const ExpertMatrix& m, int64_t rows, int64_t cols) {
+void check_matrix(const char* what, const ExpertMatrix& m, int64_t rows, int64_t cols, const Kernels& K) {
   const std::string name(what);
+  if (m.type == KT_Q4_K_X16 && !K.reads_q4k_x16)
+    throw std::invalid_argument(name + ": the " + std::string(K.name) + " kernels do not read repacked Q4_K_X16 weights");
+  if (m.type == KT_Q4_K_X16 && rows % kX16Rows)
+    throw std::invalid_argument(name + ": Q4_K_X16 needs a multiple of 16 rows, got " + std::to_string(rows));
   if (!type_supported(m.type))
     throw std::invalid_argument(name + ": ggml type " + std::to_string(m.type) +
                                 " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
@@ -134,9 +138,9 @@ MoE::MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertM
       kernels_(kernels) {
   if (n_experts < 1 || hidden < 1 || intermediate < 1)
     throw std::invalid_argument("MoE: n_experts, hidden and intermediate must be positive");
-  check_matrix("gate", gate_, intermediate, hidden);
-  check_matrix("up", up_, intermediate, hidden);
-  check_matrix("down", down_, hidden, intermediate);
+  check_matrix("gate", gate_, intermediate, hidden, kernels_);
+  check_matrix("up", up_, intermediate, hidden, kernels_);
+  check_matrix("down", down_, hidden, intermediate, kernels_);
 }
 
 uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, const int64_t* ids,
@@ -359,7 +363,7 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
 Linear::Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels)
     : n_out_(n_out), n_in_(n_in), w_(w), type_(type), kernels_(kernels) {
   if (n_out < 1 || n_in < 1) throw std::invalid_argument("Linear: n_out and n_in must be positive");
-  check_matrix("linear weight", ExpertMatrix{w, type, n_out, n_in}, n_out, n_in);
+  check_matrix("linear weight", ExpertMatrix{w, type, n_out, n_in}, n_out, n_in, kernels_);
 }
 
 uint64_t Linear::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, float* y, int64_t ldy) const {
@@ -405,6 +409,20 @@ double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t*
   for (int r = 0; r < std::max(reps, 1); ++r)
     best = std::max(best, static_cast<double>(chunk) * n_tasks / read_tasks(pool, kernels, tasks) / 1e9);
   return best;
+}
+
+void repack_q4k_x16(ThreadPool& pool, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k) {
+  if (rows % kX16Rows || k % QK_K)
+    throw std::invalid_argument("repack_q4k_x16: needs a multiple of 16 rows of a multiple of 256 values, got [" +
+                                std::to_string(rows) + ", " + std::to_string(k) + "]");
+  const size_t rb = type_row_bytes(GGML_Q4_K, k);
+  if (src < dst + rows * rb && dst < src + rows * rb) throw std::invalid_argument("repack_q4k_x16: src and dst overlap");
+  const int64_t groups = rows / kX16Rows, per = 64;  // 64 groups (~4.7 MB at k = 2048) per task
+  auto job = std::make_shared<Job>();
+  job->phases.push_back({static_cast<int>((groups + per - 1) / per), [=](int t, int) {
+    repack_q4k_x16(src, dst, k, t * per, std::min(groups, (t + 1) * per));
+  }});
+  pool.wait(pool.submit(job));
 }
 
 double read_tasks(ThreadPool& pool, const Kernels& kernels, const std::vector<std::vector<Range>>& tasks) {

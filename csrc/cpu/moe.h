@@ -62,6 +62,9 @@ class Linear {
   const Kernels& kernels_;
 };
 
+// repack_q4k_x16 (quant.h) of a whole matrix of `rows` (a multiple of 16) rows of k values, split across the pool.
+void repack_q4k_x16(ThreadPool& pool, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k);
+
 // Best GB/s over `reps` passes of every pool thread streaming its own chunks of [base, base + bytes).
 double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t* base, size_t bytes, int reps);
 // How a MoE job splits its work (tuning): about `gate_up_tasks` and `down_tasks` tasks per pool thread, and at

@@ -36,11 +36,27 @@ enum GgmlType : int {
 constexpr int QK_K = 256;
 constexpr int QK8_0 = 32;
 
+// ktrans's own weight layout, not a ggml type: Q4_K rows repacked 16 at a time at load (repack_q4k_x16), the
+// layout a VNNI dot product reads, so a kernel needs no transpose. Same bytes per row as Q4_K (144 per 256
+// values). A group of 16 rows is one contiguous run of 16 * row_bytes; superblock b of the group, 2304 bytes at
+// b * 2304, holds
+//   heads: 4 x 64 bytes, dword 16 e + r = dword e of row r's 16-byte head (fp16 d | fp16 dmin, 12 bytes of scales)
+//   quants: 32 x 64 bytes, dword 16 i + r = dword i of row r's 128 bytes of nibbles
+// so one 64-byte load gives 4 bytes (8 weights) of each of the 16 rows. Only paths whose Kernels::reads_q4k_x16
+// is set take it, for matrices of a multiple of 16 rows.
+constexpr int KT_Q4_K_X16 = 1012;
+constexpr int kX16Rows = 16;
+constexpr int kX16HeadBytes = 256;
+
 bool type_supported(int type);
 const char* type_name(int type);
 int type_block_size(int type);       // elements per block
 int type_block_bytes(int type);      // bytes per block
 size_t type_row_bytes(int type, int64_t k);  // bytes of a row of k elements (k a multiple of the block size)
+
+// Groups [g0, g1) of 16 rows of a Q4_K matrix (rows of k values, contiguous) from src into the KT_Q4_K_X16 layout
+// at dst (same offsets: group g at g * 16 * row_bytes in both). src and dst must not overlap.
+void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t k, int64_t g0, int64_t g1);
 
 enum ActFormat : int { ACT_F32 = 0, ACT_Q8_0 = 1, ACT_Q8K = 2, ACT_Q8K_P = 3 };
 
@@ -171,6 +187,8 @@ struct Kernels {
                size_t ldc);
   // Read n bytes (n a multiple of 256) as fast as possible; returns a value that depends on every byte.
   uint64_t (*stream_read)(const uint8_t* p, size_t n);
+  // Whether gemm takes KT_Q4_K_X16 weights (M a multiple of 16).
+  bool reads_q4k_x16 = false;
 };
 
 const Kernels& kernels_scalar();

@@ -98,7 +98,7 @@ def _routings(shape: MoEShape, tokens: int, n: int, gen: torch.Generator):
 def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 64, 256, 1024),
         threads: int | None = None, reference: bool = False, isa: str = "auto", min_time_s: float = 1.0,
         seed: int = 0, emit=print, as_json: bool = True, tiles: str = "auto", trace: bool = False,
-        hugepages: bool = True) -> list[dict]:
+        hugepages: bool = True, repack: bool = True) -> list[dict]:
     if shape_name not in SHAPES:
         raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape_name!r}")
     if quant.lower() not in QUANTS:
@@ -115,7 +115,7 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
     old_amx = _cpu.set_amx_mode(amx) if amx is not None else None
     try:
         return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace,
-                    hugepages)
+                    hugepages, repack)
     finally:
         if old_min is not None:
             _cpu.set_tile_min_tokens(old_min)
@@ -149,7 +149,8 @@ def _trace_summary(pool, moe, x, routes) -> dict:
             "end_us_min_med_max": [med(ends, i) for i in range(3)], "wall_us": round(statistics.median(walls), 1)}
 
 
-def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace, hugepages):
+def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace, hugepages,
+         repack):
     shape, qtype = SHAPES[shape_name], QUANTS[quant.lower()]
     gen = torch.Generator().manual_seed(seed)
     pool = cpu.make_pool(threads or cpu.default_threads())
@@ -161,7 +162,7 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
     up = random_experts(qtype, E, I, H, gen)
     down = random_experts(qtype, E, H, I, gen)
     moe = cpu.CPUMoE(gate, up, down, n_experts=E, hidden=H, intermediate=I, types=(qtype,) * 3, pool=pool, isa=isa,
-                       hugepages=hugepages)
+                       hugepages=hugepages, repack=repack)
     setup_s = time.perf_counter() - t0
 
     results = []
@@ -197,8 +198,11 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
                "gb_per_s": round(gbs, 2), "read_gb_per_s": round(read_gbs, 2), "ratio": round(gbs / read_gbs, 3),
                "read_gb_per_s_fresh": round(fresh_gbs, 2),
                "iters": n_iter, "cpu_util": round(cpu_util, 2), "load_avg": round(os.getloadavg()[0], 2),
-               "weights_gb": round(moe.nbytes / 1e9, 3), "hugepages": moe.hugepages, "setup_s": round(setup_s, 2)}
-        if qtype in ("Q4_K", "Q5_K"):
+               "weights_gb": round(moe.nbytes / 1e9, 3), "hugepages": moe.hugepages, "layout": moe.layouts[0], "repack_s": round(moe.repack_s, 3),
+               "setup_s": round(setup_s, 2)}
+        if moe.layouts[0] == "Q4_K_X16":
+            row["tiles"] = "x16"  # repacked: the fused VNNI kernels at every token count
+        elif qtype in ("Q4_K", "Q5_K"):
             # experts with at least that many tokens in a call run on the tiles, the others on the row kernels
             tiles = cpu.prefill_tiles(moe.path, cpu.isa_info())
             row["tiles"] = tiles["mode"]

@@ -53,6 +53,7 @@ class KExpertsCPU(ExpertsOp):
             raise ValueError(f"{self.key}: KExpertsCPU quant must be one of {QUANTS}, got {quant!r}")
         self.quant = quant
         self.hugepages = bool(getattr(operator, "options", {}).get("hugepages", True))
+        self.repack = bool(getattr(operator, "options", {}).get("repack", True))
         self.moe: cpu.CPUMoE | None = None
         self.source: WeightSource | None = None  # set by the injector for a streaming op
         self.dtype = torch.float32
@@ -73,9 +74,10 @@ class KExpertsCPU(ExpertsOp):
             mats.append(w)
             types.append(qtype)
         moe = cpu.CPUMoE(*mats, n_experts=self.num_experts, hidden=h, intermediate=i, types=tuple(types),
-                         hugepages=self.hugepages)
+                         hugepages=self.hugepages, repack=self.repack)
         self.load_report = {"types": tuple(types), "bytes": moe.nbytes, "load_s": time.perf_counter() - t0,
-                            "path": moe.path, "hugepages": moe.hugepages}
+                            "path": moe.path, "hugepages": moe.hugepages, "layouts": moe.layouts,
+                            "repack_s": moe.repack_s}
         return moe
 
     def _matrix(self, source: WeightSource, kind: str, rows: int, cols: int, dtype: torch.dtype):
@@ -136,4 +138,5 @@ class KExpertsCPU(ExpertsOp):
             return f"quant={self.quant or 'model dtype'}"
         r = self.load_report
         pages = "huge pages" if r.get("hugepages") else "4 KiB pages"
-        return f"{'/'.join(r['types'])}, {r['bytes'] / 2**20:.1f} MiB, {r['path']}, {pages}"
+        layouts = "/".join(r.get("layouts", r["types"]))
+        return f"{layouts}, {r['bytes'] / 2**20:.1f} MiB, {r['path']}, {pages}"

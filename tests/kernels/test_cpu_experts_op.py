@@ -14,6 +14,7 @@ from ktrans.serve.offline import generate
 from ktrans.serve.sampler import SamplingParams
 from ktrans.weights.gguf_source import GGUFSource
 from ktrans.weights.gguf_writer import write_gguf
+from ktrans import _cpu
 from ktrans.weights.source import GGUFWeightSource, StateDictSource
 
 CPU_RULES = (RULES_DIR / "Qwen3Next-cpu.yaml").read_text()  # as shipped: KExpertsCPU in both phases
@@ -121,4 +122,23 @@ def test_hugepages_rule_kwarg(tiny):
     assert op.hugepages is False and op.load_report["hugepages"] is False
     bad = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      hugepages: "yes"')
     with pytest.raises(Exception, match="hugepages.*must be a bool"):
+        parse_rules(bad, "bad.yaml")
+
+
+def test_repack_rule_kwarg():
+    """`repack: false` keeps Q4_K blocks as the GGUF has them; on by default, it repacks them where the kernel path
+    reads Q4_K_X16; a value that is not a bool is refused, naming the field."""
+    hf = preset_config("tiny")
+    hf.update(hidden_size=256, moe_intermediate_size=256)  # Q4_K blocks of 256 values in both directions
+    config = ModelConfig.from_hf_dict(hf, source="tiny-256")
+    state = random_state_dict(config, seed=4)
+    q4 = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      quant: "Q4_K"')
+    op = build(config, StateDictSource(state), q4).model.layers[0].mlp.experts.op
+    want = "Q4_K_X16" if _cpu.reads_q4k_x16(op.moe.path) else "Q4_K"
+    assert op.repack is True and op.load_report["layouts"] == (want,) * 3
+    off = q4.replace('quant: "Q4_K"', 'quant: "Q4_K"\n      repack: false')
+    op = build(config, StateDictSource(state), off).model.layers[0].mlp.experts.op
+    assert op.repack is False and op.load_report["layouts"] == ("Q4_K",) * 3
+    bad = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      repack: 1')
+    with pytest.raises(Exception, match="repack.*must be a bool"):
         parse_rules(bad, "bad.yaml")

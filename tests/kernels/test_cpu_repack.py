@@ -1,0 +1,99 @@
+"""Q4_K repacked 16 rows at a time at load (Q4_K_X16, csrc/cpu/quant.h) and the AVX-512 kernels that read it.
+
+The layout is checked byte by byte against its definition (written out here in numpy), the kernels against the
+torch reference on dequantized weights and bitwise against the VNNI tiles on the original Q4_K rows (the fused
+kernels do the tiles' arithmetic: exact integer dots, the same float operations in the same order, with the high
+nibbles' factor 16 folded exactly into their scales).
+"""
+import numpy as np
+import pytest
+import torch
+
+from ktrans import _cpu
+from ktrans.kernels import cpu
+from ktrans.kernels.torch.moe import moe_experts
+from ktrans.weights import quants as Q
+
+X16 = _cpu.reads_q4k_x16("auto") if _cpu.path_status()["avx512"] is None else False
+needs_x16 = pytest.mark.skipif(not X16, reason="the AVX-512 kernels read Q4_K_X16")
+
+
+def q4k(shape, seed) -> tuple[torch.Tensor, np.ndarray]:
+    x = (np.random.default_rng(seed).standard_normal(shape) * 0.1).astype(np.float32)
+    raw = Q.quantize(x, "Q4_K")
+    return torch.from_numpy(np.ascontiguousarray(raw)), Q.dequantize(raw, "Q4_K", shape).astype(np.float64)
+
+
+def layout_reference(raw: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """The Q4_K_X16 bytes of rows x k Q4_K values, from the layout's definition."""
+    nb = k // 256
+    blocks = raw.reshape(rows // 16, 16, nb, 144)  # [group, row, superblock, byte]
+    heads = blocks[..., :16].reshape(rows // 16, 16, nb, 4, 4)  # [g, r, b, dword e, byte]
+    quants = blocks[..., 16:].reshape(rows // 16, 16, nb, 32, 4)  # [g, r, b, dword i, byte]
+    heads = heads.transpose(0, 2, 3, 1, 4).reshape(rows // 16, nb, 256)  # dword 16 e + r
+    quants = quants.transpose(0, 2, 3, 1, 4).reshape(rows // 16, nb, 2048)  # dword 16 i + r
+    return np.concatenate([heads, quants], axis=2).reshape(-1)
+
+
+@pytest.mark.parametrize("rows,k", [(16, 256), (48, 768), (160, 2048)])
+def test_repack_layout_byte_by_byte(rows, k, pool):
+    raw, _ = q4k((rows, k), rows + k)
+    out = torch.empty_like(raw)
+    _cpu.repack_q4k_x16(pool, raw.data_ptr(), out.data_ptr(), rows, k)
+    assert np.array_equal(out.numpy().reshape(-1), layout_reference(raw.numpy(), rows, k))
+
+
+def test_repack_refuses_bad_shapes_and_overlap(pool):
+    raw, _ = q4k((32, 256), 1)
+    out = torch.empty_like(raw)
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        _cpu.repack_q4k_x16(pool, raw.data_ptr(), out.data_ptr(), 24, 256)
+    with pytest.raises(ValueError, match="overlap"):
+        _cpu.repack_q4k_x16(pool, raw.data_ptr(), raw.data_ptr() + 144, 32, 256)
+
+
+def _layer(e, h, i, seed):
+    mats = [q4k((e, r, c), seed + j) for j, (r, c) in enumerate([(i, h), (i, h), (h, i)])]
+    return [m[0] for m in mats], [torch.from_numpy(m[1]) for m in mats]
+
+
+@needs_x16
+def test_moe_on_x16_matches_reference_and_the_tiles_bitwise(pool):
+    e, h, i = 8, 768, 512
+    raw, deq = _layer(e, h, i, 20)
+    kw = dict(n_experts=e, hidden=h, intermediate=i, types=("Q4_K",) * 3, pool=pool)
+    x16 = cpu.CPUMoE(*raw, **kw)
+    plain = cpu.CPUMoE(*raw, repack=False, **kw)
+    assert x16.layouts == ("Q4_K_X16",) * 3 and plain.layouts == ("Q4_K",) * 3
+    for w, r in zip(x16.weights, raw):  # the same number of bytes, reordered
+        assert w.numel() == r.numel() and not torch.equal(w.view(torch.uint8), r.view(-1))
+    gen = torch.Generator().manual_seed(21)
+    old_min, old_amx = _cpu.set_tile_min_tokens(1), _cpu.set_amx_mode(0)  # the tiles' arithmetic for every call
+    try:
+        # 1-4 activation rows per expert run fused in one pass, more in passes of four; > 256 pairs: down by rows
+        for t, k in [(1, 4), (1, 8), (2, 3), (3, 8), (5, 2), (9, 8), (40, 8), (131, 3)]:
+            x = torch.randn(t, h, generator=gen)
+            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+            w = torch.rand(t, k, generator=gen)
+            y = x16(x, ids, w)
+            assert torch.equal(y, plain(x, ids, w)), f"T={t}, k={k}"
+            ref = moe_experts(x.double(), ids, w.double(), *deq)
+            assert float((y.double() - ref).norm() / ref.norm()) < 0.04
+    finally:
+        _cpu.set_tile_min_tokens(old_min)
+        _cpu.set_amx_mode(old_amx)
+
+
+def test_only_paths_that_read_it_get_it(pool):
+    e, h, i = 4, 256, 256
+    raw, _ = _layer(e, h, i, 30)
+    kw = dict(n_experts=e, hidden=h, intermediate=i, types=("Q4_K",) * 3, pool=pool)
+    for path, why in _cpu.path_status().items():
+        if why is None:
+            moe = cpu.CPUMoE(*raw, isa=path, **kw)
+            want = "Q4_K_X16" if _cpu.reads_q4k_x16(path) else "Q4_K"
+            assert moe.layouts == (want,) * 3, path
+    assert not _cpu.reads_q4k_x16("scalar") and not _cpu.reads_q4k_x16("avx2")
+    with pytest.raises(ValueError, match="do not read repacked"):
+        _cpu.MoE(pool, e, h, i, raw[0].data_ptr(), _cpu.Q4_K_X16, raw[1].data_ptr(), 12, raw[2].data_ptr(), 12,
+                 "scalar")
