@@ -12,9 +12,9 @@
 namespace ktrans {
 
 // One stacked weight matrix of every expert, like GGUF's ffn_{gate,up,down}_exps: expert e's [rows, cols]
-// matrix starts at data + e * rows * row_bytes. The kernels read these bytes in place: there is no repacked copy
-// (a decode step already streams them at 75-95% of the memory bandwidth as they are, and a copy would double the
-// resident size of a memory-mapped GGUF).
+// matrix starts at data + e * rows * row_bytes. The kernels read these bytes as they are given: ggml blocks, or Q4_K
+// repacked 16 rows at a time (KT_Q4_K_X16, quant.h), which CPUMoE makes at load in place of its huge-page copy, so
+// there is still one resident copy.
 struct ExpertMatrix {
   const uint8_t* data = nullptr;
   int type = GGML_F32;
