@@ -73,8 +73,11 @@ class KExpertsCPU(ExpertsOp):
             w, qtype = self._matrix(source, kind, rows, cols, dtype)
             mats.append(w)
             types.append(qtype)
+        # A streaming op builds its layer at every call: it reads the blocks where they are (a copy into huge pages
+        # or a repack would cost more per call than it saves)
+        keep = not self.streaming
         moe = cpu.CPUMoE(*mats, n_experts=self.num_experts, hidden=h, intermediate=i, types=tuple(types),
-                         hugepages=self.hugepages, repack=self.repack)
+                         hugepages=self.hugepages and keep, repack=self.repack and keep)
         self.load_report = {"types": tuple(types), "bytes": moe.nbytes, "load_s": time.perf_counter() - t0,
                             "path": moe.path, "hugepages": moe.hugepages, "layouts": moe.layouts,
                             "repack_s": moe.repack_s}

@@ -133,12 +133,19 @@ def test_repack_rule_kwarg():
     config = ModelConfig.from_hf_dict(hf, source="tiny-256")
     state = random_state_dict(config, seed=4)
     q4 = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      quant: "Q4_K"')
-    op = build(config, StateDictSource(state), q4).model.layers[0].mlp.experts.op
+    experts = build(config, StateDictSource(state), q4).model.layers[0].mlp.experts
+    op = experts.op
     want = "Q4_K_X16" if _cpu.reads_q4k_x16(op.moe.path) else "Q4_K"
     assert op.repack is True and op.load_report["layouts"] == (want,) * 3
     off = q4.replace('quant: "Q4_K"', 'quant: "Q4_K"\n      repack: false')
     op = build(config, StateDictSource(state), off).model.layers[0].mlp.experts.op
     assert op.repack is False and op.load_report["layouts"] == ("Q4_K",) * 3
+    # a streaming op (prefill elsewhere than decode) builds its layer per call: it reads the blocks in place
+    streaming = type(op)(experts, op.device, streaming=True, quant="Q4_K")
+    streaming.source = StateDictSource(state)
+    streaming.submit(torch.randn(2, 256), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))
+    assert streaming.sync().shape == (2, 256)
+    assert streaming.load_report["layouts"] == ("Q4_K",) * 3 and not streaming.load_report["hugepages"]
     bad = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      repack: 1')
     with pytest.raises(Exception, match="repack.*must be a bool"):
         parse_rules(bad, "bad.yaml")
