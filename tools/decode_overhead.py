@@ -174,7 +174,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     for v in {c[2] for c in configs.values()} - variants.keys():
         variants[v] = cpu.CPUMoE(*raw, n_experts=moe.n_experts, hidden=moe.hidden, intermediate=moe.intermediate,
                                  types=moe.types, pool=pool, hugepages=v[0], repack=v[1])
-    flat = next((m for v, m in variants.items() if not v[0]), None)
+    flat = variants.get((False, True)) or next((m for v, m in variants.items() if not v[0]), None)
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
     old, old_pf = _cpu.moe_split(), _cpu.prefetch()

@@ -190,6 +190,11 @@ PYBIND11_MODULE(_cpu, m) {
         [](int type, uintptr_t w, int64_t M, int64_t k, int N, int reps, const std::string& isa) {
           // One thread, no pool: the kernel alone, for tuning. Activations are random; weights are the caller's.
           const Kernels& K = select_kernels(isa.c_str());
+          if (!type_supported(type)) throw std::invalid_argument("bench_gemm: unsupported type " + std::to_string(type));
+          if (type == KT_Q4_K_X16 && (!K.reads_q4k_x16 || M % kX16Rows))
+            throw std::invalid_argument("bench_gemm: Q4_K_X16 needs a path that reads it and a multiple of 16 rows");
+          if (k % type_block_size(type))
+            throw std::invalid_argument("bench_gemm: k must be a multiple of the type's block size");
           const ActFormat f = K.act_format(type);
           const size_t la = act_row_bytes(f, k);
           std::vector<float> x(static_cast<size_t>(N) * k);

@@ -13,8 +13,8 @@ namespace ktrans {
 
 // One stacked weight matrix of every expert, like GGUF's ffn_{gate,up,down}_exps: expert e's [rows, cols]
 // matrix starts at data + e * rows * row_bytes. The kernels read these bytes as they are given: ggml blocks, or Q4_K
-// repacked 16 rows at a time (KT_Q4_K_X16, quant.h), which CPUMoE makes at load in place of its huge-page copy, so
-// there is still one resident copy.
+// repacked 16 rows at a time (KT_Q4_K_X16, quant.h), which CPUMoE makes at load in place of its huge-page copy (with
+// huge pages off it is a copy of its own; CPUMoE(repack=False, hugepages=False) reads a GGUF map in place).
 struct ExpertMatrix {
   const uint8_t* data = nullptr;
   int type = GGML_F32;

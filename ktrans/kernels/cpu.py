@@ -273,7 +273,7 @@ class CPUMoE:
     per matrix (Q4_K_M files mix Q4_K and Q6_K). With hugepages (the default) each matrix of 4 MiB or more is
     copied once into transparent huge pages (the load time of a memcpy, the same bytes; a GGUF file's mmap then
     stays only as page cache); with hugepages=False weights are read in place (a non-contiguous view, such as half
-    of a fused gate_up tensor, is still copied once to make it contiguous).
+    of a fused gate_up tensor, is still copied once to make it contiguous), except Q4_K unless repack=False.
 
     With repack (the default), Q4_K matrices are repacked 16 rows at a time into the layout of the AVX-512 VNNI
     dot product (Q4_K_X16, csrc/cpu/quant.h: the same bytes, reordered) where the kernel path reads it: one

@@ -50,6 +50,11 @@ def test_repack_refuses_bad_shapes_and_overlap(pool):
         _cpu.repack_q4k_x16(pool, raw.data_ptr(), out.data_ptr(), 24, 256)
     with pytest.raises(ValueError, match="overlap"):
         _cpu.repack_q4k_x16(pool, raw.data_ptr(), raw.data_ptr() + 144, 32, 256)
+    for path, why in _cpu.path_status().items():  # the tuning aid checks the layout's needs too
+        if why is None:
+            with pytest.raises(ValueError, match="Q4_K_X16"):
+                _cpu.bench_gemm(_cpu.Q4_K_X16, raw.data_ptr(), 24 if _cpu.reads_q4k_x16(path) else 32, 256, 1, 1,
+                                path)
 
 
 def _layer(e, h, i, seed):
