@@ -25,18 +25,20 @@ def main() -> None:
     x16 = _cpu.reads_q4k_x16(isa)
     if x16:
         modes["x16"] = (1, 0)
+        if "amx" in modes:
+            modes["x16_amx"] = (1, 1)
     pool = cpu.make_pool(1)
     for M, k in [(512, 2048), (2048, 512), (32, 512)]:
         w = random_experts("Q4_K", 1, M, k, gen)
         wx = torch.empty_like(w)
         if x16:
             _cpu.repack_q4k_x16(pool, w.data_ptr(), wx.data_ptr(), M, k)
-        for N in [1, 2, 3, 4, 6, 8, 16, 20, 32, 64]:
+        for N in [1, 2, 3, 4, 6, 8, 16, 20, 24, 32, 64, 256]:
             row = {"isa": isa, "M": M, "k": k, "N": N}
             for name, (tmin, amx) in modes.items():
                 old_min, old_amx = _cpu.set_tile_min_tokens(tmin), _cpu.set_amx_mode(amx)
                 reps = max(3, int(2e8 / (M * k * N)))
-                ty, ptr = (_cpu.Q4_K_X16, wx.data_ptr()) if name == "x16" else (cpu.type_id("Q4_K"), w.data_ptr())
+                ty, ptr = (_cpu.Q4_K_X16, wx.data_ptr()) if name.startswith("x16") else (cpu.type_id("Q4_K"), w.data_ptr())
                 row[name + "_ms"] = round(min(_cpu.bench_gemm(ty, ptr, M, k, N, reps, isa) for _ in range(5)) * 1e3, 4)
                 _cpu.set_tile_min_tokens(old_min)
                 _cpu.set_amx_mode(old_amx)

@@ -247,6 +247,21 @@ inline void x16_scales(const __m512 sc_nat[8], __m512 sc[8]) {
   for (int s = 0; s < 8; ++s) sc[s] = x16_high(s) ? _mm512_mul_ps(sc_nat[kNat[s]], sixteenth) : sc_nat[kNat[s]];
 }
 
+// A Tile from one X16 superblock (for tile_rows at many activation rows): the loads split, no transpose.
+inline void unpack_tile_x16(const uint8_t* p, Tile& t) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const uint8_t* qs = p + kX16HeadBytes;
+  for (int c = 0; c < 2; ++c)
+    for (int j = 0; j < 16; ++j) {
+      const __m512i q = loadu(qs + 64 * (16 * c + j));
+      t.q[32 * c + j] = _mm512_and_si512(q, m4);
+      t.q[32 * c + 16 + j] = _mm512_and_si512(q, mhi);
+    }
+  __m512 sc[8];
+  x16_heads(p, t.d, t.dmin, sc, t.mn);
+  x16_scales(sc, t.sc);
+}
+
 // tile_rows<NT> fused with the unpack, for a few activation rows (a decode step): the integer dots stay in
 // registers, no Tile goes through memory. Each half of the quants (c) holds storage sub-blocks 4c .. 4c + 3, so the
 // dots of one half at a time are live (4 per activation row) and P is summed in the same sub-block order.
@@ -315,6 +330,11 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, const uint8_t* const* ac
 
 // Activation rows four at a time against each group: measured against unpacking a Tile once per superblock for
 // tile_rows<8> (one thread, Zen 4), 1.0-1.2x at 5-64 rows, since the unpack is only two instructions per 64 bytes.
+// From this many activation rows on, a Tile is unpacked once per superblock for tile_rows (and on AMX, see
+// gemm_x16_amx); below, the fused passes of four. One thread on Zen 4 (doc/benchmarks.md): the fused passes are
+// 1.15-1.56x the tiles on the original blocks at 5-16 rows, but 0.90-0.98x at 32-256, where the Tile path is 1.02-1.2x.
+int g_x16_tile_from = std::max(1, env_int("KTRANS_X16_TILE_FROM", 24));
+
 void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
               size_t ldc) {
   thread_local std::vector<float> bsf_buf;
@@ -324,6 +344,32 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
   set_rows_end(w + M * ldw);
   const uint8_t* const pf_end = rows_end();
   prefetch_start(w, M * ldw);
+  if (N >= g_x16_tile_from) {
+    struct alignas(64) Lanes {
+      float v[16];
+    };
+    thread_local std::vector<Lanes> acc_buf;
+    acc_buf.resize(2 * static_cast<size_t>(N));
+    __m512* acc = reinterpret_cast<__m512*>(acc_buf.data());
+    __m512* macc = acc + N;
+    Tile t;
+    constexpr size_t kSb = kX16Rows * 144;
+    for (int m0 = 0; m0 < M; m0 += kX16Rows) {
+      for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm512_setzero_ps();
+      const uint8_t* p = w + m0 * ldw;
+      for (int64_t b = 0; b < k / QK_K; ++b, p += kSb) {
+        prefetch_ahead<kSb>(p, pf_end);
+        unpack_tile_x16(p, t);
+        int n0 = 0;
+        for (; n0 + 8 <= N; n0 += 8) tile_rows_at<8>(t, act, bsf, k, b, n0, acc, macc);
+        if (N - n0 >= 4) tile_rows_at<4>(t, act, bsf, k, b, n0, acc, macc), n0 += 4;
+        if (N - n0 >= 2) tile_rows_at<2>(t, act, bsf, k, b, n0, acc, macc), n0 += 2;
+        if (N - n0 >= 1) tile_rows_at<1>(t, act, bsf, k, b, n0, acc, macc);
+      }
+      for (int n = 0; n < N; ++n) _mm512_storeu_ps(c + n * ldc + m0, _mm512_sub_ps(acc[n], macc[n]));
+    }
+    return;
+  }
   for (int m0 = 0; m0 < M; m0 += kX16Rows) {
     const uint8_t* p = w + m0 * ldw;
     for (int n0 = 0; n0 < N; n0 += 4) {
@@ -530,10 +576,118 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
   if (kHw) amx_end();
 }
 
+// ---- AMX on KT_Q4_K_X16: the weights are the B operand of tdpbsud (signed activations x unsigned weights), whose
+// layout (B row g: 4 bytes of each of 16 columns) is the X16 Tile's q as it is, and the activations, 16 rows at a
+// time, the A operand, read in place from a copy with a fixed stride: no transpose on either side. C is
+// [activation row][weight row], one activation row per zmm with a weight row per lane, as in tile_rows, whose float
+// operations the epilogue repeats in the same order: results bitwise those of the VNNI tiles.
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_pair_x16(const int8_t* a, size_t lda, const uint8_t* b,
+                                                                int32_t* c) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_loadd(0, a, lda);
+  _tile_loadd(1, a + 32, lda);
+  _tile_loadd(2, b, 64);
+  _tile_loadd(3, b + 512, 64);
+  _tile_dpbsud(4, 0, 2);
+  _tile_dpbsud(5, 1, 3);
+  _tile_stored(4, c, 64);
+  _tile_stored(5, c + 256, 64);
+}
+
+void amx_pair_x16_emulated(const int8_t* a, size_t lda, const uint8_t* b, int32_t* c) {
+  for (int h = 0; h < 2; ++h)
+    for (int n = 0; n < 16; ++n)
+      for (int r = 0; r < 16; ++r) {
+        int32_t s = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int e = 0; e < 4; ++e) s += a[n * lda + 32 * h + 4 * g + e] * b[512 * h + 64 * g + 4 * r + e];
+        c[256 * h + 16 * n + r] = s;
+      }
+}
+
+template <bool kHw>
+void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
+                  size_t ldc) {
+  constexpr size_t kSb = kX16Rows * 144;
+  const int64_t nb = k / QK_K, nsub = k / 32;
+  const int G = (N + 15) / 16;  // groups of 16 activation rows, the last one padded with zero rows
+  struct alignas(64) Lanes {
+    float v[16];
+  };
+  thread_local std::vector<Lanes> abuf_v, f_buf;
+  abuf_v.resize((static_cast<size_t>(G) * 16 * k + 63) / 64);
+  f_buf.resize((static_cast<size_t>(G) * 16 * (nsub + nb) + 15) / 16 + 2 * static_cast<size_t>(G) * 16);
+  int8_t* abuf = reinterpret_cast<int8_t*>(abuf_v.data());  // [G * 16][k]
+  float* bsf = reinterpret_cast<float*>(f_buf.data());       // [G * 16][nsub]
+  float* dab = bsf + static_cast<size_t>(G) * 16 * nsub;     // [G * 16][nb]
+  __m512* acc = reinterpret_cast<__m512*>(f_buf.data() + (static_cast<size_t>(G) * 16 * (nsub + nb) + 15) / 16);
+  __m512* macc = acc + G * 16;
+  for (int n = 0; n < G * 16; ++n) {
+    if (n < N) {
+      std::memcpy(abuf + n * k, act_q(act[n]), k);
+      const int16_t* bs = act_q8k_bsums(act[n], k);
+      for (int64_t j = 0; j < nsub; ++j) bsf[n * nsub + j] = subblock_sum(bs, j);
+      std::memcpy(dab + n * nb, act_q8k_d(act[n], k), nb * sizeof(float));
+    } else {
+      std::memset(abuf + n * k, 0, k);
+      std::fill(bsf + n * nsub, bsf + (n + 1) * nsub, 0.f);
+      std::fill(dab + n * nb, dab + (n + 1) * nb, 0.f);
+    }
+  }
+  set_rows_end(w + M * ldw);
+  const uint8_t* const pf_end = rows_end();
+  prefetch_start(w, M * ldw);
+  alignas(64) int32_t cbuf[2 * 256];
+  Tile t;
+  if (kHw) amx_begin();
+  for (int m0 = 0; m0 < M; m0 += kX16Rows) {
+    for (int i = 0; i < 2 * G * 16; ++i) acc[i] = _mm512_setzero_ps();
+    const uint8_t* p = w + m0 * ldw;
+    for (int64_t b = 0; b < nb; ++b, p += kSb) {
+      prefetch_ahead<kSb>(p, pf_end);
+      unpack_tile_x16(p, t);
+      for (int gi = 0; gi < G; ++gi) {
+        __m512 P[16];
+        for (int n = 0; n < 16; ++n) P[n] = _mm512_setzero_ps();
+        const int8_t* ag = abuf + static_cast<size_t>(gi) * 16 * k + b * QK_K;
+        for (int s = 0; s < 8; s += 2) {
+          const uint8_t* bq = reinterpret_cast<const uint8_t*>(&t.q[8 * s]);
+          if (kHw) amx_pair_x16(ag + 32 * s, k, bq, cbuf);
+          else amx_pair_x16_emulated(ag + 32 * s, k, bq, cbuf);
+          for (int n = 0; n < 16; ++n) {
+            P[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * n)), t.sc[s], P[n]);
+            P[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 256 + 16 * n)), t.sc[s + 1], P[n]);
+          }
+        }
+        for (int n = 0; n < 16; ++n) {
+          const int row = gi * 16 + n;
+          const float* bs = bsf + row * nsub + 8 * b;
+          __m512 Mf = _mm512_setzero_ps();
+          for (int j = 0; j < 8; ++j) Mf = _mm512_fmadd_ps(t.mn[j], _mm512_set1_ps(bs[j]), Mf);
+          const __m512 sda = _mm512_set1_ps(dab[row * nb + b]);
+          acc[row] = _mm512_fmadd_ps(P[n], _mm512_mul_ps(t.d, sda), acc[row]);
+          macc[row] = _mm512_fmadd_ps(Mf, _mm512_mul_ps(t.dmin, sda), macc[row]);
+        }
+      }
+    }
+    for (int n = 0; n < N; ++n) _mm512_storeu_ps(c + n * ldc + m0, _mm512_sub_ps(acc[n], macc[n]));
+  }
+  if (kHw) amx_end();
+}
+
 }  // namespace
 
 void gemm_q4k_x16_avx512(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
                          size_t ldc) {
+  // AMX under the same conditions as for the original blocks (gemm_k4_tiles_avx512)
+  const int mode = amx_mode();
+  if (mode != 0 && N >= 16 && M >= 128) {
+    if (mode == 1) gemm_x16_amx<true>(w, ldw, M, act, N, k, c, ldc);
+    else gemm_x16_amx<false>(w, ldw, M, act, N, k, c, ldc);
+    return;
+  }
   gemm_x16(w, ldw, M, act, N, k, c, ldc);
 }
 

@@ -102,3 +102,32 @@ def test_only_paths_that_read_it_get_it(pool):
     with pytest.raises(ValueError, match="do not read repacked"):
         _cpu.MoE(pool, e, h, i, raw[0].data_ptr(), _cpu.Q4_K_X16, raw[1].data_ptr(), 12, raw[2].data_ptr(), 12,
                  "scalar")
+
+
+@needs_x16
+def test_amx_on_x16_matches_the_vnni_tiles_bitwise():
+    """16+ activation rows on blocks of 128+ rows take AMX (weights as its B operand): the AMX data flow in plain C++
+    everywhere, the real tiles where the CPU has them, both bitwise equal to the VNNI tiles on the original blocks.
+    One thread, so a gate/up task is 128 rows; 40 tokens on two experts pad the last group of 16."""
+    pool1 = cpu.make_pool(1, pin=False)
+    e, h, i = 4, 768, 512
+    raw, deq = _layer(e, h, i, 40)
+    kw = dict(n_experts=e, hidden=h, intermediate=i, types=("Q4_K",) * 3, pool=pool1)
+    x16, plain = cpu.CPUMoE(*raw, **kw), cpu.CPUMoE(*raw, repack=False, **kw)
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(40, h, generator=gen)
+    ids = torch.tensor([[0, 1]] * 20 + [[1, 0]] * 20)
+    w = torch.rand(40, 2, generator=gen)
+    old_min, old_amx = _cpu.set_tile_min_tokens(1), _cpu.set_amx_mode(0)
+    try:
+        want = plain(x, ids, w)
+        modes = [2] + ([1] if _cpu.isa_info().get("amx_int8") else [])
+        for mode in modes:
+            _cpu.set_amx_mode(mode)
+            assert _cpu.amx_mode() == mode
+            assert torch.equal(x16(x, ids, w), want), f"AMX mode {mode}"
+        ref = moe_experts(x.double(), ids, w.double(), *deq)
+        assert float((want.double() - ref).norm() / ref.norm()) < 0.04
+    finally:
+        _cpu.set_tile_min_tokens(old_min)
+        _cpu.set_amx_mode(old_amx)
