@@ -79,6 +79,17 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// The six-bit scales and mins of 16 rows (dwords 1-3 of their heads, one row per lane) as bytes: q[0] lane r holds
+// row r's sc0-3, q[1] sc4-7, q[2] m0-3, q[3] m4-7.
+inline void heads_scale_bytes(__m512i u0, __m512i u1, __m512i u2, __m512i q[4]) {
+  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f), k3 = _mm512_set1_epi32(0x03030303);
+  q[0] = _mm512_and_si512(u0, k1);
+  q[1] = _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
+  q[2] = _mm512_and_si512(u1, k1);
+  q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4));
+}
+
 // Dwords 0-3 of 16 rows' 16-byte heads (fp16 d | fp16 dmin, then 12 bytes of six-bit scales and mins), one row
 // per lane: d, dmin, sc[j] and mn[j] as floats (j = sub-block 0..7). The bit layout is unpack_k4_scales' (quant.h),
 // done on 16 rows at once.
@@ -86,14 +97,8 @@ inline void heads_from_dwords(__m512i h0, __m512i u0, __m512i u1, __m512i u2, __
                               __m512 mn[8]) {
   d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0));
   dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h0, 16)));
-  const __m512i k1 = _mm512_set1_epi32(0x3f3f3f3f), k2 = _mm512_set1_epi32(0x0f0f0f0f), k3 = _mm512_set1_epi32(0x03030303);
-  const __m512i q[4] = {
-      _mm512_and_si512(u0, k1),                                                                      // sc0-3
-      _mm512_or_si512(_mm512_and_si512(u2, k2), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4)),  // sc4-7
-      _mm512_and_si512(u1, k1),                                                                      // m0-3
-      _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
-                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4)),     // m4-7
-  };
+  __m512i q[4];
+  heads_scale_bytes(u0, u1, u2, q);
   const __m512i ff = _mm512_set1_epi32(0xff);
   for (int j = 0; j < 4; ++j) {
     sc[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[0], 8 * j), ff));
@@ -265,14 +270,52 @@ inline void unpack_tile_x16(const uint8_t* p, Tile& t) {
 // tile_rows<NT> fused with the unpack, for a few activation rows (a decode step): the integer dots stay in
 // registers, no Tile goes through memory. Each half of the quants (c) holds storage sub-blocks 4c .. 4c + 3, so the
 // dots of one half at a time are live (4 per activation row) and P is summed in the same sub-block order.
+// The heads of an X16 superblock for the fused kernels: d, dmin, the scales as floats in storage order (the high
+// nibbles' divided by 16, x16_scales), and the mins as int16 pairs for vpdpwssd against sub-block sums: mp[0] lane r
+// holds row r's (m0, m2), mp[1] (m1, m3), mp[2] (m4, m6), mp[3] (m5, m7).
+inline void x16_heads_fused(const uint8_t* p, __m512& d, __m512& dmin, __m512 sc[8], __m512i mp[4]) {
+  const __m512i h0 = loadu(p);
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0));
+  dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h0, 16)));
+  __m512i q[4];
+  heads_scale_bytes(loadu(p + 64), loadu(p + 128), loadu(p + 192), q);
+  const __m512i ff = _mm512_set1_epi32(0xff), pair = _mm512_set1_epi32(0x00ff00ff);
+  __m512 sc_nat[8];
+  for (int j = 0; j < 4; ++j) {
+    sc_nat[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[0], 8 * j), ff));
+    sc_nat[4 + j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[1], 8 * j), ff));
+  }
+  x16_scales(sc_nat, sc);
+  mp[0] = _mm512_and_si512(q[2], pair);
+  mp[1] = _mm512_and_si512(_mm512_srli_epi32(q[2], 8), pair);
+  mp[2] = _mm512_and_si512(q[3], pair);
+  mp[3] = _mm512_and_si512(_mm512_srli_epi32(q[3], 8), pair);
+}
+
+// An activation row's sub-block sums of one superblock as the int16 pairs x16_heads_fused's mins meet:
+// (s0, s2), (s1, s3), (s4, s6), (s5, s7). Each is at most 32 * 127 in size.
+inline void x16_bsum_pairs(const int16_t* bsums, uint32_t out[4]) {
+  int32_t s[8];
+  for (int j = 0; j < 8; ++j) s[j] = bsums[2 * j] + bsums[2 * j + 1];
+  for (int i = 0; i < 4; ++i) {
+    const int lo = (i & 1) + 4 * (i >> 1);
+    out[i] = static_cast<uint16_t>(s[lo]) | static_cast<uint32_t>(static_cast<uint16_t>(s[lo + 2])) << 16;
+  }
+}
+
+// tile_rows<NT> fused with the unpack, for a few activation rows (a decode step): the integer dots stay in
+// registers, no Tile goes through memory. Each half of the quants (c) holds storage sub-blocks 4c .. 4c + 3, so the
+// dots of one half at a time are live (4 per activation row) and P is summed in the same sub-block order. The mins'
+// sum is taken in integers (vpdpwssd): every product and partial sum of it is an integer below 2^24, so it is the
+// float sum tile_rows takes, exactly.
 template <int NT>
-inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const float* const* bs, const float* da,
+inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const uint32_t* const* bsp, const float* da,
                            __m512* acc, __m512* macc) {
   const __m512i m4 = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
   const uint8_t* qs = p + kX16HeadBytes;
-  __m512 d, dmin, sc_nat[8], sc[8], mn[8];
-  x16_heads(p, d, dmin, sc_nat, mn);
-  x16_scales(sc_nat, sc);
+  __m512 d, dmin, sc[8];
+  __m512i mp[4];
+  x16_heads_fused(p, d, dmin, sc, mp);
   __m512 P[NT];
   for (int n = 0; n < NT; ++n) P[n] = _mm512_setzero_ps();
 #pragma GCC unroll 2
@@ -294,36 +337,37 @@ inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const float
       for (int i = 0; i < 4; ++i) P[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[n][i]), sc[4 * c + i], P[n]);
   }
   for (int n = 0; n < NT; ++n) {
-    __m512 Mf = _mm512_setzero_ps();
-    for (int j = 0; j < 8; ++j) Mf = _mm512_fmadd_ps(mn[j], _mm512_set1_ps(bs[n][j]), Mf);
+    __m512i Mi = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) Mi = _mm512_dpwssd_epi32(Mi, mp[i], _mm512_set1_epi32(static_cast<int>(bsp[n][i])));
     const __m512 s = _mm512_set1_ps(da[n]);
     acc[n] = _mm512_fmadd_ps(P[n], _mm512_mul_ps(d, s), acc[n]);
-    macc[n] = _mm512_fmadd_ps(Mf, _mm512_mul_ps(dmin, s), macc[n]);
+    macc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mi), _mm512_mul_ps(dmin, s), macc[n]);
   }
 }
 
-// Activation rows n0 .. n0 + NT - 1 against rows m0 .. m0 + 15 (the group at p), fused.
+// Activation rows n0 .. n0 + NT - 1 against rows m0 .. m0 + 15 (the group at p), fused. bsp_all: per activation
+// row, x16_bsum_pairs of each superblock (4 per superblock).
 template <int NT>
-void x16_group(const uint8_t* p, const uint8_t* pf_end, const uint8_t* const* act, const float* bsf, int64_t k,
-               int n0, float* c, size_t ldc) {
+void x16_group(const uint8_t* p, const uint8_t* pf_end, const uint8_t* const* act, const uint32_t* bsp_all,
+               int64_t k, int n0, float* c, size_t ldc) {
   constexpr size_t kSb = kX16Rows * 144;
-  const int64_t nsub = k / 32;
+  const int64_t nb = k / QK_K;
   const int8_t* a[NT];
-  const float* bs[NT];
+  const uint32_t* bsp[NT];
   const float* dap[NT];
   __m512 acc[NT], macc[NT];
   for (int n = 0; n < NT; ++n) {
     a[n] = act_q(act[n0 + n]);
-    bs[n] = bsf + (n0 + n) * nsub;
+    bsp[n] = bsp_all + (n0 + n) * nb * 4;
     dap[n] = act_q8k_d(act[n0 + n], k);
     acc[n] = macc[n] = _mm512_setzero_ps();
   }
-  for (int64_t b = 0; b < k / QK_K; ++b, p += kSb) {
+  for (int64_t b = 0; b < nb; ++b, p += kSb) {
     prefetch_ahead<kSb>(p, pf_end);
     float da[NT];
     for (int n = 0; n < NT; ++n) da[n] = dap[n][b];
-    x16_superblock<NT>(p, a, bs, da, acc, macc);
-    for (int n = 0; n < NT; ++n) a[n] += QK_K, bs[n] += 8;
+    x16_superblock<NT>(p, a, bsp, da, acc, macc);
+    for (int n = 0; n < NT; ++n) a[n] += QK_K, bsp[n] += 4;
   }
   for (int n = 0; n < NT; ++n) _mm512_storeu_ps(c + (n0 + n) * ldc, _mm512_sub_ps(acc[n], macc[n]));
 }
@@ -337,14 +381,14 @@ int g_x16_tile_from = std::max(1, env_int("KTRANS_X16_TILE_FROM", 24));
 
 void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
               size_t ldc) {
-  thread_local std::vector<float> bsf_buf;
-  bsf_buf.resize(static_cast<size_t>(N) * (k / 32));
-  float* bsf = bsf_buf.data();
-  subblock_sums(act, N, k, bsf);
   set_rows_end(w + M * ldw);
   const uint8_t* const pf_end = rows_end();
   prefetch_start(w, M * ldw);
   if (N >= g_x16_tile_from) {
+    thread_local std::vector<float> bsf_buf;
+    bsf_buf.resize(static_cast<size_t>(N) * (k / 32));
+    float* bsf = bsf_buf.data();
+    subblock_sums(act, N, k, bsf);
     struct alignas(64) Lanes {
       float v[16];
     };
@@ -370,14 +414,20 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
     }
     return;
   }
+  const int64_t nb = k / QK_K;
+  thread_local std::vector<uint32_t> bsp_buf;
+  bsp_buf.resize(static_cast<size_t>(N) * nb * 4);
+  uint32_t* bsp = bsp_buf.data();
+  for (int n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) x16_bsum_pairs(act_q8k_bsums(act[n], k) + 16 * b, bsp + (n * nb + b) * 4);
   for (int m0 = 0; m0 < M; m0 += kX16Rows) {
     const uint8_t* p = w + m0 * ldw;
     for (int n0 = 0; n0 < N; n0 += 4) {
       switch (std::min(4, N - n0)) {
-        case 1: x16_group<1>(p, pf_end, act, bsf, k, n0, c + m0, ldc); break;
-        case 2: x16_group<2>(p, pf_end, act, bsf, k, n0, c + m0, ldc); break;
-        case 3: x16_group<3>(p, pf_end, act, bsf, k, n0, c + m0, ldc); break;
-        default: x16_group<4>(p, pf_end, act, bsf, k, n0, c + m0, ldc); break;
+        case 1: x16_group<1>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
+        case 2: x16_group<2>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
+        case 3: x16_group<3>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
+        default: x16_group<4>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
       }
     }
   }
