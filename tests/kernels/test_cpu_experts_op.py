@@ -125,14 +125,40 @@ def test_hugepages_rule_kwarg(tiny):
         parse_rules(bad, "bad.yaml")
 
 
-def test_repack_rule_kwarg():
+@pytest.fixture(scope="module")
+def tiny256():
+    """The tiny model with sizes that fill Q4_K blocks (256 values) in both directions, so Q4_K experts are repacked."""
+    hf = preset_config("tiny")
+    hf.update(hidden_size=256, moe_intermediate_size=256)
+    config = ModelConfig.from_hf_dict(hf, source="tiny-256")
+    return config, random_state_dict(config, seed=4)
+
+
+Q4_RULES = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      quant: "Q4_K"')
+
+
+def test_repacked_q4_k_model_matches_the_blocks_as_they_are(tiny256):
+    """The whole model on repacked Q4_K experts against the same Q4_K blocks unrepacked (which test_cpu_moe checks
+    against the torch reference on the dequantized blocks): logits within float summation order, the same greedy
+    tokens."""
+    config, state = tiny256
+    source = StateDictSource(state)
+    x16 = build(config, source, Q4_RULES)
+    plain = build(config, source, Q4_RULES.replace('quant: "Q4_K"', 'quant: "Q4_K"\n      repack: false'))
+    if not _cpu.reads_q4k_x16(x16.model.layers[0].mlp.experts.op.moe.path):
+        pytest.skip("the kernel path here does not read Q4_K_X16")
+    assert x16.model.layers[0].mlp.experts.op.load_report["layouts"] == ("Q4_K_X16",) * 3
+    assert plain.model.layers[0].mlp.experts.op.load_report["layouts"] == ("Q4_K",) * 3
+    prompt = list(range(100, 112))
+    assert rel(_all_logits(x16, prompt), _all_logits(plain, prompt)) < 1e-4
+    assert greedy(x16, prompt, 16) == greedy(plain, prompt, 16)
+
+
+def test_repack_rule_kwarg(tiny256):
     """`repack: false` keeps Q4_K blocks as the GGUF has them; on by default, it repacks them where the kernel path
     reads Q4_K_X16; a value that is not a bool is refused, naming the field."""
-    hf = preset_config("tiny")
-    hf.update(hidden_size=256, moe_intermediate_size=256)  # Q4_K blocks of 256 values in both directions
-    config = ModelConfig.from_hf_dict(hf, source="tiny-256")
-    state = random_state_dict(config, seed=4)
-    q4 = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      quant: "Q4_K"')
+    config, state = tiny256
+    q4 = Q4_RULES
     experts = build(config, StateDictSource(state), q4).model.layers[0].mlp.experts
     op = experts.op
     want = "Q4_K_X16" if _cpu.reads_q4k_x16(op.moe.path) else "Q4_K"
