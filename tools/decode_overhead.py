@@ -76,12 +76,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--patterns", action="store_true",
                     help="only the memory side: read times of the step's access pattern and of alternatives")
-    ap.add_argument("--ab", nargs="+", metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,norepack][,noclamp][,pfBYTES/HINT][,checked]",
+    ap.add_argument("--ab", nargs="+",
+                    metavar="NAME=GU,DN,ROWS[,nohelp][,nohp][,norepack][,noclamp][,pfBYTES/HINT][,xpfBYTES][,checked]",
                     help="forward times of several work splits (moe_split) and caller modes, interleaved call by "
                          "call in one process, e.g. base=4,2,256 dn128=4,2,128 nohelp=4,2,256,nohelp; nohp: the "
-                         "weights not in transparent huge pages; norepack: Q4_K kept as it is, not repacked into Q4_K_X16; noclamp: prefetch past "
-                         "the end of a call's rows; pf4096/0: prefetch distance and hint (0 t0, 1 t1, 2 nta); "
-                         "checked: inputs through CPUMoE._inputs_checked, not the flat check")
+                         "weights not in transparent huge pages; norepack: Q4_K kept as it is, not repacked into "
+                         "Q4_K_X16; noclamp: prefetch past the end of a call's rows; pf4096/0: prefetch distance and "
+                         "hint (0 t0, 1 t1, 2 nta); xpf1024: the Q4_K_X16 kernels' distance; checked: inputs through "
+                         "CPUMoE._inputs_checked, not the flat check")
     args = ap.parse_args()
     shape = SHAPES["qwen3-next"]
     gen = torch.Generator().manual_seed(0)
@@ -165,9 +167,10 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
         name, _, val = spec.partition("=")
         parts = val.split(",")
         pf = next((tuple(int(x) for x in f[2:].split("/")) for f in parts[3:] if f.startswith("pf")), None)
+        xpf = next((int(f[3:]) for f in parts[3:] if f.startswith("xpf")), None)
         variant = ("nohp" not in parts[3:], "norepack" not in parts[3:])  # (hugepages, repack)
         configs[name] = (tuple(int(v) for v in parts[:3]), "nohelp" not in parts[3:], variant,
-                         "noclamp" not in parts[3:], pf, "checked" in parts[3:])
+                         "noclamp" not in parts[3:], pf, "checked" in parts[3:], xpf)
     # Per (hugepages, repack): the layer's weights held that way (without huge pages: 4 KiB pages unless THP is
     # "always").
     variants = {(True, True): moe}
@@ -177,14 +180,15 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     flat = variants.get((False, True)) or next((m for v, m in variants.items() if not v[0]), None)
     x = torch.randn(1, moe.hidden, generator=gen)
     times = {k: [] for k in configs}
-    old, old_pf = _cpu.moe_split(), _cpu.prefetch()
+    old, old_pf, old_xpf = _cpu.moe_split(), _cpu.prefetch(), _cpu.x16_prefetch()
     probe0 = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool)
     old_clamp = _cpu.set_prefetch_clamp(True)
     try:
         for i in range(iters + 20):
-            for name, (split, helps, variant, clamp, pf, checked) in configs.items():
+            for name, (split, helps, variant, clamp, pf, checked, xpf) in configs.items():
                 _cpu.set_moe_split(*split)
                 _cpu.set_prefetch(*(pf or old_pf))
+                _cpu.set_x16_prefetch(old_xpf if xpf is None else xpf)
                 _cpu.set_prefetch_clamp(clamp)
                 pool.caller_helps = helps
                 ids, w = _routings(shape, 1, 1, gen)[0]
@@ -201,6 +205,7 @@ def ab(moe, raw, pool, gen, iters: int, specs: list[str]) -> None:
     finally:
         _cpu.set_moe_split(*old)
         _cpu.set_prefetch(*old_pf)
+        _cpu.set_x16_prefetch(old_xpf)
         _cpu.set_prefetch_clamp(old_clamp)
         pool.caller_helps = True
     probe = max(probe0, cpu.stream_bandwidth(moe.weights, reps=3, pool=pool))

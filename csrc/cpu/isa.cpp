@@ -8,6 +8,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+
+#include <cstring>
 #include <cstdint>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -31,6 +33,11 @@ bool request_amx_permission() {
 IsaInfo detect() {
   IsaInfo info;
   unsigned a, b, c, d;
+  if (__get_cpuid(0, &a, &b, &c, &d)) {
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+    info.amd = std::strcmp(vendor, "AuthenticAMD") == 0;
+  }
   if (!__get_cpuid(1, &a, &b, &c, &d)) return info;
   const bool osxsave = c & (1u << 27);
   const bool fma = c & (1u << 12);

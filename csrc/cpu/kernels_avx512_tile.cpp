@@ -348,8 +348,8 @@ inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const uint3
 // Activation rows n0 .. n0 + NT - 1 against rows m0 .. m0 + 15 (the group at p), fused. bsp_all: per activation
 // row, x16_bsum_pairs of each superblock (4 per superblock).
 template <int NT>
-void x16_group(const uint8_t* p, const uint8_t* pf_end, const uint8_t* const* act, const uint32_t* bsp_all,
-               int64_t k, int n0, float* c, size_t ldc) {
+void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t* const* act,
+               const uint32_t* bsp_all, int64_t k, int n0, float* c, size_t ldc) {
   constexpr size_t kSb = kX16Rows * 144;
   const int64_t nb = k / QK_K;
   const int8_t* a[NT];
@@ -363,7 +363,7 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, const uint8_t* const* ac
     acc[n] = macc[n] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b, p += kSb) {
-    prefetch_ahead<kSb>(p, pf_end);
+    prefetch_ahead<kSb>(p, pf_end, dist);
     float da[NT];
     for (int n = 0; n < NT; ++n) da[n] = dap[n][b];
     x16_superblock<NT>(p, a, bsp, da, acc, macc);
@@ -383,7 +383,8 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
               size_t ldc) {
   set_rows_end(w + M * ldw);
   const uint8_t* const pf_end = rows_end();
-  prefetch_start(w, M * ldw);
+  const int dist = g_x16_prefetch_bytes;
+  prefetch_start(w, M * ldw, dist);
   if (N >= g_x16_tile_from) {
     thread_local std::vector<float> bsf_buf;
     bsf_buf.resize(static_cast<size_t>(N) * (k / 32));
@@ -402,7 +403,7 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
       for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm512_setzero_ps();
       const uint8_t* p = w + m0 * ldw;
       for (int64_t b = 0; b < k / QK_K; ++b, p += kSb) {
-        prefetch_ahead<kSb>(p, pf_end);
+        prefetch_ahead<kSb>(p, pf_end, dist);
         unpack_tile_x16(p, t);
         int n0 = 0;
         for (; n0 + 8 <= N; n0 += 8) tile_rows_at<8>(t, act, bsf, k, b, n0, acc, macc);
@@ -424,10 +425,10 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
     const uint8_t* p = w + m0 * ldw;
     for (int n0 = 0; n0 < N; n0 += 4) {
       switch (std::min(4, N - n0)) {
-        case 1: x16_group<1>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
-        case 2: x16_group<2>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
-        case 3: x16_group<3>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
-        default: x16_group<4>(p, pf_end, act, bsp, k, n0, c + m0, ldc); break;
+        case 1: x16_group<1>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        case 2: x16_group<2>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        case 3: x16_group<3>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        default: x16_group<4>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
       }
     }
   }
@@ -688,7 +689,8 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
   }
   set_rows_end(w + M * ldw);
   const uint8_t* const pf_end = rows_end();
-  prefetch_start(w, M * ldw);
+  const int dist = g_x16_prefetch_bytes;
+  prefetch_start(w, M * ldw, dist);
   alignas(64) int32_t cbuf[2 * 256];
   Tile t;
   if (kHw) amx_begin();
@@ -696,7 +698,7 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
     for (int i = 0; i < 2 * G * 16; ++i) acc[i] = _mm512_setzero_ps();
     const uint8_t* p = w + m0 * ldw;
     for (int64_t b = 0; b < nb; ++b, p += kSb) {
-      prefetch_ahead<kSb>(p, pf_end);
+      prefetch_ahead<kSb>(p, pf_end, dist);
       unpack_tile_x16(p, t);
       for (int gi = 0; gi < G; ++gi) {
         __m512 P[16];

@@ -173,6 +173,11 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("set_prefetch", &set_prefetch, py::arg("bytes"), py::arg("hint"),
         "Tuning: the kernels' software prefetch distance in bytes and hint (0 t0, 1 t1, 2 nta), start values "
         "KTRANS_PREFETCH_BYTES and KTRANS_PREFETCH_HINT; only between jobs. Returns the previous (bytes, hint).");
+  m.def("x16_prefetch", [] { return g_x16_prefetch_bytes; },
+        "The Q4_K_X16 kernels' software prefetch distance in bytes (1024 on AMD CPUs, else 4096 by default).");
+  m.def("set_x16_prefetch", &set_x16_prefetch, py::arg("bytes"),
+        "Tuning: the Q4_K_X16 kernels' prefetch distance (between jobs only); returns the previous one. "
+        "KTRANS_X16_PREFETCH_BYTES sets the start value.");
   m.def("set_prefetch_clamp", &set_prefetch_clamp, py::arg("on"),
         "Whether the kernels' prefetch stops at the end of a call's weight rows (default True; A/B diagnostics). "
         "Returns the previous value.");

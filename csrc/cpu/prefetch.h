@@ -29,17 +29,22 @@ inline void set_rows_end(const uint8_t* end) {
 // Read once per kernel call (a thread_local in a shared library costs a call to reach).
 inline const uint8_t* rows_end() { return tl_rows_end ? tl_rows_end : reinterpret_cast<const uint8_t*>(~uintptr_t(0)); }
 
-// Touch every cache line of the next Bytes bytes of the weight stream, g_prefetch_bytes ahead, up to `end`.
+// Touch every cache line of the next Bytes bytes of the weight stream, `dist` (default g_prefetch_bytes) ahead, up
+// to `end`.
 template <int Bytes>
-inline void prefetch_ahead(const uint8_t* w, const uint8_t* end) {
-  const uint8_t* p = w + g_prefetch_bytes;
+inline void prefetch_ahead(const uint8_t* w, const uint8_t* end, int dist) {
+  const uint8_t* p = w + dist;
   for (int off = 0; off < Bytes; off += 64)
     if (p + off < end) prefetch_line(p + off);
 }
+template <int Bytes>
+inline void prefetch_ahead(const uint8_t* w, const uint8_t* end) {
+  prefetch_ahead<Bytes>(w, end, g_prefetch_bytes);
+}
 
-// The opening stretch of a block of rows, which the in-loop prefetch (g_prefetch_bytes ahead) never covers.
-inline void prefetch_start(const uint8_t* w, size_t bytes) {
-  const size_t n = bytes < static_cast<size_t>(g_prefetch_bytes) ? bytes : g_prefetch_bytes;
+// The opening stretch of a block of rows, which the in-loop prefetch (`dist` ahead) never covers.
+inline void prefetch_start(const uint8_t* w, size_t bytes, int dist = g_prefetch_bytes) {
+  const size_t n = bytes < static_cast<size_t>(dist) ? bytes : static_cast<size_t>(dist);
   for (size_t off = 0; off < n; off += 64) __builtin_prefetch(w + off, 0, 3);
 }
 

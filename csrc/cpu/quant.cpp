@@ -27,7 +27,14 @@ int g_prefetch_hint = [] {
   const std::string h = v ? v : "";
   return h == "t1" ? 1 : (h == "nta" ? 2 : 0);
 }();
+int g_x16_prefetch_bytes = std::max(64, env_int("KTRANS_X16_PREFETCH_BYTES", isa().amd ? 1024 : 4096) & ~63);
 std::atomic<bool> g_prefetch_clamp{true};
+
+int set_x16_prefetch(int bytes) {
+  const int old = g_x16_prefetch_bytes;
+  g_x16_prefetch_bytes = std::max(64, bytes & ~63);
+  return old;
+}
 
 bool set_prefetch_clamp(bool on) { return g_prefetch_clamp.exchange(on); }
 

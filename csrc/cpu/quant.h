@@ -164,10 +164,17 @@ inline const float* act_q8k_d(const uint8_t* row, int64_t k) {
 // (prefetchnta): both measured slower (nta at 0.44 of the Xeon's bandwidth instead of 0.66).
 extern int g_prefetch_bytes;
 extern int g_prefetch_hint;  // 0: t0, 1: t1, 2: nta
+// The distance of the Q4_K_X16 kernels (same hint), which compute 2-3x as fast per byte as the row kernels: on the
+// 16-core Xeon 4 KiB stays best (1 KiB 2-3% slower, none 5%, at 2, 4 and 16 threads), on the 2-core Zen 4 1 KiB
+// and none are 1.5-6% faster than 4 KiB (its hardware prefetcher keeps up; the row kernels there still lose 13-18% at
+// 2 KiB). So 1 KiB on AMD CPUs, 4 KiB elsewhere; KTRANS_X16_PREFETCH_BYTES sets another.
+extern int g_x16_prefetch_bytes;
 // The integer value of environment variable `name` (atoi), or `fallback` when it is unset or empty.
 int env_int(const char* name, int fallback);
 // Tuning: set both (only while no job runs); returns the previous (bytes, hint).
 std::pair<int, int> set_prefetch(int bytes, int hint);
+// Tuning: g_x16_prefetch_bytes (only while no job runs); returns the previous one.
+int set_x16_prefetch(int bytes);
 // Whether the in-loop prefetch stops at the end of a gemm call's rows (default; see prefetch.h); returns the old value.
 bool set_prefetch_clamp(bool on);
 

@@ -77,7 +77,9 @@ def isa_report() -> dict:
     return {"path": path, "why": why, "runnable_paths": [p for p, reason in status.items() if reason is None],
             "prefill_tiles": prefill_tiles(path, info),
             # CPUMoE copies expert weights into huge pages only where this is "always" or "madvise"
-            "transparent_hugepages": thp_mode(), "features": info}
+            "transparent_hugepages": thp_mode(),
+            "prefetch_bytes": {"row_kernels": _cpu.prefetch()[0], "q4_k_x16": _cpu.x16_prefetch()},
+            "features": info}
 
 
 TILES_OFF = 1 << 30  # a tile_min_tokens that no call reaches: the tiles are off

@@ -131,3 +131,26 @@ def test_amx_on_x16_matches_the_vnni_tiles_bitwise():
     finally:
         _cpu.set_tile_min_tokens(old_min)
         _cpu.set_amx_mode(old_amx)
+
+
+@needs_x16
+def test_x16_prefetch_distance_is_tunable_and_changes_no_result(pool):
+    e, h, i = 4, 512, 256
+    raw, _ = _layer(e, h, i, 50)
+    moe = cpu.CPUMoE(*raw, n_experts=e, hidden=h, intermediate=i, types=("Q4_K",) * 3, pool=pool)
+    gen = torch.Generator().manual_seed(51)
+    x = torch.randn(3, h, generator=gen)
+    ids = torch.tensor([[0, 3], [1, 2], [3, 3]])
+    w = torch.rand(3, 2, generator=gen)
+    start = _cpu.x16_prefetch()
+    assert start % 64 == 0 and start >= 64
+    assert cpu.isa_report()["prefetch_bytes"]["q4_k_x16"] == start
+    try:
+        outs = []
+        for dist in (64, 1000, 8192):
+            _cpu.set_x16_prefetch(dist)
+            assert _cpu.x16_prefetch() == dist // 64 * 64
+            outs.append(moe(x, ids, w))
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    finally:
+        assert _cpu.set_x16_prefetch(start) == 8192
