@@ -195,7 +195,8 @@ void unpack_tile(const uint8_t* const rows[16], Tile& t) {
 // ({1to16}): GCC emits a separate vpbroadcastd for _mm512_set1_epi32, which on Zen 4 cost 16-22% of the 1-token
 // repacked kernel.
 inline __m512i dpbusd_bcast(__m512i acc, __m512i a, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
+  asm("vpdpbusd {%2%{1to16%}, %1, %0|%0, %1, %2%{1to16%}}"  // AT&T | Intel syntax (-masm=intel)
+      : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 }
 
@@ -670,21 +671,23 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
     float v[16];
   };
   thread_local std::vector<Lanes> abuf_v, f_buf;
-  abuf_v.resize((static_cast<size_t>(G) * 16 * k + 63) / 64);
+  // A rows k + 64 bytes apart: a stride of a multiple of 4 KiB would put all 16 rows of a tile load in one L1 set
+  const size_t lda = static_cast<size_t>(k) + 64;
+  abuf_v.resize(static_cast<size_t>(G) * 16 * lda / 64);
   f_buf.resize((static_cast<size_t>(G) * 16 * (nsub + nb) + 15) / 16 + 2 * static_cast<size_t>(G) * 16);
-  int8_t* abuf = reinterpret_cast<int8_t*>(abuf_v.data());  // [G * 16][k]
+  int8_t* abuf = reinterpret_cast<int8_t*>(abuf_v.data());  // [G * 16][lda]
   float* bsf = reinterpret_cast<float*>(f_buf.data());       // [G * 16][nsub]
   float* dab = bsf + static_cast<size_t>(G) * 16 * nsub;     // [G * 16][nb]
   __m512* acc = reinterpret_cast<__m512*>(f_buf.data() + (static_cast<size_t>(G) * 16 * (nsub + nb) + 15) / 16);
   __m512* macc = acc + G * 16;
   for (int n = 0; n < G * 16; ++n) {
     if (n < N) {
-      std::memcpy(abuf + n * k, act_q(act[n]), k);
+      std::memcpy(abuf + n * lda, act_q(act[n]), k);
       const int16_t* bs = act_q8k_bsums(act[n], k);
       for (int64_t j = 0; j < nsub; ++j) bsf[n * nsub + j] = subblock_sum(bs, j);
       std::memcpy(dab + n * nb, act_q8k_d(act[n], k), nb * sizeof(float));
     } else {
-      std::memset(abuf + n * k, 0, k);
+      std::memset(abuf + n * lda, 0, k);
       std::fill(bsf + n * nsub, bsf + (n + 1) * nsub, 0.f);
       std::fill(dab + n * nb, dab + (n + 1) * nb, 0.f);
     }
@@ -705,11 +708,11 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
       for (int gi = 0; gi < G; ++gi) {
         __m512 P[16];
         for (int n = 0; n < 16; ++n) P[n] = _mm512_setzero_ps();
-        const int8_t* ag = abuf + static_cast<size_t>(gi) * 16 * k + b * QK_K;
+        const int8_t* ag = abuf + static_cast<size_t>(gi) * 16 * lda + b * QK_K;
         for (int s = 0; s < 8; s += 2) {
           const uint8_t* bq = reinterpret_cast<const uint8_t*>(&t.q[8 * s]);
-          if (kHw) amx_pair_x16(ag + 32 * s, k, bq, cbuf);
-          else amx_pair_x16_emulated(ag + 32 * s, k, bq, cbuf);
+          if (kHw) amx_pair_x16(ag + 32 * s, lda, bq, cbuf);
+          else amx_pair_x16_emulated(ag + 32 * s, lda, bq, cbuf);
           for (int n = 0; n < 16; ++n) {
             P[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 16 * n)), t.sc[s], P[n]);
             P[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf + 256 + 16 * n)), t.sc[s + 1], P[n]);

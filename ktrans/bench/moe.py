@@ -201,8 +201,8 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
                "weights_gb": round(moe.nbytes / 1e9, 3), "hugepages": moe.hugepages, "layout": moe.layouts[0], "repack_s": round(moe.repack_s, 3),
                "setup_s": round(setup_s, 2)}
         if moe.layouts[0] == "Q4_K_X16":
-            # repacked: the fused VNNI kernels, and from 16 tokens per expert AMX where present
-            row["tiles"] = "x16+amx" if _cpu.amx_mode() == 1 else "x16"
+            # repacked: the VNNI kernels, and AMX for experts with 16+ tokens in a call where present
+            row["tiles"] = "x16, amx from 16 tokens per expert" if _cpu.amx_mode() == 1 else "x16"
         elif qtype in ("Q4_K", "Q5_K"):
             # experts with at least that many tokens in a call run on the tiles, the others on the row kernels
             tiles = cpu.prefill_tiles(moe.path, cpu.isa_info())
