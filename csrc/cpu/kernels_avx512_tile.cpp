@@ -375,10 +375,8 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t*
   for (int n = 0; n < NT; ++n) _mm512_storeu_ps(c + (n0 + n) * ldc, _mm512_sub_ps(acc[n], macc[n]));
 }
 
-// Activation rows four at a time against each group: measured against unpacking a Tile once per superblock for
-// tile_rows<8> (one thread, Zen 4), 1.0-1.2x at 5-64 rows, since the unpack is only two instructions per 64 bytes.
-// From this many activation rows on, a Tile is unpacked once per superblock for tile_rows (and on AMX, see
-// gemm_x16_amx); below, the fused passes of four. One thread on Zen 4 (doc/benchmarks.md): the fused passes are
+// From this many activation rows on, a Tile is unpacked once per superblock for tile_rows (AMX: gemm_x16_amx, from 16
+// rows); below, fused passes of up to four rows. One thread on Zen 4 (doc/benchmarks.md): the fused passes are
 // 1.15-1.56x the tiles on the original blocks at 5-16 rows, but 0.90-0.98x at 32-256, where the Tile path is 1.02-1.2x.
 int g_x16_tile_from = std::max(1, env_int("KTRANS_X16_TILE_FROM", 24));
 
