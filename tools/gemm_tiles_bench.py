@@ -22,7 +22,7 @@ def main() -> None:
     modes = {"rows": (cpu.TILES_OFF, 0), "tiles" if isa == "avx2" else "vnni": (1, 0)}
     if isa == "avx512" and _cpu.isa_info().get("amx_int8"):
         modes["amx"] = (1, 1)
-    x16 = _cpu.reads_q4k_x16(isa)
+    x16 = _cpu.reads_x16(isa)
     if x16:
         modes["x16"] = (1, 0)
         if "amx" in modes:
@@ -32,7 +32,7 @@ def main() -> None:
         w = random_experts("Q4_K", 1, M, k, gen)
         wx = torch.empty_like(w)
         if x16:
-            _cpu.repack_q4k_x16(pool, w.data_ptr(), wx.data_ptr(), M, k)
+            _cpu.repack_x16(pool, cpu.type_id("Q4_K"), w.data_ptr(), wx.data_ptr(), M, k)
         for N in [1, 2, 3, 4, 6, 8, 16, 20, 24, 32, 64, 256]:
             row = {"isa": isa, "M": M, "k": k, "N": N}
             for name, (tmin, amx) in modes.items():

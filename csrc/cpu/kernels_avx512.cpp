@@ -343,8 +343,8 @@ RowsFn rows_fn(int t, int r, int c) {
 // depend on how the rows were split between tasks.
 void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
           size_t ldc) {
-  if (t == KT_Q4_K_X16) {  // repacked at load: always the tiles' arithmetic, fused for one activation row
-    gemm_q4k_x16_avx512(w, ldw, M, act, N, k, c, ldc);
+  if (is_x16(t)) {  // repacked at load: always the tiles' arithmetic, fused for a few activation rows
+    gemm_k_x16_avx512(t == KT_Q5_K_X16, w, ldw, M, act, N, k, c, ldc);
     return;
   }
   if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= tile_min_tokens()) {  // prefill: 16 rows at a time
@@ -368,7 +368,7 @@ void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act,
 ActFormat act_format(int t) {
   switch (t) {
     case GGML_Q8_0: case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: return ACT_Q8_0;
-    case GGML_Q4_K: case GGML_Q5_K: case KT_Q4_K_X16: return ACT_Q8K_P;
+    case GGML_Q4_K: case GGML_Q5_K: case KT_Q4_K_X16: case KT_Q5_K_X16: return ACT_Q8K_P;
     case GGML_Q6_K: return ACT_Q8K;
     default: return ACT_F32;
   }

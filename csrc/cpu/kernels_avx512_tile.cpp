@@ -250,24 +250,49 @@ inline void tile_rows_at(const Tile& t, const uint8_t* const* act, const float* 
 // Storage sub-blocks 2, 3, 6 and 7 are the high nibbles.
 constexpr bool x16_high(int s) { return (s & 2) != 0; }
 
+// Q5_K_X16 keeps its high nibbles at their value (a fifth bit is added to them): no 1/16 there.
+template <bool Q5>
 inline void x16_scales(const __m512 sc_nat[8], __m512 sc[8]) {
   const __m512 sixteenth = _mm512_set1_ps(1.f / 16.f);
-  for (int s = 0; s < 8; ++s) sc[s] = x16_high(s) ? _mm512_mul_ps(sc_nat[kNat[s]], sixteenth) : sc_nat[kNat[s]];
+  for (int s = 0; s < 8; ++s)
+    sc[s] = !Q5 && x16_high(s) ? _mm512_mul_ps(sc_nat[kNat[s]], sixteenth) : sc_nat[kNat[s]];
+}
+
+// Bytes of one 16-row superblock, and where its quants start (Q5_K: after 8 x 64 bytes of fifth bits).
+constexpr size_t x16_sb_bytes(bool q5) { return kX16Rows * (q5 ? 176 : 144); }
+constexpr int x16_qs_off(bool q5) { return kX16HeadBytes + (q5 ? 512 : 0); }
+
+// Quants dword i = 16c + j of the 16 rows (superblock at p) as unsigned weights: lo the low nibbles (positions
+// 4 (32c + j) ..), hi the high ones (+ 64). Q4_K: hi is q & 0xF0, 16 times its value (x16_scales divides).
+// Q5_K: each gets its fifth bit from qh dword j % 8 (the same 4 bytes of the row: value 64 ch + l, chunk
+// ch = 2c + j / 8, takes bit 2 ch of qh[l] for the low nibble, 2 ch + 1 for the high one).
+template <bool Q5>
+inline void x16_quants(const uint8_t* p, int c, int j, __m512i& lo, __m512i& hi) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i q = loadu(p + x16_qs_off(Q5) + 64 * (16 * c + j));
+  lo = _mm512_and_si512(q, m4);
+  if (!Q5) {
+    hi = _mm512_and_si512(q, _mm512_set1_epi8(static_cast<char>(0xF0)));
+    return;
+  }
+  hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+  const __m512i qh = loadu(p + kX16HeadBytes + 64 * (j % 8));
+  const int ch = 2 * c + j / 8;
+  const __m512i sixteen = _mm512_set1_epi8(0x10);
+  lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * ch)))), lo,
+                            sixteen);
+  hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(static_cast<char>(1 << (2 * ch + 1)))),
+                            hi, sixteen);
 }
 
 // A Tile from one X16 superblock (for tile_rows at many activation rows): the loads split, no transpose.
+template <bool Q5>
 inline void unpack_tile_x16(const uint8_t* p, Tile& t) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
-  const uint8_t* qs = p + kX16HeadBytes;
   for (int c = 0; c < 2; ++c)
-    for (int j = 0; j < 16; ++j) {
-      const __m512i q = loadu(qs + 64 * (16 * c + j));
-      t.q[32 * c + j] = _mm512_and_si512(q, m4);
-      t.q[32 * c + 16 + j] = _mm512_and_si512(q, mhi);
-    }
+    for (int j = 0; j < 16; ++j) x16_quants<Q5>(p, c, j, t.q[32 * c + j], t.q[32 * c + 16 + j]);
   __m512 sc[8];
   x16_heads(p, t.d, t.dmin, sc, t.mn);
-  x16_scales(sc, t.sc);
+  x16_scales<Q5>(sc, t.sc);
 }
 
 // tile_rows<NT> fused with the unpack, for a few activation rows (a decode step): the integer dots stay in
@@ -276,6 +301,7 @@ inline void unpack_tile_x16(const uint8_t* p, Tile& t) {
 // The heads of an X16 superblock for the fused kernels: d, dmin, the scales as floats in storage order (the high
 // nibbles' divided by 16, x16_scales), and the mins as int16 pairs for vpdpwssd against sub-block sums: mp[0] lane r
 // holds row r's (m0, m2), mp[1] (m1, m3), mp[2] (m4, m6), mp[3] (m5, m7).
+template <bool Q5>
 inline void x16_heads_fused(const uint8_t* p, __m512& d, __m512& dmin, __m512 sc[8], __m512i mp[4]) {
   const __m512i h0 = loadu(p);
   d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h0));
@@ -288,7 +314,7 @@ inline void x16_heads_fused(const uint8_t* p, __m512& d, __m512& dmin, __m512 sc
     sc_nat[j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[0], 8 * j), ff));
     sc_nat[4 + j] = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(q[1], 8 * j), ff));
   }
-  x16_scales(sc_nat, sc);
+  x16_scales<Q5>(sc_nat, sc);
   mp[0] = _mm512_and_si512(q[2], pair);
   mp[1] = _mm512_and_si512(_mm512_srli_epi32(q[2], 8), pair);
   mp[2] = _mm512_and_si512(q[3], pair);
@@ -311,14 +337,12 @@ inline void x16_bsum_pairs(const int16_t* bsums, uint32_t out[4]) {
 // dots of one half at a time are live (4 per activation row) and P is summed in the same sub-block order. The mins'
 // sum is taken in integers (vpdpwssd): every product and partial sum of it is an integer below 2^24, so it is the
 // float sum tile_rows takes, exactly.
-template <int NT>
+template <bool Q5, int NT>
 inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const uint32_t* const* bsp, const float* da,
                            __m512* acc, __m512* macc) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
-  const uint8_t* qs = p + kX16HeadBytes;
   __m512 d, dmin, sc[8];
   __m512i mp[4];
-  x16_heads_fused(p, d, dmin, sc, mp);
+  x16_heads_fused<Q5>(p, d, dmin, sc, mp);
   __m512 P[NT];
   for (int n = 0; n < NT; ++n) P[n] = _mm512_setzero_ps();
 #pragma GCC unroll 2
@@ -328,8 +352,8 @@ inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const uint3
       for (int i = 0; i < 4; ++i) dot[n][i] = _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
-      const __m512i q = loadu(qs + 64 * (16 * c + j));
-      const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(q, mhi);
+      __m512i lo, hi;
+      x16_quants<Q5>(p, c, j, lo, hi);
       const int plo = 4 * (32 * c + j), phi = plo + 64;  // activation positions of the low and high nibbles
       for (int n = 0; n < NT; ++n) {
         dot[n][j / 8] = dpbusd_bcast(dot[n][j / 8], lo, a[n] + plo);
@@ -350,10 +374,10 @@ inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const uint3
 
 // Activation rows n0 .. n0 + NT - 1 against rows m0 .. m0 + 15 (the group at p), fused. bsp_all: per activation
 // row, x16_bsum_pairs of each superblock (4 per superblock).
-template <int NT>
+template <bool Q5, int NT>
 void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t* const* act,
                const uint32_t* bsp_all, int64_t k, int n0, float* c, size_t ldc) {
-  constexpr size_t kSb = kX16Rows * 144;
+  constexpr size_t kSb = x16_sb_bytes(Q5);
   const int64_t nb = k / QK_K;
   const int8_t* a[NT];
   const uint32_t* bsp[NT];
@@ -369,7 +393,7 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t*
     prefetch_ahead<kSb>(p, pf_end, dist);
     float da[NT];
     for (int n = 0; n < NT; ++n) da[n] = dap[n][b];
-    x16_superblock<NT>(p, a, bsp, da, acc, macc);
+    x16_superblock<Q5, NT>(p, a, bsp, da, acc, macc);
     for (int n = 0; n < NT; ++n) a[n] += QK_K, bsp[n] += 4;
   }
   for (int n = 0; n < NT; ++n) _mm512_storeu_ps(c + (n0 + n) * ldc, _mm512_sub_ps(acc[n], macc[n]));
@@ -380,6 +404,7 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t*
 // 1.15-1.56x the tiles on the original blocks at 5-16 rows, but 0.90-0.98x at 32-256, where the Tile path is 1.02-1.2x.
 int g_x16_tile_from = std::max(1, env_int("KTRANS_X16_TILE_FROM", 24));
 
+template <bool Q5>
 void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
               size_t ldc) {
   set_rows_end(w + M * ldw);
@@ -399,13 +424,13 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
     __m512* acc = reinterpret_cast<__m512*>(acc_buf.data());
     __m512* macc = acc + N;
     Tile t;
-    constexpr size_t kSb = kX16Rows * 144;
+    constexpr size_t kSb = x16_sb_bytes(Q5);
     for (int m0 = 0; m0 < M; m0 += kX16Rows) {
       for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm512_setzero_ps();
       const uint8_t* p = w + m0 * ldw;
       for (int64_t b = 0; b < k / QK_K; ++b, p += kSb) {
         prefetch_ahead<kSb>(p, pf_end, dist);
-        unpack_tile_x16(p, t);
+        unpack_tile_x16<Q5>(p, t);
         int n0 = 0;
         for (; n0 + 8 <= N; n0 += 8) tile_rows_at<8>(t, act, bsf, k, b, n0, acc, macc);
         if (N - n0 >= 4) tile_rows_at<4>(t, act, bsf, k, b, n0, acc, macc), n0 += 4;
@@ -426,10 +451,10 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
     const uint8_t* p = w + m0 * ldw;
     for (int n0 = 0; n0 < N; n0 += 4) {
       switch (std::min(4, N - n0)) {
-        case 1: x16_group<1>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
-        case 2: x16_group<2>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
-        case 3: x16_group<3>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
-        default: x16_group<4>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        case 1: x16_group<Q5, 1>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        case 2: x16_group<Q5, 2>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        case 3: x16_group<Q5, 3>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        default: x16_group<Q5, 4>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
       }
     }
   }
@@ -659,10 +684,10 @@ void amx_pair_x16_emulated(const int8_t* a, size_t lda, const uint8_t* b, int32_
       }
 }
 
-template <bool kHw>
+template <bool Q5, bool kHw>
 void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
                   size_t ldc) {
-  constexpr size_t kSb = kX16Rows * 144;
+  constexpr size_t kSb = x16_sb_bytes(Q5);
   const int64_t nb = k / QK_K, nsub = k / 32;
   const int G = (N + 15) / 16;  // groups of 16 activation rows, the last one padded with zero rows
   struct alignas(64) Lanes {
@@ -702,7 +727,7 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
     const uint8_t* p = w + m0 * ldw;
     for (int64_t b = 0; b < nb; ++b, p += kSb) {
       prefetch_ahead<kSb>(p, pf_end, dist);
-      unpack_tile_x16(p, t);
+      unpack_tile_x16<Q5>(p, t);
       for (int gi = 0; gi < G; ++gi) {
         __m512 P[16];
         for (int n = 0; n < 16; ++n) P[n] = _mm512_setzero_ps();
@@ -734,16 +759,17 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
 
 }  // namespace
 
-void gemm_q4k_x16_avx512(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-                         size_t ldc) {
+void gemm_k_x16_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
+                       float* c, size_t ldc) {
   // AMX under the same conditions as for the original blocks (gemm_k4_tiles_avx512)
   const int mode = amx_mode();
   if (mode != 0 && N >= 16 && M >= 128) {
-    if (mode == 1) gemm_x16_amx<true>(w, ldw, M, act, N, k, c, ldc);
-    else gemm_x16_amx<false>(w, ldw, M, act, N, k, c, ldc);
+    if (q5) (mode == 1 ? gemm_x16_amx<true, true> : gemm_x16_amx<true, false>)(w, ldw, M, act, N, k, c, ldc);
+    else (mode == 1 ? gemm_x16_amx<false, true> : gemm_x16_amx<false, false>)(w, ldw, M, act, N, k, c, ldc);
     return;
   }
-  gemm_x16(w, ldw, M, act, N, k, c, ldc);
+  if (q5) gemm_x16<true>(w, ldw, M, act, N, k, c, ldc);
+  else gemm_x16<false>(w, ldw, M, act, N, k, c, ldc);
 }
 
 void gemm_k4_tiles_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,

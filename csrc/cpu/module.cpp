@@ -196,8 +196,9 @@ PYBIND11_MODULE(_cpu, m) {
           // One thread, no pool: the kernel alone, for tuning. Activations are random; weights are the caller's.
           const Kernels& K = select_kernels(isa.c_str());
           if (!type_supported(type)) throw std::invalid_argument("bench_gemm: unsupported type " + std::to_string(type));
-          if (type == KT_Q4_K_X16 && (!K.reads_q4k_x16 || M % kX16Rows))
-            throw std::invalid_argument("bench_gemm: Q4_K_X16 needs a path that reads it and a multiple of 16 rows");
+          if (is_x16(type) && (!K.reads_x16 || M % kX16Rows))
+            throw std::invalid_argument(std::string("bench_gemm: ") + type_name(type) +
+                                        " needs a path that reads it and a multiple of 16 rows");
           if (k % type_block_size(type))
             throw std::invalid_argument("bench_gemm: k must be a multiple of the type's block size");
           const ActFormat f = K.act_format(type);
@@ -237,15 +238,18 @@ PYBIND11_MODULE(_cpu, m) {
         "Best GB/s of streaming reads over an existing buffer (e.g. the expert weights), split across the pool.");
 
   m.attr("Q4_K_X16") = KT_Q4_K_X16;
-  m.def("reads_q4k_x16", [](const std::string& isa) { return select_kernels(isa.c_str()).reads_q4k_x16; },
-        py::arg("isa") = "auto", "Whether the kernel path takes Q4_K repacked 16 rows at a time (Q4_K_X16).");
-  m.def("repack_q4k_x16",
-        [](std::shared_ptr<ThreadPool> pool, uintptr_t src, uintptr_t dst, int64_t rows, int64_t k) {
-          repack_q4k_x16(*pool, ptr<const uint8_t>(src), ptr<uint8_t>(dst), rows, k);
+  m.attr("Q5_K_X16") = KT_Q5_K_X16;
+  m.def("reads_x16", [](const std::string& isa) { return select_kernels(isa.c_str()).reads_x16; },
+        py::arg("isa") = "auto",
+        "Whether the kernel path takes Q4_K and Q5_K repacked 16 rows at a time (Q4_K_X16, Q5_K_X16).");
+  m.def("repack_x16",
+        [](std::shared_ptr<ThreadPool> pool, int type, uintptr_t src, uintptr_t dst, int64_t rows, int64_t k) {
+          repack_x16(*pool, type, ptr<const uint8_t>(src), ptr<uint8_t>(dst), rows, k);
         },
-        py::arg("pool"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("k"),
+        py::arg("pool"), py::arg("type"), py::arg("src"), py::arg("dst"), py::arg("rows"), py::arg("k"),
         py::call_guard<py::gil_scoped_release>(),
-        "Q4_K rows [rows, k] at src into the Q4_K_X16 layout at dst (the same number of bytes), on the pool.");
+        "Q4_K or Q5_K (ggml type id) rows [rows, k] at src into their 16-row layout at dst (the same number of "
+        "bytes), on the pool.");
 
   m.def("advise_hugepages",
         [](uintptr_t p, size_t n) {

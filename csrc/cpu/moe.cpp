@@ -84,10 +84,12 @@ void silu_mul(const float* __restrict g, const float* __restrict u, float* __res
 
 void check_matrix(const char* what, const ExpertMatrix& m, int64_t rows, int64_t cols, const Kernels& K) {
   const std::string name(what);
-  if (m.type == KT_Q4_K_X16 && !K.reads_q4k_x16)
-    throw std::invalid_argument(name + ": the " + std::string(K.name) + " kernels do not read repacked Q4_K_X16 weights");
-  if (m.type == KT_Q4_K_X16 && rows % kX16Rows)
-    throw std::invalid_argument(name + ": Q4_K_X16 needs a multiple of 16 rows, got " + std::to_string(rows));
+  if (is_x16(m.type) && !K.reads_x16)
+    throw std::invalid_argument(name + ": the " + std::string(K.name) + " kernels do not read repacked " +
+                                type_name(m.type) + " weights");
+  if (is_x16(m.type) && rows % kX16Rows)
+    throw std::invalid_argument(name + ": " + type_name(m.type) + " needs a multiple of 16 rows, got " +
+                                std::to_string(rows));
   if (!type_supported(m.type))
     throw std::invalid_argument(name + ": ggml type " + std::to_string(m.type) +
                                 " is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
@@ -411,16 +413,18 @@ double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t*
   return best;
 }
 
-void repack_q4k_x16(ThreadPool& pool, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k) {
+void repack_x16(ThreadPool& pool, int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k) {
+  if (x16_type(type) < 0)
+    throw std::invalid_argument("repack_x16: only Q4_K and Q5_K have a 16-row layout, got " + std::string(type_name(type)));
   if (rows % kX16Rows || k % QK_K)
-    throw std::invalid_argument("repack_q4k_x16: needs a multiple of 16 rows of a multiple of 256 values, got [" +
+    throw std::invalid_argument("repack_x16: needs a multiple of 16 rows of a multiple of 256 values, got [" +
                                 std::to_string(rows) + ", " + std::to_string(k) + "]");
-  const size_t rb = type_row_bytes(GGML_Q4_K, k);
-  if (src < dst + rows * rb && dst < src + rows * rb) throw std::invalid_argument("repack_q4k_x16: src and dst overlap");
+  const size_t rb = type_row_bytes(type, k);
+  if (src < dst + rows * rb && dst < src + rows * rb) throw std::invalid_argument("repack_x16: src and dst overlap");
   const int64_t groups = rows / kX16Rows, per = 64;  // 64 groups (~4.7 MB at k = 2048) per task
   auto job = std::make_shared<Job>();
   job->phases.push_back({static_cast<int>((groups + per - 1) / per), [=](int t, int) {
-    repack_q4k_x16(src, dst, k, t * per, std::min(groups, (t + 1) * per));
+    repack_x16(type, src, dst, k, t * per, std::min(groups, (t + 1) * per));
   }});
   pool.wait(pool.submit(job));
 }

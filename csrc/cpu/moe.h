@@ -13,7 +13,7 @@ namespace ktrans {
 
 // One stacked weight matrix of every expert, like GGUF's ffn_{gate,up,down}_exps: expert e's [rows, cols]
 // matrix starts at data + e * rows * row_bytes. The kernels read these bytes as they are given: ggml blocks, or Q4_K
-// repacked 16 rows at a time (KT_Q4_K_X16, quant.h), which CPUMoE makes at load in place of its huge-page copy (with
+// and Q5_K repacked 16 rows at a time (KT_Q4_K_X16, KT_Q5_K_X16, quant.h), which CPUMoE makes at load in place of its huge-page copy (with
 // huge pages off it is a copy of its own; CPUMoE(repack=False, hugepages=False) reads a GGUF map in place).
 struct ExpertMatrix {
   const uint8_t* data = nullptr;
@@ -62,8 +62,9 @@ class Linear {
   const Kernels& kernels_;
 };
 
-// repack_q4k_x16 (quant.h) of a whole matrix of `rows` (a multiple of 16) rows of k values, split across the pool.
-void repack_q4k_x16(ThreadPool& pool, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k);
+// repack_x16 (quant.h) of a whole Q4_K or Q5_K matrix of `rows` (a multiple of 16) rows of k values, split across
+// the pool.
+void repack_x16(ThreadPool& pool, int type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k);
 
 // Best GB/s over `reps` passes of every pool thread streaming its own chunks of [base, base + bytes).
 double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t* base, size_t bytes, int reps);

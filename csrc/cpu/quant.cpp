@@ -49,7 +49,7 @@ std::pair<int, int> set_prefetch(int bytes, int hint) {
 bool type_supported(int t) {
   switch (t) {
     case GGML_F32: case GGML_F16: case GGML_BF16: case GGML_Q8_0: case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K:
-    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case KT_Q4_K_X16:
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case KT_Q4_K_X16: case KT_Q5_K_X16:
       return true;
     default:
       return false;
@@ -70,6 +70,7 @@ const char* type_name(int t) {
     case GGML_Q5_0: return "Q5_0";
     case GGML_Q5_1: return "Q5_1";
     case KT_Q4_K_X16: return "Q4_K_X16";
+    case KT_Q5_K_X16: return "Q5_K_X16";
     default: return "unsupported";
   }
 }
@@ -89,7 +90,7 @@ int type_block_bytes(int t) {
     case GGML_Q8_0: return 34;
     case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: return legacy_layout(t).bytes;
     case GGML_Q4_K: case KT_Q4_K_X16: return 144;
-    case GGML_Q5_K: return 176;
+    case GGML_Q5_K: case KT_Q5_K_X16: return 176;
     case GGML_Q6_K: return 210;
     default: throw std::invalid_argument("unsupported ggml type " + std::to_string(t));
   }
@@ -99,18 +100,15 @@ size_t type_row_bytes(int t, int64_t k) {
   return static_cast<size_t>(k / type_block_size(t)) * type_block_bytes(t);
 }
 
-void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t k, int64_t g0, int64_t g1) {
-  const size_t rb = type_row_bytes(GGML_Q4_K, k);
+void repack_x16(int type, const uint8_t* src, uint8_t* dst, int64_t k, int64_t g0, int64_t g1) {
+  const size_t rb = type_row_bytes(type, k), bb = type_block_bytes(type);
   const int64_t nb = k / QK_K;
   for (int64_t g = g0; g < g1; ++g)
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* s = src + g * kX16Rows * rb + b * 144;
-      uint8_t* d = dst + g * kX16Rows * rb + b * kX16Rows * 144;
-      for (int r = 0; r < kX16Rows; ++r) {
-        const uint8_t* row = s + r * rb;
-        for (int e = 0; e < 4; ++e) std::memcpy(d + 4 * (16 * e + r), row + 4 * e, 4);
-        for (int i = 0; i < 32; ++i) std::memcpy(d + kX16HeadBytes + 4 * (16 * i + r), row + 16 + 4 * i, 4);
-      }
+      const uint8_t* s = src + g * kX16Rows * rb + b * bb;
+      uint8_t* d = dst + g * kX16Rows * rb + b * kX16Rows * bb;
+      for (int r = 0; r < kX16Rows; ++r)
+        for (size_t w = 0; w < bb / 4; ++w) std::memcpy(d + 4 * (16 * w + r), s + r * rb + 4 * w, 4);
     }
 }
 

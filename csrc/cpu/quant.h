@@ -36,15 +36,22 @@ enum GgmlType : int {
 constexpr int QK_K = 256;
 constexpr int QK8_0 = 32;
 
-// ktrans's own weight layout, not a ggml type: Q4_K rows repacked 16 at a time at load (repack_q4k_x16), the
-// layout a VNNI dot product reads, so a kernel needs no transpose. Same bytes per row as Q4_K (144 per 256
-// values). A group of 16 rows is one contiguous run of 16 * row_bytes; superblock b of the group, 2304 bytes at
-// b * 2304, holds
-//   heads: 4 x 64 bytes, dword 16 e + r = dword e of row r's 16-byte head (fp16 d | fp16 dmin, 12 bytes of scales)
-//   quants: 32 x 64 bytes, dword 16 i + r = dword i of row r's 128 bytes of nibbles
-// so one 64-byte load gives 4 bytes (8 weights) of each of the 16 rows. Only paths whose Kernels::reads_q4k_x16
-// is set take it, for matrices of a multiple of 16 rows.
+// ktrans's own weight layouts, not ggml types: Q4_K and Q5_K rows repacked 16 at a time at load (repack_x16), the
+// layout a VNNI dot product reads, so a kernel needs no transpose. Same bytes per row as the ggml type (144 or 176
+// per 256 values). A group of 16 rows is one contiguous run of 16 * row_bytes; in superblock b of the group (16
+// blocks' bytes at b * 16 * block_bytes), dword 16 w + r is dword w of row r's block. So it holds
+//   heads: 4 x 64 bytes (dwords e = 0..3 of the 16 rows: fp16 d | fp16 dmin, 12 bytes of scales and mins)
+//   Q5_K only, fifth bits: 8 x 64 bytes (qh dwords 0..7)
+//   quants: 32 x 64 bytes (dwords i = 0..31 of the rows' 128 bytes of nibbles)
+// and one 64-byte load gives 4 bytes (8 weights) of each of the 16 rows. Only paths whose Kernels::reads_x16 is set
+// take them, for matrices of a multiple of 16 rows.
 constexpr int KT_Q4_K_X16 = 1012;
+constexpr int KT_Q5_K_X16 = 1013;
+// The X16 layout of a ggml type, or -1 where there is none.
+constexpr int x16_type(int ggml_type) {
+  return ggml_type == 12 ? KT_Q4_K_X16 : ggml_type == 13 ? KT_Q5_K_X16 : -1;
+}
+constexpr bool is_x16(int type) { return type == KT_Q4_K_X16 || type == KT_Q5_K_X16; }
 constexpr int kX16Rows = 16;
 constexpr int kX16HeadBytes = 256;
 
@@ -54,9 +61,9 @@ int type_block_size(int type);       // elements per block
 int type_block_bytes(int type);      // bytes per block
 size_t type_row_bytes(int type, int64_t k);  // bytes of a row of k elements (k a multiple of the block size)
 
-// Groups [g0, g1) of 16 rows of a Q4_K matrix (rows of k values, contiguous) from src into the KT_Q4_K_X16 layout
-// at dst (same offsets: group g at g * 16 * row_bytes in both). src and dst must not overlap.
-void repack_q4k_x16(const uint8_t* src, uint8_t* dst, int64_t k, int64_t g0, int64_t g1);
+// Groups [g0, g1) of 16 rows of a Q4_K or Q5_K matrix (`type`; rows of k values, contiguous) from src into its X16
+// layout at dst (same offsets: group g at g * 16 * row_bytes in both). src and dst must not overlap.
+void repack_x16(int type, const uint8_t* src, uint8_t* dst, int64_t k, int64_t g0, int64_t g1);
 
 enum ActFormat : int { ACT_F32 = 0, ACT_Q8_0 = 1, ACT_Q8K = 2, ACT_Q8K_P = 3 };
 
@@ -194,8 +201,8 @@ struct Kernels {
                size_t ldc);
   // Read n bytes (n a multiple of 256) as fast as possible; returns a value that depends on every byte.
   uint64_t (*stream_read)(const uint8_t* p, size_t n);
-  // Whether gemm takes KT_Q4_K_X16 weights (M a multiple of 16).
-  bool reads_q4k_x16 = false;
+  // Whether gemm takes KT_Q4_K_X16 and KT_Q5_K_X16 weights (M a multiple of 16).
+  bool reads_x16 = false;
 };
 
 const Kernels& kernels_scalar();

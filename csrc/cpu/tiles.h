@@ -49,10 +49,10 @@ int set_amx_mode(int mode);
 // falls in: per superblock the exact integer sums, then one float multiply-add per superblock.
 void gemm_k4_tiles_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
                           int64_t k, float* c, size_t ldc);
-// The same for KT_Q4_K_X16 weights (M a multiple of 16), at any N: bitwise the Q4_K tiles' results on the rows the
-// layout was repacked from.
-void gemm_q4k_x16_avx512(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-                         size_t ldc);
+// The same for KT_Q4_K_X16 (q5 = false) or KT_Q5_K_X16 weights (M a multiple of 16), at any N: bitwise the tiles'
+// results on the rows the layout was repacked from.
+void gemm_k_x16_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
+                       float* c, size_t ldc);
 // The same on AVX2 with 8 rows per tile and ACT_Q8K activations (natural order); bitwise equal to the AVX-512 tiles.
 void gemm_k4_tiles_avx2(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
                         float* c, size_t ldc);

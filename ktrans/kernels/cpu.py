@@ -23,6 +23,9 @@ from ktrans import _cpu  # ImportError here means the package was installed with
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
               "Q6_K": 14, "BF16": 30}
 _TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
+# ggml type -> (id, name) of its 16-row layout (csrc/cpu/quant.h), which CPUMoE repacks into where the path reads it
+_X16 = {GGML_TYPES["Q4_K"]: (_cpu.Q4_K_X16, "Q4_K_X16"), GGML_TYPES["Q5_K"]: (_cpu.Q5_K_X16, "Q5_K_X16")}
+_X16_NAMES = dict(_X16.values())
 _FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _F32, _I64 = torch.float32, torch.int64
 
@@ -275,12 +278,12 @@ class CPUMoE:
     per matrix (Q4_K_M files mix Q4_K and Q6_K). With hugepages (the default) each matrix of 4 MiB or more is
     copied once into transparent huge pages (the load time of a memcpy, the same bytes; a GGUF file's mmap then
     stays only as page cache); with hugepages=False weights are read in place (a non-contiguous view, such as half
-    of a fused gate_up tensor, is still copied once to make it contiguous), except Q4_K unless repack=False.
+    of a fused gate_up tensor, is still copied once to make it contiguous), except Q4_K and Q5_K unless repack=False.
 
-    With repack (the default), Q4_K matrices are repacked 16 rows at a time into the layout of the AVX-512 VNNI
-    dot product (Q4_K_X16, csrc/cpu/quant.h: the same bytes, reordered) where the kernel path reads it: one
-    instruction stream per 16 rows and 64 bytes instead of transposing them at every call, 1.8-2.6x the row
-    kernels per thread. The repack takes the place of the huge-page copy (no second buffer); without huge pages it
+    With repack (the default), Q4_K and Q5_K matrices are repacked 16 rows at a time into the layout of the AVX-512
+    VNNI dot product (Q4_K_X16, Q5_K_X16, csrc/cpu/quant.h: the same bytes, reordered) where the kernel path reads
+    it: one instruction stream per 16 rows and 64 bytes instead of transposing them at every call, 1.9-3.2x the
+    row kernels per thread. The repack takes the place of the huge-page copy (no second buffer); without huge pages it
     is one extra buffer of the matrix's size. `layouts` names what each matrix is kept as.
     """
 
@@ -297,16 +300,16 @@ class CPUMoE:
         # the kernel's THP mode allows them; self.hugepages says whether it took the advice for all of them.
         self.pool = pool or get_pool()
         huge = hugepages and thp_mode() in ("always", "madvise") and min(sizes) >= _HUGEPAGE_MIN_BYTES
-        x16 = repack and _cpu.reads_q4k_x16(isa)
+        x16 = repack and _cpu.reads_x16(isa)
         kinds, weights, advised, self.repack_s = [], [], [], 0.0
         for t, ty, (rows, cols), n in zip(mats, self.types, shapes, sizes):
-            if x16 and ty == GGML_TYPES["Q4_K"] and rows % 16 == 0 and cols % 256 == 0:
+            if x16 and ty in _X16 and rows % 16 == 0 and cols % 256 == 0:
                 src = t.contiguous()
                 dst, ok = hugepage_buffer(n) if huge else (torch.empty(n, dtype=torch.uint8), False)
                 t0 = time.perf_counter()
-                _cpu.repack_q4k_x16(self.pool, src.data_ptr(), dst.data_ptr(), n_experts * rows, cols)
+                _cpu.repack_x16(self.pool, ty, src.data_ptr(), dst.data_ptr(), n_experts * rows, cols)
                 self.repack_s += time.perf_counter() - t0
-                kinds.append(_cpu.Q4_K_X16)
+                kinds.append(_X16[ty][0])
             elif huge:
                 dst, ok = in_hugepages(t)
                 kinds.append(ty)
@@ -318,7 +321,7 @@ class CPUMoE:
         self.weights = tuple(weights)
         # self.hugepages: whether every matrix took the huge-page advice
         self.hugepages = huge and all(advised)
-        self.layouts = tuple("Q4_K_X16" if k == _cpu.Q4_K_X16 else _TYPE_NAMES[k] for k in kinds)
+        self.layouts = tuple(_X16_NAMES.get(k) or _TYPE_NAMES[k] for k in kinds)
         g, u, d = self.weights
         self._moe = _cpu.MoE(self.pool, n_experts, hidden, intermediate, g.data_ptr(), kinds[0],
                              u.data_ptr(), kinds[1], d.data_ptr(), kinds[2], isa)

@@ -145,7 +145,7 @@ def test_repacked_q4_k_model_matches_the_blocks_as_they_are(tiny256):
     source = StateDictSource(state)
     x16 = build(config, source, Q4_RULES)
     plain = build(config, source, Q4_RULES.replace('quant: "Q4_K"', 'quant: "Q4_K"\n      repack: false'))
-    if not _cpu.reads_q4k_x16(x16.model.layers[0].mlp.experts.op.moe.path):
+    if not _cpu.reads_x16(x16.model.layers[0].mlp.experts.op.moe.path):
         pytest.skip("the kernel path here does not read Q4_K_X16")
     assert x16.model.layers[0].mlp.experts.op.load_report["layouts"] == ("Q4_K_X16",) * 3
     assert plain.model.layers[0].mlp.experts.op.load_report["layouts"] == ("Q4_K",) * 3
@@ -161,7 +161,7 @@ def test_repack_rule_kwarg(tiny256):
     q4 = Q4_RULES
     experts = build(config, StateDictSource(state), q4).model.layers[0].mlp.experts
     op = experts.op
-    want = "Q4_K_X16" if _cpu.reads_q4k_x16(op.moe.path) else "Q4_K"
+    want = "Q4_K_X16" if _cpu.reads_x16(op.moe.path) else "Q4_K"
     assert op.repack is True and op.load_report["layouts"] == (want,) * 3
     off = q4.replace('quant: "Q4_K"', 'quant: "Q4_K"\n      repack: false')
     op = build(config, StateDictSource(state), off).model.layers[0].mlp.experts.op
