@@ -122,8 +122,8 @@ class KTransformersExperts(BaseOperator):
     # Read by KExpertsCPU: `quant` repacks float checkpoints at load ("Q8_0", "Q4_K", ..., "BF16", "F32");
     # `hugepages` (default true) copies the expert weights into transparent huge pages instead of reading the GGUF
     # file's 4 KiB-page mmap (3-4% faster decode on the 16-core Xeon, 5-8% on a 2-core Zen 4; doc/benchmarks.md).
-    # `repack` (default true) repacks Q4_K experts 16 rows at a time for the AVX-512 kernels (Q4_K_X16; see
-    # ktrans.kernels.cpu.CPUMoE).
+    # `repack` (default true) repacks Q4_K and Q5_K experts 16 rows at a time for the AVX-512 kernels (Q4_K_X16,
+    # Q5_K_X16; see ktrans.kernels.cpu.CPUMoE).
     EXTRA_KWARGS = {"quant": str, "hugepages": bool, "repack": bool}
 
     def __init__(self, key, orig: Qwen3NextExperts, config, **kwargs):
