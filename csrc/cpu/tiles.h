@@ -1,5 +1,6 @@
 // Prefill kernels for Q4_K / Q5_K that take 16 (AVX-512, AMX) or 8 (AVX2) weight rows at a time
-// (kernels_avx512_tile.cpp, kernels_avx2_tile.cpp).
+// (kernels_avx512_tile.cpp, kernels_avx2_tile.cpp), and for Q4_K/Q5_K repacked 16 rows at a time
+// (kernels_avx512_x16.cpp).
 //
 // The row kernels multiply every weight twice per activation row (vpmaddubsw, then vpdpwssd with the sub-block
 // scale), which is what bounds a prefill. Here the rows of a tile are unpacked once per superblock into the
