@@ -333,8 +333,8 @@ def _add_bench_moe_parser(bench_sub) -> None:
                     help="copy the expert weights into 2 MiB transparent huge pages (as KExpertsCPU does by default) "
                          "or read them where they are")
     bm.add_argument("--repack", default="on", choices=["on", "off"],
-                    help="repack Q4_K 16 rows at a time where the kernel path reads that (Q4_K_X16, as KExpertsCPU "
-                         "does by default) or keep the GGUF blocks as they are")
+                    help="repack Q4_K and Q5_K 16 rows at a time where the kernel path reads that (Q4_K_X16, "
+                         "Q5_K_X16, as KExpertsCPU does by default) or keep the GGUF blocks as they are")
     bm.add_argument("--json", action="store_true", help="one JSON line per token count")
     bm.set_defaults(func=cmd_bench_moe)
 

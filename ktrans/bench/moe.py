@@ -198,9 +198,9 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
                "gb_per_s": round(gbs, 2), "read_gb_per_s": round(read_gbs, 2), "ratio": round(gbs / read_gbs, 3),
                "read_gb_per_s_fresh": round(fresh_gbs, 2),
                "iters": n_iter, "cpu_util": round(cpu_util, 2), "load_avg": round(os.getloadavg()[0], 2),
-               "weights_gb": round(moe.nbytes / 1e9, 3), "hugepages": moe.hugepages, "layout": moe.layouts[0], "repack_s": round(moe.repack_s, 3),
-               "setup_s": round(setup_s, 2)}
-        if moe.layouts[0] == "Q4_K_X16":
+               "weights_gb": round(moe.nbytes / 1e9, 3), "hugepages": moe.hugepages, "layout": moe.layouts[0],
+               "repack_s": round(moe.repack_s, 3), "setup_s": round(setup_s, 2)}
+        if moe.layouts[0].endswith("_X16"):
             # repacked: the VNNI kernels, and AMX for experts with 16+ tokens in a call where present
             row["tiles"] = "x16, amx from 16 tokens per expert" if _cpu.amx_mode() == 1 else "x16"
         elif qtype in ("Q4_K", "Q5_K"):

@@ -2,7 +2,8 @@
 
 Weights come in ggml's bytes (a uint8 tensor per stacked matrix, as in a GGUF file's ffn_{gate,up,down}_exps, or
 a float/bf16 tensor for F32/F16/BF16). CPULinear reads them in place; CPUMoE by default copies them once into
-transparent huge pages and repacks Q4_K 16 rows at a time where the AVX-512 kernels read that (see CPUMoE).
+transparent huge pages and repacks Q4_K and Q5_K 16 rows at a time where the AVX-512 kernels read that (see
+CPUMoE).
 Activations are float32 [T, hidden]. `submit` queues the work on the pool and returns a `Pending` at once, with
 the GIL released, so the caller (the GPU's attention and shared expert) runs meanwhile; `Pending.wait()` joins.
 Every tensor a job reads or writes is kept alive by its Pending until then.
