@@ -1,4 +1,4 @@
-"""The `ktrans` command: serve | chat | generate | rules | bench serve|moe | make-tiny | doctor.
+"""The `ktrans` command: serve | chat | generate | rules | bench serve|moe|e2e|limits | make-tiny | doctor.
 
 Flags follow KTransformers' spelling (--model_path, --gguf_path, --optimize_config_path, --max_new_tokens) so
 users' scripts carry over. Errors are one line on stderr naming the flag or file, with exit status 2.
@@ -165,6 +165,47 @@ def _add_serve_parser(sub) -> None:
     c.set_defaults(func=cmd_chat)
 
 
+def cmd_bench_e2e(args: argparse.Namespace) -> int:
+    from ktrans.bench.e2e import main as bench_e2e
+
+    args.batch_sizes = _parse_ids(args.batch_sizes, "--batch_sizes")
+    try:
+        return bench_e2e(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _add_bench_e2e_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("e2e", help="the whole model through the engine: prefill and decode tok/s per batch "
+                                         "size, TTFT/TPOT, one decode token split into GPU / CPU experts / host")
+    _add_model_flags(b)
+    b.add_argument("--prompt_len", type=int, default=512, help="prompt tokens per request (random ids)")
+    b.add_argument("--gen_len", type=int, default=64, help="new tokens per request (greedy, EOS ignored)")
+    b.add_argument("--batch_sizes", default="1,4,16", help="comma-separated numbers of requests run together")
+    b.add_argument("--chunk_size", type=int, default=512, help="token budget of one step, as ktrans serve's")
+    b.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    b.add_argument("--profile_steps", type=int, default=8,
+                   help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=cmd_bench_e2e)
+
+
+def cmd_bench_limits(args: argparse.Namespace) -> int:
+    from ktrans.bench.limits import main as bench_limits
+
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    return bench_limits(args)
+
+
+def _add_bench_limits_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("limits", help="the machine's ceilings: CPU read, pinned host<->GPU and HBM bandwidth")
+    b.add_argument("--threads", type=int, help="CPU threads of the read (default: KTRANS_CPU_INFER or all cores)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench_limits)
+
+
 def _add_bench_serve_parser(bench_sub) -> None:
     b = bench_sub.add_parser("serve", help="latency and throughput of a running server (TTFT, TPOT, ITL)")
     b.add_argument("--url", default="http://127.0.0.1:10021")
@@ -254,31 +295,60 @@ def _add_rules_parser(sub) -> None:
     v.set_defaults(func=cmd_rules_validate)
 
 
-def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from ktrans.model.tiny import write_tiny_model
+FLOAT_PRESETS = ("tiny", "small")  # drawn as fp32 weights (the HF checkpoint's), then quantized
 
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from ktrans.model.tiny import preset_config, write_tiny_model
+
+    if args.layers is not None and args.layers < 1:
+        raise CliError(f"--layers must be >= 1, got {args.layers}")
+    try:
+        d = preset_config(args.preset, args.layers)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if args.gguf:
-        return _make_tiny_gguf(args)
-    if args.quant != "f32" or args.legacy_ssm_in:
-        raise CliError("--quant and --legacy-ssm-in apply only with --gguf")
-    path = write_tiny_model(args.out, args.preset, args.seed)
+        return _make_tiny_gguf(args, d)
+    if args.quant != "f32" or args.legacy_ssm_in or args.dense != "as-quant":
+        raise CliError("--quant, --dense and --legacy-ssm-in apply only with --gguf")
+    if args.preset not in FLOAT_PRESETS:
+        raise CliError(f"--preset {args.preset!r}: only the tiny and small presets are written as HF checkpoints "
+                       f"(fp32); add --gguf to write a config's shapes as random GGUF blocks")
+    path = write_tiny_model(args.out, args.preset, args.seed, layers=args.layers, router=args.router)
     print(f"wrote {args.preset} model (seed {args.seed}) to {path}")
     return 0
 
 
-def _make_tiny_gguf(args: argparse.Namespace) -> int:
+def _make_tiny_gguf(args: argparse.Namespace, d: dict) -> int:
     from ktrans.config import ModelConfig
-    from ktrans.model.tiny import preset_config, random_state_dict
-    from ktrans.weights.gguf_writer import write_gguf
     from ktrans.weights.tokenizer import Tokenizer
 
     if args.out.endswith("/") or not args.out.endswith(".gguf"):
         raise CliError(f"--out {args.out!r}: with --gguf, give a file name ending in .gguf")
-    config = ModelConfig.from_hf_dict(preset_config(args.preset), source=f"preset {args.preset!r}")
-    path = write_gguf(args.out, config, random_state_dict(config, args.seed), args.quant,
-                      legacy_ssm_in=args.legacy_ssm_in, tokenizer=Tokenizer.default())
+    if args.dense != "as-quant" and args.quant != "q4_k_m":
+        raise CliError("--dense bf16 keeps the non-expert tensors of a q4_k_m file in BF16: add --quant q4_k_m")
+    if args.workers is not None and args.workers < 1:
+        raise CliError(f"--workers must be >= 1, got {args.workers}")
+    config = ModelConfig.from_hf_dict(d, source=f"--preset {args.preset!r}")
+    t0 = time.perf_counter()
+    if args.preset in FLOAT_PRESETS:
+        from ktrans.model.tiny import random_state_dict
+        from ktrans.weights.gguf_writer import write_gguf
+
+        path = write_gguf(args.out, config, random_state_dict(config, args.seed, args.router), args.quant,
+                          legacy_ssm_in=args.legacy_ssm_in, dense=args.dense, tokenizer=Tokenizer.default())
+        how = "fp32 weights quantized"
+    else:
+        from ktrans.weights.random_gguf import write_random_gguf
+
+        path = write_random_gguf(args.out, config, args.quant, args.seed, args.router, args.dense,
+                                 Tokenizer.default(), args.workers, args.legacy_ssm_in, show_progress=True)
+        how = "random blocks"
     layout = "legacy ssm_in" if args.legacy_ssm_in else "split attn_qkv/attn_gate"
-    print(f"wrote {args.preset} model (seed {args.seed}) as {args.quant.upper()} GGUF ({layout}) to {path}")
+    dense = ", BF16 dense" if args.dense == "bf16" else ""
+    print(f"wrote {args.preset} model ({config.num_hidden_layers} layers, seed {args.seed}, {args.router} router"
+          f"{dense}) as {args.quant.upper()} GGUF ({layout}; {how}) to {path}: {path.stat().st_size / 1e9:.2f} GB "
+          f"in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -363,11 +433,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-tiny", help="write a random-weight Qwen3-Next checkpoint")
     m.add_argument("--out", required=True)
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    m.add_argument("--preset", default="tiny",
+                   help="tiny (the embedded default), small, a shipped config by name (qwen3-next-80b-a3b: the real "
+                        "shapes, written as random GGUF blocks on all cores) or a config.json path")
+    m.add_argument("--layers", type=int, help="keep only the first N layers of the preset's stack")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--gguf", action="store_true", help="write a GGUF file (tokenizer embedded) instead of an HF dir")
     m.add_argument("--quant", default="f32", choices=["f32", "bf16", "q8_0", "q4_k_m"],
                    help="with --gguf: tensor types, as llama.cpp's converter / llama-quantize choose them")
+    m.add_argument("--dense", default="as-quant", choices=["as-quant", "bf16"],
+                   help="with --gguf --quant q4_k_m: bf16 keeps every tensor but the routed experts in BF16")
+    m.add_argument("--router", default="uniform", choices=["uniform", "skewed"],
+                   help="skewed: a few hot experts per layer (realistic uneven expert popularity)")
+    m.add_argument("--workers", type=int, help="processes writing random blocks (default: the usable cores)")
     m.add_argument("--legacy-ssm-in", dest="legacy_ssm_in", action="store_true",
                    help="with --gguf: the older layout (one ssm_in tensor instead of attn_qkv + attn_gate)")
     m.set_defaults(func=cmd_make_tiny)
@@ -379,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = next(a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
     _add_bench_serve_parser(bench_sub)
     _add_bench_moe_parser(bench_sub)
-
+    _add_bench_e2e_parser(bench_sub)
+    _add_bench_limits_parser(bench_sub)
 
     _add_rules_parser(sub)
 

@@ -103,7 +103,9 @@ PYBIND11_MODULE(_cpu, m) {
       .def_property("caller_helps", &ThreadPool::caller_helps, &ThreadPool::set_caller_helps,
                     "Whether wait() works on the jobs (default) or only waits (tuning).")
       .def("last_job_times", &ThreadPool::last_job_times,
-           "(posted, completed) of the last traced job in steady-clock ns, comparable with time.perf_counter_ns().");
+           "(posted, completed) of the last traced job in steady-clock ns, comparable with time.perf_counter_ns().")
+      .def("busy", &ThreadPool::busy,
+           "(jobs completed, ns during which at least one job was posted and not complete): always counted.");
 
   py::class_<PyMoE>(m, "MoE", "One MoE layer's routed experts on raw ggml blocks (stacked [E, rows, cols]).")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_experts, int hidden, int intermediate,

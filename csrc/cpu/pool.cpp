@@ -80,6 +80,7 @@ uint64_t ThreadPool::submit(std::shared_ptr<Job> job) {
     job->trace_.assign(n_workers_ + 1, {-1, -1, 0});
     job->t_submit_ = now_ns();
   }
+  job->t_posted_ = now_ns();
   job->refs_.store(n_workers_, std::memory_order_relaxed);
   job->self_ = job;
   Job* raw = job.get();
@@ -168,6 +169,11 @@ std::vector<std::array<int64_t, 3>> ThreadPool::last_trace() {
   return last_trace_;
 }
 
+std::array<int64_t, 2> ThreadPool::busy() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {static_cast<int64_t>(completed_.load(std::memory_order_acquire)), busy_ns_};
+}
+
 std::array<int64_t, 2> ThreadPool::last_job_times() {
   std::lock_guard<std::mutex> lock(mu_);
   return last_times_;
@@ -233,9 +239,12 @@ void ThreadPool::complete(uint64_t seq, const Job& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (job.error_) errors_[seq] = job.error_;
+    const int64_t t = now_ns();
+    busy_ns_ += t - std::max(job.t_posted_, last_completed_ns_);
+    last_completed_ns_ = t;
     if (!job.trace_.empty()) {
       last_trace_ = job.trace_;
-      last_times_ = {job.t_submit_, now_ns()};
+      last_times_ = {job.t_submit_, t};
     }
     std::lock_guard<SpinLock> q(q_mu_);
     queue_.pop_front();  // jobs complete in order: the oldest incomplete one is this one

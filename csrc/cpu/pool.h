@@ -60,6 +60,7 @@ class Job {
   // number of tasks it ran (-1, -1, 0 when it ran none).
   std::vector<std::array<int64_t, 3>> trace_;
   int64_t t_submit_ = 0;  // steady-clock ns
+  int64_t t_posted_ = 0;  // steady-clock ns, always recorded (busy time)
   std::mutex error_mu_;
   std::exception_ptr error_;
 };
@@ -128,6 +129,10 @@ class ThreadPool {
   std::vector<std::array<int64_t, 3>> last_trace();
   // ... and when it was posted and completed, in steady-clock ns (comparable with time.perf_counter_ns()).
   std::array<int64_t, 2> last_job_times();
+  // Always on (two clock reads per job): (jobs completed, ns with at least one job posted and not yet complete).
+  // Jobs complete in order, so the busy time is the union of their [posted, completed] spans; benchmarks read it
+  // before and after a step for the step's CPU share.
+  std::array<int64_t, 2> busy();
 
  private:
   void worker_loop(int id);
@@ -159,6 +164,7 @@ class ThreadPool {
   std::atomic<bool> trace_on_{false};
   std::vector<std::array<int64_t, 3>> last_trace_;
   std::array<int64_t, 2> last_times_{0, 0};
+  int64_t busy_ns_ = 0, last_completed_ns_ = 0;  // under mu_
   struct Scratch {
     void* p = nullptr;
     size_t cap = 0;

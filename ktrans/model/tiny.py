@@ -30,20 +30,49 @@ SMALL_OVERRIDES = dict(
 )
 
 
-def preset_config(preset: str) -> dict:
+def preset_config(preset: str, layers: int | None = None) -> dict:
+    """The HF config dict of a preset: `tiny` (the embedded default), `small`, a shipped config by name
+    (`qwen3-next-80b-a3b`, the real shapes) or a config.json path (or its directory). `layers` keeps the first
+    N layers of the stack (their attention / DeltaNet pattern unchanged)."""
     base = json.loads((CONFIGS_DIR / PRESETS["tiny"]).read_text())
-    if preset == "tiny":
-        return base
     if preset == "small":
         base.update(SMALL_OVERRIDES)
-        return base
-    raise ValueError(f"--preset must be 'tiny' or 'small', got {preset!r}")
+    elif preset != "tiny":
+        path = Path(preset)
+        if not path.exists() and (CONFIGS_DIR / f"{path.name.removesuffix('.json')}.json").is_file():
+            path = CONFIGS_DIR / f"{path.name.removesuffix('.json')}.json"
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            shipped = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+            raise ValueError(f"--preset {preset!r}: not 'tiny', 'small', a shipped config ({', '.join(shipped)}) "
+                             f"or a config.json path")
+        base = json.loads(path.read_text())
+    if layers is not None:
+        base = with_layers(base, layers)
+    return base
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp32 weights for every parameter of the HF module tree, deterministic in `seed`."""
+def with_layers(d: dict, layers: int) -> dict:
+    """An HF config dict cut to its first `layers` layers."""
+    n = int(d["num_hidden_layers"])
+    if not 1 <= layers <= n:
+        raise ValueError(f"--layers must be between 1 and the config's {n} layers, got {layers}")
+    d = dict(d, num_hidden_layers=layers)
+    if d.get("layer_types") is not None:
+        d["layer_types"] = list(d["layer_types"])[:layers]
+    if d.get("mlp_only_layers"):
+        d["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
+    return d
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0, router: str = "uniform") -> dict[str, torch.Tensor]:
+    """fp32 weights for every parameter of the HF module tree, deterministic in `seed`. router="skewed" scales
+    each router's rows so a few experts per layer are picked far more often (weights/random_gguf.py says how)."""
     from ktrans.model.qwen3_next import Qwen3NextForCausalLM
 
+    if router not in ("uniform", "skewed"):
+        raise ValueError(f"--router must be 'uniform' or 'skewed', got {router!r}")
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in Qwen3NextForCausalLM(config).named_parameters()}
@@ -76,6 +105,10 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
             t = normal(depth_scale * 2.0 / math.sqrt(shape[-1]))
         else:
             t = normal(1.0 / math.sqrt(shape[-1]))
+        if router == "skewed" and name.endswith("mlp.gate.weight"):
+            from ktrans.weights.random_gguf import router_row_scales
+
+            t = t * torch.from_numpy(router_row_scales(seed, int(name.split(".")[2]), shape[0]))[:, None]
         out[name] = t.contiguous()
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
@@ -83,16 +116,16 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
 
 
 def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, config_overrides: dict | None = None,
-                     with_tokenizer: bool = True) -> Path:
+                     with_tokenizer: bool = True, layers: int | None = None, router: str = "uniform") -> Path:
     """Write a random-weight HF directory; returns its path."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    d = preset_config(preset)
+    d = preset_config(preset, layers)
     d.update(config_overrides or {})
     config = ModelConfig.from_hf_dict(d, source=f"preset {preset!r}")
-    state = random_state_dict(config, seed)
+    state = random_state_dict(config, seed, router)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     if with_tokenizer:

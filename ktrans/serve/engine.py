@@ -89,6 +89,18 @@ class RequestStream:
             self.finished = out.finished
             yield out
 
+    def drain(self) -> list[RequestOutput]:
+        """The outputs queued so far, without waiting (a stream made without an event loop)."""
+        outs = []
+        while not self.finished:
+            try:
+                out = self._queue.get_nowait()
+            except (queue.Empty, asyncio.QueueEmpty):
+                break
+            self.finished = out.finished
+            outs.append(out)
+        return outs
+
     def __iter__(self):
         while not self.finished:
             out = self._queue.get()
@@ -200,17 +212,23 @@ class Engine:
     def _run(self) -> None:
         while not self._stop:
             try:
-                self._drain_inbox()
-                if not self.scheduler.has_work():
+                if not self.poll():
                     self._wake.wait(0.5)
                     self._wake.clear()
-                    continue
-                self.step()
             except Exception as e:  # a failed step fails its requests, never the engine
                 log.exception("engine step failed")
                 for r in list(self.scheduler.running):
                     if (t := self._tracked.get(r.request_id)) is not None:
                         self._end(t, RequestStatus.FINISHED_ERROR, error=f"internal error in the engine step: {e}")
+
+    def poll(self) -> bool:
+        """Take in what was submitted or aborted, then run one step if there is work; False when idle. The loop
+        thread calls it; a benchmark that times steps one by one calls it from its own thread instead of start()."""
+        self._drain_inbox()
+        if not self.scheduler.has_work():
+            return False
+        self.step()
+        return True
 
     def _drain_inbox(self) -> None:
         while True:

@@ -32,6 +32,7 @@ from ktrans.weights.gguf import DEFAULT_ALIGNMENT, GGUF_MAGIC, SPLIT_COUNT_KEY, 
 from ktrans.weights.quants import quant_type, quantize, tensor_nbytes
 
 QUANTS = ("f32", "bf16", "q8_0", "q4_k_m")
+DENSE = ("as-quant", "bf16")  # the non-expert tensors: the quant's own choice, or BF16
 FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_k_m": 15}  # llama_ftype: ALL_F32, MOSTLY_BF16, ...
 ARCH = "qwen3next"
 
@@ -114,27 +115,36 @@ class GGUFWriter:
                    produce: Callable[[], np.ndarray]) -> None:
         self.tensors.append(_PendingTensor(name, tuple(int(s) for s in shape), quant_type(ggml_type).id, produce))
 
-    def write(self) -> Path:
-        pad = lambda n: -(-n // self.alignment) * self.alignment  # noqa: E731
+    def layout(self) -> tuple[bytes, list[int], int]:
+        """(header padded to the alignment, each tensor's offset from the data start, data bytes in all)."""
+        pad = self._pad
         head = [GGUF_MAGIC, struct.pack("<IQQ", 3, len(self.tensors), len(self.metadata))]
         head += [_encode_string(k) + _encode_value(v) for k, v in self.metadata.items()]
-        offset = 0
+        offsets, offset = [], 0
         for t in self.tensors:
             ne = struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *reversed(t.shape))
             head.append(_encode_string(t.name) + ne + struct.pack("<IQ", t.ggml_type, offset))
+            offsets.append(offset)
             offset = pad(offset + tensor_nbytes(t.ggml_type, t.shape))
         header = b"".join(head)
+        return header + b"\0" * (pad(len(header)) - len(header)), offsets, offset
+
+    def _pad(self, n: int) -> int:
+        return -(-n // self.alignment) * self.alignment
+
+    def write(self) -> Path:
+        header, _, _ = self.layout()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".part")
         with open(tmp, "wb") as f:
-            f.write(header + b"\0" * (pad(len(header)) - len(header)))
+            f.write(header)
             for t in self.tensors:
                 data = np.ascontiguousarray(t.produce()).view(np.uint8).reshape(-1)
                 want = tensor_nbytes(t.ggml_type, t.shape)
                 if data.size != want:
                     raise ValueError(f"tensor {t.name!r}: produced {data.size} bytes, its type and shape need {want}")
                 f.write(memoryview(data))
-                f.write(b"\0" * (pad(want) - want))
+                f.write(b"\0" * (self._pad(want) - want))
         tmp.replace(self.path)
         return self.path
 
@@ -290,10 +300,20 @@ def _fallback(qtype: str, ncols: int) -> str:
 
 
 def choose_types(tensors: list[tuple[str, tuple[int, ...]]], quant: str, n_layers: int,
-                 router_type: str = "F32") -> dict[str, str]:
-    """ggml type name for each (GGUF name, shape), as llama.cpp's converter / llama-quantize would pick it."""
+                 router_type: str = "F32", dense: str = "as-quant") -> dict[str, str]:
+    """ggml type name for each (GGUF name, shape), as llama.cpp's converter / llama-quantize would pick it.
+    dense="bf16" keeps every tensor but the routed experts (`*_exps`) as a bf16 file has it (a Q4_K_M file with
+    BF16 dense layers, as `llama-quantize --tensor-type` makes one)."""
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
+    if dense not in DENSE:
+        raise ValueError(f"dense must be one of {DENSE}, got {dense!r}")
+    if dense == "bf16":
+        if quant != "q4_k_m":
+            raise ValueError("dense='bf16' keeps the non-expert tensors of a q4_k_m file in BF16; use it with q4_k_m")
+        experts = choose_types(tensors, quant, n_layers, router_type)
+        rest = choose_types(tensors, "bf16", n_layers, router_type)
+        return {n: experts[n] if "_exps." in n else rest[n] for n, _ in tensors}
     # llama-quantize visits tensors ordered by (layer, name); attn_v-like tensors are counted in that order
     def order(name: str) -> tuple[int, str]:
         return (int(name.split(".")[1]) if name.startswith("blk.") else -1, name)
@@ -335,7 +355,7 @@ def _q4_k_m_type(name: str, ncols: int, attn_v_like: list[str], n_layers: int) -
 
 
 def write_gguf(path: str | Path, config: ModelConfig, state: Mapping[str, torch.Tensor], quant: str = "f32",
-               legacy_ssm_in: bool = False, fused_gate_up: bool = False, router_type: str = "F32",
+               legacy_ssm_in: bool = False, fused_gate_up: bool = False, router_type: str = "F32", dense: str = "as-quant",
                tokenizer=None, extra_metadata: Mapping[str, Any] | None = None, drop_metadata: tuple[str, ...] = (),
                extra_tensors: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write `state` (HF names, the plain model's parameters) as a GGUF. `tokenizer` (a ktrans Tokenizer) is
@@ -343,7 +363,7 @@ def write_gguf(path: str | Path, config: ModelConfig, state: Mapping[str, torch.
     extra_tensors (written F32) let tests imitate other writers (older keys, multi-token-prediction blocks)."""
     tensors = list(gguf_tensors(config, state, legacy_ssm_in, fused_gate_up))
     n_all = int((extra_metadata or {}).get(f"{ARCH}.block_count", config.num_hidden_layers))
-    types = choose_types([(n, s) for n, s, _ in tensors], quant, n_all, router_type)
+    types = choose_types([(n, s) for n, s, _ in tensors], quant, n_all, router_type, dense)
     w = GGUFWriter(path)
     w.metadata.update(model_metadata(config, quant))
     if tokenizer is not None:

@@ -1,0 +1,286 @@
+"""`ktrans bench e2e`: the whole model, loaded once, measured through the engine's own step.
+
+The benchmark submits requests to an `Engine` and calls `engine.poll()` itself (what the serving thread does), so
+every step is timed from this thread with nothing idle in between. For each batch size it submits that many
+random prompts of `--prompt_len` tokens with greedy sampling, `ignore_eos` and `--gen_len` new tokens each:
+
+- `prefill_tok_s`: prompt tokens over the time to the first token, batch 1;
+- `decode_tok_s`: tokens generated in the steps where the whole batch decodes (every request has its first token
+  and none has finished), over those steps' time;
+- `ttft_ms` / `tpot_ms`: per request, from submit to the end of the step that produced its first token, and the
+  mean step time between its later tokens (means over the batch);
+- `split_ms`: one batch-1 decode token split into `gpu` (the GPU's kernel time: the union of its kernels' own
+  start and end stamps, read by torch.profiler over `--profile_steps` extra steps), `cpu_experts` (the CPU pool's
+  own busy time: the union of its jobs' posted-to-complete spans, counted in C++), and `host`: the rest of the
+  step's wall time (wall - gpu - cpu_experts; where the GPU and the CPU experts overlap it is an undercount).
+  `gpu_span` is the step's span on the stream between two CUDA events.
+
+Also reported: load time, host RSS (now and peak), and each GPU's memory (allocated, peak, reserved).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ktrans.serve.sampler import SamplingParams
+
+
+@dataclass
+class E2EOptions:
+    gguf_path: str | None = None
+    model_path: str | None = None
+    optimize_config_path: str | None = None
+    prompt_len: int = 512
+    gen_len: int = 64
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    chunk_size: int = 512
+    cpu_infer: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    profile_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"--prompt_len must be >= 1, got {self.prompt_len}")
+        if self.gen_len < 2:
+            raise ValueError(f"--gen_len must be >= 2 (decode is measured after the first token), got {self.gen_len}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch_sizes must be positive integers, got {self.batch_sizes}")
+        if self.profile_steps < 0:
+            raise ValueError(f"--profile_steps must be >= 0, got {self.profile_steps}")
+
+
+@dataclass
+class _Step:
+    wall_s: float
+    cpu_busy_s: float
+    tokens: int  # new tokens the step produced
+    decode: bool  # every request of the batch had its first token before the step began, and none had finished
+    gpu_span_s: float = 0.0
+
+
+@dataclass
+class _Run:
+    steps: list[_Step] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+
+
+def _cuda_devices(model) -> list[torch.device]:
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"} |
+                  {b.device for b in model.buffers() if b.device.type == "cuda"}, key=str)
+
+
+class _Bench:
+    def __init__(self, engine, pool, devices: list[torch.device], seed: int):
+        self.engine, self.pool, self.devices = engine, pool, devices
+        self.gen = torch.Generator().manual_seed(seed)
+        tok_vocab = getattr(engine.tokenizer, "vocab_size", None) or engine.model_config.vocab_size
+        self.vocab = min(engine.model_config.vocab_size, tok_vocab)
+
+    def _busy_s(self) -> float:
+        return self.pool.busy()[1] / 1e9 if self.pool is not None else 0.0
+
+    def _sync(self) -> None:
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+
+    def run(self, batch: int, prompt_len: int, gen_len: int) -> _Run:
+        params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+        prompts = [torch.randint(0, self.vocab, (prompt_len,), generator=self.gen).tolist() for _ in range(batch)]
+        run = _Run()
+        self._sync()
+        t_submit = time.perf_counter()
+        streams = [self.engine.submit(p, params) for p in prompts]
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        counts = [0] * batch
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in self.devices]
+        while True:
+            decode = len(first) == batch and max(counts) < gen_len
+            busy0, t0 = self._busy_s(), time.perf_counter()
+            for d, (e0, _) in zip(self.devices, events):
+                e0.record(torch.cuda.current_stream(d))
+            if not self.engine.poll():
+                break
+            for d, (_, e1) in zip(self.devices, events):
+                e1.record(torch.cuda.current_stream(d))
+            self._sync()
+            t1 = time.perf_counter()
+            step = _Step(t1 - t0, self._busy_s() - busy0, 0, decode,
+                         max((e0.elapsed_time(e1) / 1e3 for e0, e1 in events), default=0.0))
+            for i, s in enumerate(streams):
+                for out in s.drain():
+                    if out.error:
+                        raise RuntimeError(f"request failed in the engine: {out.error}")
+                    n = len(out.token_ids)
+                    if n:
+                        step.tokens += n
+                        counts[i] += n
+                        first.setdefault(i, t1)
+                        last[i] = t1
+            run.steps.append(step)
+        if any(c != gen_len for c in counts):
+            raise RuntimeError(f"expected {gen_len} tokens per request, got {counts}")
+        run.ttft_s = [first[i] - t_submit for i in range(batch)]
+        run.tpot_s = [(last[i] - first[i]) / (gen_len - 1) for i in range(batch)]
+        return run
+
+    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> float | None:
+        """Mean GPU kernel time of a batch-1 decode step, from the kernels' own timestamps (None without CUDA)."""
+        if not self.devices or steps == 0:
+            return None
+        from torch.profiler import ProfilerActivity, profile
+
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        prompt = torch.randint(0, self.vocab, (prompt_len,), generator=self.gen).tolist()
+        stream = self.engine.submit(prompt, params)
+        while not stream.drain() and self.engine.poll():  # prefill and the first decode step, unprofiled
+            pass
+        self._sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                self.engine.poll()
+            self._sync()
+        while self.engine.poll():
+            pass
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        busy_us, end = 0.0, float("-inf")
+        for a, b in spans:  # union of the kernel intervals, in us
+            busy_us += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return busy_us / 1e6 / steps
+
+
+def _rss() -> dict[str, float]:
+    fields = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM"):
+                    fields[k] = int(v.split()[0]) * 1024 / 2**30
+    except OSError:
+        pass
+    return {"host_rss_gib": fields.get("VmRSS"), "host_peak_rss_gib": fields.get("VmHWM")}
+
+
+def _gpu_memory(devices: list[torch.device]) -> dict[str, dict[str, float]]:
+    return {str(d): {"allocated_gib": torch.cuda.memory_allocated(d) / 2**30,
+                     "peak_allocated_gib": torch.cuda.max_memory_allocated(d) / 2**30,
+                     "reserved_gib": torch.cuda.memory_reserved(d) / 2**30} for d in devices}
+
+
+def _mean(xs) -> float | None:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def _summary(run: _Run, batch: int) -> dict:
+    dec = [s for s in run.steps if s.decode]
+    dec_s = sum(s.wall_s for s in dec)
+    out = {
+        "batch_size": batch,
+        "decode_tok_s": sum(s.tokens for s in dec) / dec_s if dec_s > 0 else None,
+        "ttft_ms": 1e3 * _mean(run.ttft_s),
+        "tpot_ms": 1e3 * _mean(run.tpot_s),
+        "steps": len(run.steps),
+        "decode_steps": len(dec),
+    }
+    if dec:
+        n = sum(s.tokens for s in dec)  # one per request per step
+        out["step_ms"] = {"wall": 1e3 * dec_s / len(dec), "cpu_experts": 1e3 * sum(s.cpu_busy_s for s in dec) / len(dec),
+                          "gpu_span": 1e3 * sum(s.gpu_span_s for s in dec) / len(dec)}
+        out["per_token_ms"] = {k: v * len(dec) / n for k, v in out["step_ms"].items()}
+    return out
+
+
+def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
+    from ktrans.kernels import cpu
+    from ktrans.serve.engine import Engine, EngineConfig
+    from ktrans.serve.server import ServeOptions, load
+
+    t0 = time.perf_counter()
+    serve = ServeOptions(model_path=opts.model_path, gguf_path=opts.gguf_path,
+                         optimize_config_path=opts.optimize_config_path, cpu_infer=opts.cpu_infer, dtype=opts.dtype)
+    model, tokenizer, name, injection = load(serve, show_progress=show_progress)
+    load_s = time.perf_counter() - t0
+    devices = _cuda_devices(model)
+    max_b = max(opts.batch_sizes)
+    per_req = opts.prompt_len + opts.gen_len + 1
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=opts.chunk_size,
+                                                   cache_lens=max_b * per_req + 16 * max_b, max_new_tokens=opts.gen_len,
+                                                   max_model_len=per_req + 16))
+    pool = cpu.get_pool() if any(type(m).__name__ == "KExpertsCPU" for m in model.modules()) else None
+    bench = _Bench(engine, pool, devices, opts.seed)
+    log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
+    bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches
+
+    results = []
+    prefill_tok_s = None
+    split = None
+    for b in opts.batch_sizes:
+        r = bench.run(b, opts.prompt_len, opts.gen_len)
+        s = _summary(r, b)
+        if b == 1:
+            prefill_tok_s = opts.prompt_len / r.ttft_s[0]
+            s["prefill_tok_s"] = prefill_tok_s
+        results.append(s)
+        log(f"  batch {b:>3}: decode {s['decode_tok_s'] or 0:.2f} tok/s, TTFT {s['ttft_ms']:.0f} ms, "
+            f"TPOT {s['tpot_ms']:.1f} ms")
+    one = next((s for s in results if s["batch_size"] == 1), None)
+    if one is None:  # prefill and the split are of one request: measure one if the list left it out
+        r = bench.run(1, opts.prompt_len, opts.gen_len)
+        one, prefill_tok_s = _summary(r, 1), opts.prompt_len / r.ttft_s[0]
+    gpu_s = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
+    if "step_ms" in one:
+        wall, cpu_ms = one["step_ms"]["wall"], one["step_ms"]["cpu_experts"]
+        gpu_ms = 1e3 * gpu_s if gpu_s is not None else 0.0
+        split = {"wall": wall, "gpu": gpu_ms, "cpu_experts": cpu_ms, "host": max(0.0, wall - gpu_ms - cpu_ms),
+                 "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None}
+
+    return {
+        "model": name,
+        "gguf_path": opts.gguf_path,
+        "rules": str(opts.optimize_config_path) if opts.optimize_config_path else None,
+        "options": {k: v for k, v in asdict(opts).items() if k not in ("gguf_path", "model_path")},
+        "layers": model.config.num_hidden_layers,
+        "threads": pool.size if pool is not None else torch.get_num_threads(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "gpus": [torch.cuda.get_device_name(d) for d in devices]},
+        "load_s": load_s,
+        "prefill_tok_s": prefill_tok_s,
+        "decode_tok_s": {str(s["batch_size"]): s["decode_tok_s"] for s in results},
+        "ttft_ms": {str(s["batch_size"]): s["ttft_ms"] for s in results},
+        "tpot_ms": {str(s["batch_size"]): s["tpot_ms"] for s in results},
+        "split_ms": split,
+        "batches": results,
+        **_rss(),
+        "gpu_memory": _gpu_memory(devices),
+    }
+
+
+def main(args) -> int:
+    opts = E2EOptions(gguf_path=args.gguf_path, model_path=args.model_path,
+                      optimize_config_path=args.optimize_config_path, prompt_len=args.prompt_len,
+                      gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
+                      cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps)
+    quiet = args.json
+    out = run(opts, show_progress=not quiet, log=(lambda *_: None) if quiet else print)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        sp = out["split_ms"]
+        print(f"prefill {out['prefill_tok_s'] or 0:.1f} tok/s; load {out['load_s']:.1f} s, "
+              f"RSS {out['host_rss_gib'] or 0:.1f} GiB")
+        if sp:
+            print(f"one decode token: {sp['wall']:.2f} ms = GPU {sp['gpu']:.2f} + CPU experts {sp['cpu_experts']:.2f} "
+                  f"+ host {sp['host']:.2f}" + ("" if sp["gpu_measured"] else " (no GPU)"))
+    return 0

@@ -1,0 +1,71 @@
+"""`ktrans bench e2e` on the embedded tiny model under the CPU rules: one JSON object with every field, numbers
+that add up, and the CPU pool's busy counter that the split reads."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ktrans.config import RULES_DIR
+
+FIELDS = {"model", "gguf_path", "rules", "options", "layers", "threads", "machine", "load_s", "prefill_tok_s",
+          "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms", "batches", "host_rss_gib", "host_peak_rss_gib",
+          "gpu_memory"}
+
+
+@pytest.fixture(scope="module")
+def report():
+    out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--optimize_config_path",
+                          str(RULES_DIR / "Qwen3Next-cpu.yaml"), "--prompt_len", "40", "--gen_len", "6",
+                          "--batch_sizes", "1,3", "--chunk_size", "32", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_field(report):
+    assert FIELDS <= set(report)
+    assert report["layers"] == 4 and report["rules"].endswith("Qwen3Next-cpu.yaml")
+    assert set(report["decode_tok_s"]) == set(report["ttft_ms"]) == set(report["tpot_ms"]) == {"1", "3"}
+    assert report["prefill_tok_s"] > 0 and all(v > 0 for v in report["decode_tok_s"].values())
+    assert report["load_s"] > 0 and report["host_rss_gib"] > 0.05 and report["host_peak_rss_gib"] >= report[
+        "host_rss_gib"] * 0.99
+    assert report["gpu_memory"] == {} and report["machine"]["gpus"] == []
+
+
+def test_steps_add_up(report):
+    b1, b3 = report["batches"]
+    # 40 prompt tokens in chunks of 32: 2 prefill steps; the 2nd makes the first token; 5 decode steps follow
+    assert (b1["steps"], b1["decode_steps"]) == (2 + 5, 5)
+    assert 1 <= b3["decode_steps"] <= 5 and b3["steps"] > b1["steps"]
+    assert b1["ttft_ms"] > 0 and b1["tpot_ms"] > 0
+    sp = report["split_ms"]
+    assert sp["gpu_measured"] is False and sp["gpu"] == 0.0
+    assert 0 < sp["cpu_experts"] < sp["wall"]  # the experts ran on the pool, inside the step
+    assert sp["host"] == pytest.approx(sp["wall"] - sp["cpu_experts"])
+    assert b1["step_ms"]["wall"] == pytest.approx(sp["wall"])
+    # decode tok/s is the decode steps' tokens over their time
+    assert report["decode_tok_s"]["3"] == pytest.approx(3e3 / b3["step_ms"]["wall"], rel=1e-6)
+
+
+def test_pool_busy_counts_jobs():
+    from ktrans.kernels.cpu import CPUMoE, make_pool
+    from ktrans.weights.quants import quantize
+
+    pool = make_pool(2, pin=False)
+    e, h, i = 4, 256, 256
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.from_numpy(quantize((torch.randn(e * r, c, generator=g) * 0.05).numpy(), "Q8_0")).reshape(e, r, -1)
+            for r, c in ((i, h), (i, h), (h, i))]
+    moe = CPUMoE(*mats, n_experts=e, hidden=h, intermediate=i, types=("Q8_0",) * 3, pool=pool)
+    jobs0, busy0 = pool.busy()
+    assert (jobs0, busy0) == (0, 0)
+    x = torch.randn(8, h)
+    ids = torch.randint(0, e, (8, 2), dtype=torch.int64)
+    for _ in range(3):
+        moe.forward(x, ids, torch.full((8, 2), 0.5))
+    jobs, busy = pool.busy()
+    assert jobs >= 3 and busy > 0
