@@ -3,14 +3,14 @@ Qwen3NextModel) for names, transforms and F32/BF16/Q8_0 files, and llama-quantiz
 the Q4_K_M type mix. Used by `ktrans make-tiny --gguf` and by tests that compare a GGUF with its HF directory.
 
 Type choices, as llama.cpp makes them:
-- always F32: 1-D tensors (ssm_a, ssm_dt.bias), every *_norm.weight, the router ffn_gate_inp (older converters
-  wrote it in F16: `router_type="F16"`), and the [C, K] ssm_conv1d taps;
+- always F32: 1-D tensors (ssm_a, ssm_dt.bias), every *_norm.weight, the routers ffn_gate_inp and
+  ffn_gate_inp_shexp (older converters wrote them in F16: `router_type="F16"`), and the [C, K] ssm_conv1d taps;
 - f32: everything F32. bf16: other matrices BF16. q8_0: other matrices Q8_0, F16 where a row is not a
   multiple of 32 (the converter's fallback);
 - q4_k_m: as `convert --outtype f16` then `llama-quantize Q4_K_M`: Q4_K by default; Q6_K for output.weight,
   and for attn_v / attn_qkv and ffn_down(_exps/_shexp) in the layers llama.cpp's use_more_bits() picks
-  (the first and last eighth of the stack and every third layer between); ffn_gate_inp_shexp, a single row,
-  stays F16. A row length that is not a multiple of 256 falls back as llama.cpp does (Q4_K -> Q5_0,
+  (the first and last eighth of the stack and every third layer between); with exactly 8 experts attn_v/attn_qkv
+  and attn_k take Q8_0 and attn_output Q5_K. A row length that is not a multiple of 256 falls back as llama.cpp does (Q4_K -> Q5_0,
   Q6_K -> Q8_0, and F16 when not even a multiple of 32).
 
 The DeltaNet input projection is written split (attn_qkv + attn_gate, current llama.cpp) unless
@@ -319,10 +319,11 @@ def choose_types(tensors: list[tuple[str, tuple[int, ...]]], quant: str, n_layer
         return (int(name.split(".")[1]) if name.startswith("blk.") else -1, name)
     attn_v_like = sorted((n for n, _ in tensors if n.endswith(("attn_v.weight", "attn_qkv.weight"))), key=order)
     tied = all(n != "output.weight" for n, _ in tensors)
+    n_experts = next((shape[0] for n, shape in tensors if "_exps." in n), 0)
     out = {}
     for name, shape in tensors:
         ncols = shape[-1]
-        if name.endswith("ffn_gate_inp.weight"):
+        if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):  # the converter keeps both F32
             out[name] = router_type
         elif len(shape) == 1 or name.endswith(("_norm.weight", "ssm_conv1d.weight")) or quant == "f32":
             out[name] = "F32"
@@ -335,19 +336,27 @@ def choose_types(tensors: list[tuple[str, tuple[int, ...]]], quant: str, n_layer
         else:
             # with tied embeddings llama-quantize gives token_embd the output tensor's type
             as_name = "output.weight" if tied and name == "token_embd.weight" else name
-            out[name] = _q4_k_m_type(as_name, ncols, attn_v_like, n_layers)
+            out[name] = _q4_k_m_type(as_name, ncols, attn_v_like, n_layers, n_experts)
     return out
 
 
-def _q4_k_m_type(name: str, ncols: int, attn_v_like: list[str], n_layers: int) -> str:
+def _q4_k_m_type(name: str, ncols: int, attn_v_like: list[str], n_layers: int, n_experts: int) -> str:
+    # llama-quant.cpp (llama.cpp vendored in llama-cpp-python 0.3.36), checked against its llama-quantize on
+    # 48-layer qwen3next files with 8 and 16 experts and short rows
     if name == "output.weight":
-        return "Q8_0" if ncols % 256 else "Q6_K"
+        return _fallback("Q6_K", ncols)
     new = "Q4_K"
-    if name.endswith(("attn_v.weight", "attn_qkv.weight")):
-        if _use_more_bits(attn_v_like.index(name), len(attn_v_like)):
+    if name.endswith(("attn_v.weight", "attn_qkv.weight")):  # one counter over both (category_is_attn_v)
+        if n_experts == 8:  # "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
+            new = "Q8_0"
+        elif _use_more_bits(attn_v_like.index(name), len(attn_v_like)):
             new = "Q6_K"
-    elif "ffn_down" in name and _use_more_bits(int(name.split(".")[1]), n_layers):
-        new = "Q6_K"
+    elif name.endswith("attn_k.weight") and n_experts == 8:
+        new = "Q8_0"
+    elif name.endswith("attn_output.weight") and n_experts == 8:
+        new = "Q5_K"
+    elif "ffn_down" in name and _use_more_bits(int(name.split(".")[1]), n_layers):  # n: the layer count, not
+        new = "Q6_K"  # the number of ffn_down tensors; the layer comes from the name
     return _fallback(new, ncols)
 
 

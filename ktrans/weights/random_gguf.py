@@ -118,6 +118,10 @@ def _heads(qtype: str, std: float, rng: np.random.Generator) -> tuple[int, np.nd
         return 192, np.concatenate([sc, _f16_bytes(d)], axis=1)
     if qtype in ("Q8_0", "Q5_0", "Q4_0"):  # d first, then symmetric codes
         return 0, _f16_bytes(std * jitter / {"Q8_0": _Q8_STD, "Q5_0": _Q5_STD, "Q4_0": _Q4_STD}[qtype])
+    if qtype in ("Q4_1", "Q5_1"):  # d, m (the value of code 0): m = -mean code * d centres the block
+        qstd, qmean = (_Q4_STD, 7.5) if qtype == "Q4_1" else (_Q5_STD, 15.5)
+        d = std * jitter / qstd
+        return 0, np.concatenate([_f16_bytes(d), _f16_bytes(-qmean * d)], axis=1)
     raise ValueError(f"no random block writer for {qtype}")
 
 

@@ -125,7 +125,7 @@ def test_type_without_native_kernel_falls_back_with_a_warning(good, caplog):
 def test_cli_make_tiny_gguf_then_generate(tmp_path, capsys):
     out = tmp_path / "tiny.gguf"
     assert main(["make-tiny", "--gguf", "--out", str(out), "--quant", "q8_0"]) == 0
-    assert "Q8_0 GGUF (split attn_qkv/attn_gate)" in capsys.readouterr().out
+    assert "Q8_0 GGUF (split attn_qkv/attn_gate;" in capsys.readouterr().out
     assert main(["generate", "--gguf_path", str(out), "--chat", "Hi", "--max_new_tokens", "4", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["prompt_ids"][:3] == [151644, 872, 198] and len(res["output_ids"]) == 4  # <|im_start|>user\n

@@ -71,15 +71,17 @@ def test_q8_0_logits_stay_close_to_f32(quantized, prompts, f32_logits):
 def test_q4_k_m_mixes_types_as_llama_quantize(quantized):
     t = tensor_census(quantized["q4_k_m"])
     assert t["output.weight"] == "Q6_K" and t["token_embd.weight"] == "Q4_K"
-    assert t["blk.0.ffn_gate_inp.weight"] == "F32" and t["blk.0.ffn_gate_inp_shexp.weight"] == "F16"
+    assert t["blk.0.ffn_gate_inp.weight"] == "F32" and t["blk.0.ffn_gate_inp_shexp.weight"] == "F32"
     assert {t[n] for n in t if n.endswith(("_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight"))} == {"F32"}
     more_bits = {0, 3, 6, 7}  # use_more_bits(i, 8): first and last eighth, and every third layer between
     for i in range(8):
         want = "Q6_K" if i in more_bits else "Q4_K"
         assert t[f"blk.{i}.ffn_down_exps.weight"] == t[f"blk.{i}.ffn_down_shexp.weight"] == want, i
-        assert t.get(f"blk.{i}.attn_v.weight", t.get(f"blk.{i}.attn_qkv.weight")) == want, i
+        # this model has 8 experts: llama-quantize gives its attn_v / attn_qkv Q8_0 (and attn_output Q5_K)
+        assert t.get(f"blk.{i}.attn_v.weight", t.get(f"blk.{i}.attn_qkv.weight")) == "Q8_0", i
         assert t[f"blk.{i}.ffn_gate_exps.weight"] == t[f"blk.{i}.ffn_up_exps.weight"] == "Q4_K"
-    assert t["blk.0.attn_gate.weight"] == t["blk.0.ssm_ba.weight"] == t["blk.3.attn_output.weight"] == "Q4_K"
+    assert t["blk.0.attn_gate.weight"] == t["blk.0.ssm_ba.weight"] == t["blk.3.attn_q.weight"] == "Q4_K"
+    assert t["blk.3.attn_output.weight"] == "Q5_K" and t["blk.3.attn_k.weight"] == "Q8_0"
 
 
 def test_q4_k_m_decodes_as_gguf_py_does(quantized):
@@ -116,3 +118,17 @@ def test_short_rows_fall_back_as_llama_cpp():
                    "blk.0.ffn_gate_exps.weight": "Q5_0"}
     assert choose_types(shapes[3:5], "q8_0", 8) == {"blk.0.ffn_down_exps.weight": "Q8_0",
                                                     "blk.7.ffn_down_exps.weight": "F16"}
+    # tied embeddings take the output rule, whose Q6_K falls back to Q8_0, then to F16
+    assert choose_types([("token_embd.weight", (512, 48))], "q4_k_m", 8) == {"token_embd.weight": "F16"}
+
+
+def test_eight_experts_bump_attention_as_llama_quantize():
+    """llama-quantize gives an 8-expert model Q8_0 attn_v/attn_qkv and attn_k, Q5_K attn_output (checked against
+    its output on a 48-layer qwen3next file)."""
+    shapes = [("blk.0.attn_qkv.weight", (512, 256)), ("blk.3.attn_v.weight", (256, 256)),
+              ("blk.3.attn_k.weight", (256, 256)), ("blk.3.attn_output.weight", (256, 512)),
+              ("blk.3.attn_q.weight", (512, 256))]
+    for n_experts, want in ((8, ["Q8_0", "Q8_0", "Q8_0", "Q5_K", "Q4_K"]), (16, ["Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K"])):
+        exps = [("blk.0.ffn_gate_exps.weight", (n_experts, 256, 256))]
+        got = choose_types(shapes + exps, "q4_k_m", n_layers=4)
+        assert [got[n] for n, _ in shapes] == want, n_experts

@@ -64,7 +64,24 @@ def test_types_are_choose_types_as_gguf_py_reads_them(small_file):
     assert got == choose_types([(t.name, t.shape) for t in plan], "q4_k_m", config.num_hidden_layers)
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
     assert shapes == {t.name: t.shape for t in plan}
-    assert {"Q4_K", "Q6_K", "F32", "F16"} <= set(got.values())
+    assert {"Q4_K", "Q6_K", "F32"} <= set(got.values())
+
+
+def test_real_model_type_mix_is_llama_quantizes():
+    """The 48-layer Q4_K_M mix, as llama-quantize (llama.cpp of llama-cpp-python 0.3.36) wrote it for a qwen3next
+    file of this layer pattern: attn_v/attn_qkv share one use_more_bits counter over 48 tensors, ffn_down (experts
+    and shared) takes the layer from its name over 48 layers."""
+    config = ModelConfig.from_json(CONFIGS_DIR / "qwen3-next-80b-a3b.json")
+    got = {t.name: t.qtype for t in plan_tensors(config, "q4_k_m")}
+    q6 = lambda kind: {i for i in range(48) if got.get(f"blk.{i}.{kind}.weight") == "Q6_K"}  # noqa: E731
+    assert q6("attn_qkv") == {0, 1, 2, 4, 5, 8, 14, 17, 20, 26, 29, 32, 38, 41, 42, 44, 45, 46}
+    assert q6("attn_v") == {3, 11, 23, 35, 43, 47}
+    down = set(range(6)) | set(range(8, 42, 3)) | set(range(42, 48))
+    assert q6("ffn_down_exps") == q6("ffn_down_shexp") == down
+    others = {n: t for n, t in got.items() if not re.search(r"(attn_qkv|attn_v|ffn_down_\w+|output)\.weight$", n)}
+    assert {t for n, t in others.items() if n.endswith("_norm.weight") or "ffn_gate_inp" in n or "ssm_" in n
+            and not n.endswith(("ssm_ba.weight", "ssm_out.weight"))} == {"F32"}
+    assert {t for n, t in others.items() if t != "F32"} == {"Q4_K"} and got["output.weight"] == "Q6_K"
 
 
 def test_blocks_decode_to_the_intended_spread(small_file):
@@ -101,7 +118,8 @@ def test_dense_bf16_keeps_experts_quantized(tmp_path):
     for name, qtype in plan.items():
         if "_exps." in name:
             assert qtype in ("Q4_K", "Q6_K"), name
-        elif re.search(r"(attn_qkv|attn_gate|attn_q|ssm_out|shexp|token_embd|output)\.weight$", name):
+        elif re.search(r"(attn_qkv|attn_gate|attn_q|ssm_out|_shexp|token_embd|output)\.weight$", name) \
+                and "gate_inp" not in name:
             assert qtype == "BF16", name
     with pytest.raises(ValueError, match="q4_k_m"):
         plan_tensors(_config(), "q8_0", dense="bf16")
@@ -156,7 +174,7 @@ def test_real_slice_type_mix(real_slice):
         assert got[f"blk.{i}.ffn_gate_exps.weight"] == got[f"blk.{i}.ffn_up_exps.weight"] == "Q4_K"
         assert got[f"blk.{i}.ffn_down_exps.weight"] == ("Q6_K" if i in (2, 3) else "Q4_K")
         assert got[f"blk.{i}.ffn_gate_inp.weight"] == "F32"
-        assert got[f"blk.{i}.ffn_gate_inp_shexp.weight"] == "F16"
+        assert got[f"blk.{i}.ffn_gate_inp_shexp.weight"] == "F32"
     assert got["output.weight"] == "Q6_K" and got["token_embd.weight"] == "Q4_K"
     assert got["blk.3.attn_q.weight"] == "Q4_K" and got["blk.0.ssm_conv1d.weight"] == "F32"
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
