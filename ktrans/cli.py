@@ -22,7 +22,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf_path", help="GGUF file (first shard of a split file); config, weights and, without "
                                        "--model_path, tokenizer and chat template come from it")
     p.add_argument("--optimize_config_path", help="YAML injection rules")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype on the CPU")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="compute dtype (default: bfloat16 where the rules or --device use CUDA, else float32)")
     p.add_argument("--device", default="cpu", help="device for the plain model (no rules): cpu or cuda")
 
 
@@ -56,10 +57,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.optimize_config_path:
         from ktrans.inject import load_injected_model
 
-        model, config, _ = load_injected_model(source, args.optimize_config_path, parse_dtype(args.dtype),
+        from ktrans.inject.rules import load_rules
+
+        on_cuda = load_rules(args.optimize_config_path).uses_cuda
+        model, config, _ = load_injected_model(source, args.optimize_config_path, parse_dtype(args.dtype, on_cuda),
                                                show_progress=not args.json)
     else:
-        model, config = load_model(source, parse_dtype(args.dtype), args.device, show_progress=not args.json)
+        model, config = load_model(source, parse_dtype(args.dtype, args.device.startswith("cuda")), args.device,
+                                   show_progress=not args.json)
     load_s = time.perf_counter() - t0
 
     if args.prompt_ids is not None:
@@ -281,7 +286,8 @@ def _add_rules_parser(sub) -> None:
     s.add_argument("--gguf_path", help="GGUF file (its metadata)")
     s.add_argument("--config", help="config.json path or a shipped name (default: qwen3-next-80b-a3b)")
     s.add_argument("--cache_lens", type=int, default=32768, help="KV cache tokens (full-attention layers)")
-    s.add_argument("--max_batch_size", type=int, default=4, help="DeltaNet state slots (running requests)")
+    s.add_argument("--max_batch_size", type=int, default=16,
+                   help="DeltaNet state slots (running requests; ktrans serve's default)")
     s.add_argument("--weight_dtype", default="bf16", help="bytes of matrices: bf16, f16, f32 or a GGUF type (q4_k)")
     s.add_argument("--kv_dtype", default="bf16", help="KV cache and conv state dtype")
     s.add_argument("--default_device", help="device of modules no rule places (default: cuda:0 if a rule uses "
@@ -307,6 +313,10 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         d = preset_config(args.preset, args.layers)
     except ValueError as e:
         raise CliError(str(e)) from None
+    from pathlib import Path
+
+    if Path(args.out).exists() and not args.force:
+        raise CliError(f"--out {args.out!r} exists; remove it or add --force to overwrite it")
     if args.gguf:
         return _make_tiny_gguf(args, d)
     if args.quant != "f32" or args.legacy_ssm_in or args.dense != "as-quant":
@@ -446,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--router", default="uniform", choices=["uniform", "skewed"],
                    help="skewed: a few hot experts per layer (realistic uneven expert popularity)")
     m.add_argument("--workers", type=int, help="processes writing random blocks (default: the usable cores)")
+    m.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     m.add_argument("--legacy-ssm-in", dest="legacy_ssm_in", action="store_true",
                    help="with --gguf: the older layout (one ssm_in tensor instead of attn_qkv + attn_gate)")
     m.set_defaults(func=cmd_make_tiny)

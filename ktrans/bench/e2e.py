@@ -40,7 +40,7 @@ class E2EOptions:
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     chunk_size: int = 512
     cpu_infer: int | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # as ktrans serve: bfloat16 where the rules use CUDA, else float32
     seed: int = 0
     profile_steps: int = 8
 

@@ -130,6 +130,10 @@ class RuleSet:
     def devices(self) -> set[str]:
         return {rule.device(k) for rule in self.rules for k in DEVICE_KWARGS if rule.device(k)}
 
+    @property
+    def uses_cuda(self) -> bool:
+        return any(str(d).startswith("cuda") for d in self.devices())
+
 
 # ---- parsing -------------------------------------------------------------------------------------------------------
 

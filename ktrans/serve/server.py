@@ -43,7 +43,7 @@ class ServeOptions:
     max_queued_requests: int = 1024
     cpu_infer: int | None = None
     use_cuda_graph: bool = False
-    dtype: str = "float32"
+    dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
     device: str = "cpu"
 
 
@@ -70,8 +70,8 @@ def load(opts: ServeOptions, show_progress: bool = True):
     cpu.get_pool(threads)  # before the model is built: each KExpertsCPU layer binds the pool it is given
     source = ModelSource(opts.model_path, opts.gguf_path)
     tokenizer = load_tokenizer(source)
-    dtype = parse_dtype(opts.dtype)
     rules = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
+    dtype = parse_dtype(opts.dtype, _on_cuda(rules, opts.device))
     injection = None
     if rules:
         from ktrans.inject import load_injected_model
@@ -81,6 +81,14 @@ def load(opts: ServeOptions, show_progress: bool = True):
         model, _ = load_model(source, dtype, opts.device, show_progress=show_progress)
     name = opts.served_model_name or (Path(opts.gguf_path).stem if opts.gguf_path else source.resolve_dir().name)
     return model, tokenizer, name, injection
+
+
+def _on_cuda(rules, device: str) -> bool:
+    if rules:
+        from ktrans.inject.rules import load_rules
+
+        return load_rules(rules).uses_cuda
+    return str(device).startswith("cuda")
 
 
 def default_cpu_infer() -> int:
@@ -151,10 +159,11 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
     memory.setdefault(str(kv.k[0].device if kv.k else "cpu"), []).append(f"KV cache {_mib(kv.nbytes)}")
     memory.setdefault(str(st.conv[0].device if st.conv else "cpu"), []).append(f"DeltaNet states {_mib(st.nbytes)}")
     placement = (f"rules {rules}" if injection is not None else f"every module on {opts.device} (no rules)")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     lines = [
         f"ktrans serve: {name}: {c.num_hidden_layers} layers ({n_attn} full attention, {n_lin} Gated DeltaNet), "
         f"{c.num_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}",
-        f"  placement  {placement}, dtype {opts.dtype}, {torch.get_num_threads()} CPU threads (--cpu_infer)",
+        f"  placement  {placement}, dtype {dtype}, {torch.get_num_threads()} CPU threads (--cpu_infer)",
         *placement_lines(injection),
         "  memory     " + "; ".join(f"{d}: {', '.join(parts)}" for d, parts in memory.items()),
         f"  KV cache   {kv.num_pages * kv.page_size} tokens = {kv.num_pages} pages of {kv.page_size}, "
@@ -174,8 +183,13 @@ def run(opts: ServeOptions) -> None:
     import uvicorn
 
     t0 = time.perf_counter()
+    sock = listen_socket(opts.host, opts.port)  # a busy port is found now, not after minutes of loading
     print("ktrans serve: loading the model ...", file=sys.stderr, flush=True)
-    model, tokenizer, name, injection = load(opts, show_progress=True)
+    try:
+        model, tokenizer, name, injection = load(opts, show_progress=True)
+    except BaseException:
+        sock.close()
+        raise
     metrics = EngineMetrics(name)
     engine = Engine(model, tokenizer, engine_config(opts, model), metrics)
     app = OpenAIServer(engine, tokenizer, name, opts.api_key, metrics).build_app()
@@ -188,9 +202,31 @@ def run(opts: ServeOptions) -> None:
           file=sys.stderr, flush=True)
     engine.start()
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=2)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        server.run(sockets=[sock])
     finally:
         engine.stop()
+        sock.close()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for --host/--port, or a ValueError naming the flag."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); is another server "
+                         f"running on it? Pick another --port") from None
+    return sock
 
 
 class BackgroundServer:

@@ -13,7 +13,11 @@ from ktrans.model.qwen3_next import Qwen3NextForCausalLM, Qwen3NextRotaryEmbeddi
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str | None, on_cuda: bool = False) -> torch.dtype:
+    """--dtype; when not given, bfloat16 where modules run on CUDA (as KTransformers computes there) and float32
+    on a CPU-only placement (the exact path)."""
+    if name is None:
+        return torch.bfloat16 if on_cuda else torch.float32
     if name not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]

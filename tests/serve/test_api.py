@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import io
 import json
+import threading
 import time
 
 import httpx
@@ -94,6 +95,19 @@ def test_greedy_concurrent_equals_generate(tiny, reference, chunk_size):
 def test_preemption_under_tiny_cache_completes_every_request(tiny, reference):
     _, tok = tiny
     srv = make_server(tiny, chunk_size=32, max_batch_size=8, cache_lens=48, page_size=4)
+    # Hold the engine until every request is in its inbox: admitted together they must outgrow the 12 pages and
+    # preempt. Left to the HTTP arrival order, an early request could finish before a late one came (it did, in
+    # 1 of 8 runs), and nothing was preempted.
+    engine, gate = srv.engine, threading.Event()
+    step = engine.poll
+    engine.poll = lambda: gate.wait() and step()
+
+    def release():
+        while engine._inbox.qsize() < len(PROMPTS):
+            time.sleep(0.005)
+        gate.set()
+
+    threading.Thread(target=release, daemon=True).start()
     try:
         asyncio.run(_concurrent(srv.url, tok, reference))
         assert srv.engine.scheduler.num_preemptions > 0
