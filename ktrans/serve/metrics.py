@@ -17,6 +17,9 @@ P = "ktrans:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -47,6 +50,15 @@ class EngineMetrics:
                              buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish", labels,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        def phase(name, doc):
+            return Histogram(P + name, doc, labels, buckets=PHASE_BUCKETS, registry=r).labels(model_name)
+
+        self.queue_time = phase("request_queue_time_seconds", "Arrival to first admission into the running batch")
+        self.prefill_time = phase("request_prefill_time_seconds", "First admission to the first token")
+        self.decode_time = phase("request_decode_time_seconds", "First token to the last token")
+        self.inference_time = phase("request_inference_time_seconds", "First admission to the last token")
+        self.iteration_tokens = Histogram(P + "iteration_tokens_total", "Tokens computed per engine step", labels,
+                                          buckets=ITERATION_BUCKETS, registry=r).labels(model_name)
         self.prompt_len = Histogram(P + "request_prompt_tokens", "Prompt length of finished requests", labels,
                                     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000),
                                     registry=r).labels(model_name)
@@ -62,6 +74,7 @@ class EngineMetrics:
             prompt += max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(num_sampled)
+        self.iteration_tokens.observe(sum(c.num_tokens for c in sched.chunks))
         if sched.preempted:
             self.preemptions.inc(len(sched.preempted))
 
@@ -78,6 +91,14 @@ class EngineMetrics:
         self.e2e.observe(time.monotonic() - req.arrival_time)
         self.prompt_len.observe(req.num_prompt_tokens)
         self.gen_len.observe(req.num_output_tokens)
+        start, first, last = req.scheduled_time, req.first_token_time, req.last_token_time
+        if start is None:  # aborted or failed while still waiting: never admitted, no phase times
+            return
+        self.queue_time.observe(start - req.arrival_time)
+        if first is not None:
+            self.prefill_time.observe(first - start)
+            self.decode_time.observe(last - first)
+            self.inference_time.observe(last - start)
 
     # ---- scrape ---------------------------------------------------------------------------------------
     def render(self, stats: dict) -> bytes:

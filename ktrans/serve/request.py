@@ -53,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # for prompt tokens 1.. (token 0 has none)
+    scheduled_time: float | None = None  # first admitted to the running batch (time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
 

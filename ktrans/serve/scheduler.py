@@ -12,6 +12,7 @@ Pure Python over a page allocator and a slot allocator, so it is tested without 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -137,6 +138,8 @@ class Scheduler:
             req.slot = self.slots.alloc()
             req.pages = self.pages.alloc(need)
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:  # first admission: the end of its queue time
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
