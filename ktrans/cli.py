@@ -154,6 +154,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max_batch_size", type=int, default=16, help="running requests (= DeltaNet state slots)")
     s.add_argument("--max_model_len", type=int, help="prompt + output limit (default: the model's, within the cache)")
     s.add_argument("--max_queued_requests", type=int, default=1024, help="waiting requests before HTTP 503")
+    s.add_argument("--max_request_body_bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies get HTTP 413")
     s.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
     s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for KTransformers' command lines; CUDA graph capture is not implemented yet")

@@ -8,14 +8,18 @@ joined into one response. A client that goes away aborts its engine requests. Er
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ktrans.serve import formatting as fmt
@@ -30,6 +34,10 @@ from ktrans.serve.tools import ToolCallParser
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
+M = TypeVar("M", bound=BaseModel)
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None, param=None):
@@ -43,10 +51,12 @@ def bad_request(e: Exception, param: str | None = None) -> APIError:
 
 class OpenAIServer:
     def __init__(self, engine: Engine, tokenizer, model_name: str, api_key: str | None = None,
-                 metrics: EngineMetrics | None = None):
+                 metrics: EngineMetrics | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
         self.metrics = metrics
-        self.created = int(time.time())
+        self.max_request_body_bytes = max_request_body_bytes
+        self.created = int(time.time())  # the model's `created` in /v1/models; responses use the request's time
 
     # ---- app ----------------------------------------------------------------------------------------
     def build_app(self) -> FastAPI:
@@ -55,8 +65,8 @@ class OpenAIServer:
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(Exception, self._internal_error)
-        app.get("/health")(self.health)
-        app.get("/metrics")(self.prometheus)
+        app.api_route("/health", methods=["GET", "HEAD"])(self.health)
+        app.api_route("/metrics", methods=["GET", "HEAD"])(self.prometheus)
         v1 = APIRouter(dependencies=[Depends(self.check_api_key)])
         v1.get("/v1/models")(self.models)
         v1.post("/v1/chat/completions")(self.chat_completions)
@@ -80,7 +90,37 @@ class OpenAIServer:
 
     # ---- errors -------------------------------------------------------------------------------------
     async def _api_error(self, request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, e.code, e.param), status_code=e.status)
+        code = e.status if e.code is None else e.code
+        return JSONResponse(error_body(e.message, e.type, code, e.param), status_code=e.status)
+
+    # ---- request bodies -----------------------------------------------------------------------------
+    def _too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than the server's limit of {self.max_request_body_bytes} "
+                             f"bytes", "invalid_request_error", 413)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The raw body, refused with a 413 once it passes the limit: from Content-Length before reading, and
+        while reading (a chunked body, or one longer than it said)."""
+        limit = self.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            try:
+                if int(declared) > limit:
+                    raise self._too_large()
+            except ValueError:
+                raise APIError(400, f"invalid Content-Length header {declared!r}", code=400) from None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _body(self, request: Request, model: type[M]) -> M:
+        """The request body read (within the size limit) and parsed and validated off the event loop."""
+        raw = await self._read_body(request)
+        return await run_in_threadpool(_parse_body, raw, model)
 
     async def _validation_error(self, request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
@@ -104,13 +144,15 @@ class OpenAIServer:
         return JSONResponse(error_body(f"internal server error: {e}", "server_error", 500), status_code=500)
 
     # ---- small endpoints ----------------------------------------------------------------------------
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         alive = self.engine._thread is not None and self.engine._thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
-    async def prometheus(self) -> Response:
+    async def prometheus(self, request: Request) -> Response:
         if self.metrics is None:
             raise APIError(404, "metrics are off", code=404)
+        if request.method == "HEAD":
+            return Response(media_type=CONTENT_TYPE_LATEST)
         return Response(self.metrics.render(self.engine.stats()), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
@@ -118,24 +160,30 @@ class OpenAIServer:
                                             "owned_by": "ktrans", "root": self.model_name,
                                             "max_model_len": self.engine.max_model_len}]}
 
-    async def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, request: Request) -> dict:
+        body = await self._body(request, TokenizeRequest)
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            text = self._render_chat(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
-        else:
-            text = body.prompt
-        ids = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+        def work() -> list[int]:
+            if body.messages is not None:
+                text = self._render_chat(body.messages, body.add_generation_prompt, None, body.chat_template_kwargs)
+            else:
+                text = body.prompt
+            return self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+
+        ids = await run_in_threadpool(work)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, request: Request) -> dict:
+        body = await self._body(request, DetokenizeRequest)
         self.check_model(body.model)
         vocab = self.engine.model_config.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
 
     # ---- chat ---------------------------------------------------------------------------------------
     def _render_chat(self, messages, add_generation_prompt, tools, template_kwargs) -> str:
@@ -154,27 +202,34 @@ class OpenAIServer:
         except ValueError as e:
             raise bad_request(e) from None
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
-        params = self._sampling_params(body)
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
         text = self._render_chat(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
-        prompt_ids = self.tokenizer.encode(text)
+        return text, self.tokenizer.encode(text)
+
+    async def chat_completions(self, request: Request):
+        created = int(time.time())
+        body = await self._body(request, ChatCompletionRequest)
+        params = self._sampling_params(body)
+        text, prompt_ids = await run_in_threadpool(self._chat_prompt, body)
         thinking = body.enable_thinking
         starts_in = thinking and text.rstrip().endswith(THINK_START)  # a thinking template opened it already
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._submit([prompt_ids] * body.n, params, rid)
         parsers = [ReasoningParser(starts_in) if thinking else None for _ in streams]
         if body.stream:
-            gen = self._chat_events(rid, body, streams, parsers)
+            gen = self._chat_events(rid, body, streams, parsers, len(prompt_ids))
             return StreamingResponse(gen, media_type="text/event-stream")
         results = await self._until_done_or_gone(request, self._collect(streams))
         if results is None:
             return Response(status_code=499)
-        return fmt.chat_response(rid, self.created, self.model_name, results, parsers, body.logprobs, self.tokenizer,
-                                 body.parse_tools)
+        return await run_in_threadpool(fmt.chat_response, rid, created, self.model_name, results, parsers,
+                                       body.logprobs, self.tokenizer, body.parse_tools)
 
-    async def _chat_events(self, rid, body: ChatCompletionRequest, streams, parsers) -> AsyncIterator[str]:
-        chunk = fmt.ChunkMaker(rid, "chat.completion.chunk", self.model_name)
-        usage = fmt.Usage(len(streams), body.n)
+    async def _chat_events(self, rid, body: ChatCompletionRequest, streams, parsers,
+                           num_prompt_tokens: int) -> AsyncIterator[str]:
+        usage = fmt.Usage(len(streams), body.n, [num_prompt_tokens] * len(streams))
+        chunk = fmt.ChunkMaker(rid, "chat.completion.chunk", self.model_name,
+                               usage if body.continuous_usage_stats else None)
         tools = [ToolCallParser() if body.parse_tools else None for _ in streams]
         try:
             for i in range(len(streams)):
@@ -207,9 +262,12 @@ class OpenAIServer:
             self._abort_unfinished(streams)
 
     # ---- completions --------------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, request: Request):
+        created = int(time.time())
+        body = await self._body(request, CompletionRequest)
         params = self._sampling_params(body)
-        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in body.prompts()]
+        prompts = await run_in_threadpool(
+            lambda: [p if isinstance(p, list) else self.tokenizer.encode(p) for p in body.prompts()])
         rid = f"cmpl-{uuid.uuid4().hex}"
         prompt_ids = [p for p in prompts for _ in range(body.n)]
         streams = self._submit(prompt_ids, params, rid)
@@ -219,11 +277,13 @@ class OpenAIServer:
         results = await self._until_done_or_gone(request, self._collect(streams))
         if results is None:
             return Response(status_code=499)
-        return fmt.completion_response(rid, self.created, self.model_name, results, prompt_ids, body, self.tokenizer)
+        return await run_in_threadpool(fmt.completion_response, rid, created, self.model_name, results, prompt_ids,
+                                       body, self.tokenizer)
 
     async def _completion_events(self, rid, body: CompletionRequest, streams, prompt_ids) -> AsyncIterator[str]:
-        chunk = fmt.ChunkMaker(rid, "text_completion", self.model_name)
-        usage = fmt.Usage(len(streams), body.n)
+        usage = fmt.Usage(len(streams), body.n, [len(p) for p in prompt_ids])
+        chunk = fmt.ChunkMaker(rid, "text_completion", self.model_name,
+                               usage if body.continuous_usage_stats else None)
         offsets = [fmt.TextOffsets() for _ in streams]
         echoed = [not body.echo] * len(streams)
         want_lp = body.logprobs is not None
@@ -296,6 +356,51 @@ class OpenAIServer:
             return task.result()
         task.cancel()
         return None
+
+
+def _parse_body(raw: bytes, model: type[M]) -> M:
+    """JSON-decode and validate a body (run in a worker thread). Errors come out as FastAPI's would, and text
+    with a lone surrogate (\\ud800 in the JSON, not valid Unicode, which the tokenizer cannot take) is a 400
+    naming the field."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        msg, pos = (e.msg, e.pos) if isinstance(e, json.JSONDecodeError) else (str(e), 0)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": msg}}]) from None
+    if _SURROGATE_ESCAPE.search(raw):
+        path = _lone_surrogate(obj)
+        if path is not None:
+            field = ".".join(str(x).encode("utf-8", "backslashreplace").decode() for x in path) or "body"
+            raise APIError(400, f"{field}: the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                                f"escape), which is not valid Unicode", "invalid_request_error", 400, field)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+def _lone_surrogate(obj, path: tuple = ()) -> tuple | None:
+    """The path of the first string (or key) in a decoded JSON value that is not valid Unicode, or None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _lone_surrogate(k, path + (k,))
+            if found is None:
+                found = _lone_surrogate(v, path + (k,))
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _lone_surrogate(v, path + (i,))
+            if found is not None:
+                return found
+    return None
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

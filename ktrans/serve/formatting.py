@@ -16,16 +16,21 @@ def sse(obj) -> str:
 
 
 class ChunkMaker:
-    """Streaming chunks of one response: the same id, object and created on every chunk."""
+    """Streaming chunks of one response: the same id, object and created on every chunk. With `usage` (vLLM's
+    stream_options.continuous_usage_stats) every choice chunk carries the token counts so far."""
 
-    def __init__(self, rid: str, obj: str, model: str):
+    def __init__(self, rid: str, obj: str, model: str, usage: "Usage | None" = None):
         self.head = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+        self.running_usage = usage
 
     def choice(self, index: int, finish_reason: str | None = None, logprobs=None, stop_reason=None, **content) -> str:
         c = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             c["stop_reason"] = stop_reason
-        return sse({**self.head, "choices": [c]})
+        chunk = {**self.head, "choices": [c]}
+        if self.running_usage is not None:
+            chunk["usage"] = self.running_usage.as_dict()
+        return sse(chunk)
 
     def usage(self, usage: dict) -> str:
         return sse({**self.head, "choices": [], "usage": usage})
@@ -34,9 +39,9 @@ class ChunkMaker:
 class Usage:
     """Token counts over the choices of a response. n choices of one prompt count the prompt once, as OpenAI does."""
 
-    def __init__(self, num_choices: int, choices_per_prompt: int = 1):
+    def __init__(self, num_choices: int, choices_per_prompt: int = 1, prompt_tokens: list[int] | None = None):
         self.per_prompt = choices_per_prompt
-        self.prompt = [0] * num_choices
+        self.prompt = list(prompt_tokens) if prompt_tokens is not None else [0] * num_choices
         self.completion = [0] * num_choices
 
     def add(self, i: int, out: RequestOutput) -> None:
@@ -114,7 +119,9 @@ def chat_response(rid: str, created: int, model: str, results: list[list[Request
         calls: list[dict] = []
         if parse_tools:
             content, calls = parse_tool_calls(content)
-        message = {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls}
+        message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        if calls:  # no `tool_calls` key on a reply without calls, as OpenAI and vLLM
+            message["tool_calls"] = calls
         lps = [e for o in outs for e in (o.logprobs or [])]
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(lps, tokenizer) if want_logprobs else None,

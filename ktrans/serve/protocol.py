@@ -23,6 +23,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: `usage` (counts so far) on every streamed chunk
 
 
 class ContentPart(OpenAIModel):
@@ -105,6 +106,10 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(SamplingFields):

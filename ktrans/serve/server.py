@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ktrans.runtime.batch import PHASES
-from ktrans.serve.api import OpenAIServer
+from ktrans.serve.api import DEFAULT_MAX_REQUEST_BODY_BYTES, OpenAIServer
 from ktrans.serve.engine import Engine, EngineConfig
 from ktrans.serve.metrics import EngineMetrics
 
@@ -41,6 +41,7 @@ class ServeOptions:
     max_batch_size: int = 16
     max_model_len: int | None = None
     max_queued_requests: int = 1024
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     cpu_infer: int | None = None
     use_cuda_graph: bool = False
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
@@ -183,6 +184,8 @@ def run(opts: ServeOptions) -> None:
     import uvicorn
 
     t0 = time.perf_counter()
+    if opts.max_request_body_bytes <= 0:
+        raise ValueError(f"--max_request_body_bytes must be positive, got {opts.max_request_body_bytes}")
     sock = listen_socket(opts.host, opts.port)  # a busy port is found now, not after minutes of loading
     print("ktrans serve: loading the model ...", file=sys.stderr, flush=True)
     try:
@@ -192,7 +195,8 @@ def run(opts: ServeOptions) -> None:
         raise
     metrics = EngineMetrics(name)
     engine = Engine(model, tokenizer, engine_config(opts, model), metrics)
-    app = OpenAIServer(engine, tokenizer, name, opts.api_key, metrics).build_app()
+    app = OpenAIServer(engine, tokenizer, name, opts.api_key, metrics,
+                       max_request_body_bytes=opts.max_request_body_bytes).build_app()
     url = f"http://{opts.host}:{opts.port}"
     rules = opts.optimize_config_path or "Qwen3Next-cpu.yaml (the default on the CPU)"
     print(summary(engine, name, opts, injection, rules), file=sys.stderr)
@@ -233,13 +237,15 @@ class BackgroundServer:
     """The server in a thread on a free loopback port (tests, benchmarks). Use as a context manager."""
 
     def __init__(self, engine: Engine, tokenizer, name: str = "ktrans-test", api_key: str | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         import uvicorn
 
         self.engine, self.metrics = engine, EngineMetrics(name)
         engine.metrics = self.metrics
         self.name = name
-        app = OpenAIServer(engine, tokenizer, name, api_key, self.metrics).build_app()
+        self.api = OpenAIServer(engine, tokenizer, name, api_key, self.metrics,
+                                max_request_body_bytes=max_request_body_bytes)
+        app = self.api.build_app()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
