@@ -56,11 +56,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = load_tokenizer(source)
     if args.optimize_config_path:
         from ktrans.inject import load_injected_model
-
         from ktrans.inject.rules import load_rules
 
-        on_cuda = load_rules(args.optimize_config_path).uses_cuda
-        model, config, _ = load_injected_model(source, args.optimize_config_path, parse_dtype(args.dtype, on_cuda),
+        rules = load_rules(args.optimize_config_path)
+        model, config, _ = load_injected_model(source, rules, parse_dtype(args.dtype, rules.uses_cuda),
                                                show_progress=not args.json)
     else:
         model, config = load_model(source, parse_dtype(args.dtype, args.device.startswith("cuda")), args.device,

@@ -186,16 +186,16 @@ def _mean(xs) -> float | None:
 def _summary(run: _Run, batch: int) -> dict:
     dec = [s for s in run.steps if s.decode]
     dec_s = sum(s.wall_s for s in dec)
+    n = sum(s.tokens for s in dec)  # batch tokens per decode step
     out = {
         "batch_size": batch,
-        "decode_tok_s": sum(s.tokens for s in dec) / dec_s if dec_s > 0 else None,
+        "decode_tok_s": n / dec_s if dec_s > 0 else None,
         "ttft_ms": 1e3 * _mean(run.ttft_s),
         "tpot_ms": 1e3 * _mean(run.tpot_s),
         "steps": len(run.steps),
         "decode_steps": len(dec),
     }
     if dec:
-        n = sum(s.tokens for s in dec)  # one per request per step
         out["step_ms"] = {"wall": 1e3 * dec_s / len(dec), "cpu_experts": 1e3 * sum(s.cpu_busy_s for s in dec) / len(dec),
                           "gpu_span": 1e3 * sum(s.gpu_span_s for s in dec) / len(dec)}
         out["per_token_ms"] = {k: v * len(dec) / n for k, v in out["step_ms"].items()}
@@ -204,6 +204,7 @@ def _summary(run: _Run, batch: int) -> dict:
 
 def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     from ktrans.kernels import cpu
+    from ktrans.operators.experts_cpu import KExpertsCPU
     from ktrans.serve.engine import Engine, EngineConfig
     from ktrans.serve.server import ServeOptions, load
 
@@ -218,7 +219,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=opts.chunk_size,
                                                    cache_lens=max_b * per_req + 16 * max_b, max_new_tokens=opts.gen_len,
                                                    max_model_len=per_req + 16))
-    pool = cpu.get_pool() if any(type(m).__name__ == "KExpertsCPU" for m in model.modules()) else None
+    pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
     bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches

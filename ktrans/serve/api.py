@@ -96,7 +96,7 @@ class OpenAIServer:
     # ---- request bodies -----------------------------------------------------------------------------
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body is larger than the server's limit of {self.max_request_body_bytes} "
-                             f"bytes", "invalid_request_error", 413)
+                             f"bytes")
 
     async def _read_body(self, request: Request) -> bytes:
         """The raw body, refused with a 413 once it passes the limit: from Content-Length before reading, and
@@ -108,7 +108,7 @@ class OpenAIServer:
                 if int(declared) > limit:
                     raise self._too_large()
             except ValueError:
-                raise APIError(400, f"invalid Content-Length header {declared!r}", code=400) from None
+                raise APIError(400, f"invalid Content-Length header {declared!r}") from None
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -373,7 +373,7 @@ def _parse_body(raw: bytes, model: type[M]) -> M:
         if path is not None:
             field = ".".join(str(x).encode("utf-8", "backslashreplace").decode() for x in path) or "body"
             raise APIError(400, f"{field}: the text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
-                                f"escape), which is not valid Unicode", "invalid_request_error", 400, field)
+                                f"escape), which is not valid Unicode", param=field)
     try:
         return model.model_validate(obj)
     except ValidationError as e:

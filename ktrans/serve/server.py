@@ -71,25 +71,20 @@ def load(opts: ServeOptions, show_progress: bool = True):
     cpu.get_pool(threads)  # before the model is built: each KExpertsCPU layer binds the pool it is given
     source = ModelSource(opts.model_path, opts.gguf_path)
     tokenizer = load_tokenizer(source)
-    rules = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
-    dtype = parse_dtype(opts.dtype, _on_cuda(rules, opts.device))
+    rules_path = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
     injection = None
-    if rules:
+    if rules_path:
         from ktrans.inject import load_injected_model
+        from ktrans.inject.rules import load_rules
 
-        model, _, injection = load_injected_model(source, rules, dtype, show_progress=show_progress)
+        rules = load_rules(rules_path)
+        model, _, injection = load_injected_model(source, rules, parse_dtype(opts.dtype, rules.uses_cuda),
+                                                  show_progress=show_progress)
     else:
+        dtype = parse_dtype(opts.dtype, opts.device.startswith("cuda"))
         model, _ = load_model(source, dtype, opts.device, show_progress=show_progress)
     name = opts.served_model_name or (Path(opts.gguf_path).stem if opts.gguf_path else source.resolve_dir().name)
     return model, tokenizer, name, injection
-
-
-def _on_cuda(rules, device: str) -> bool:
-    if rules:
-        from ktrans.inject.rules import load_rules
-
-        return load_rules(rules).uses_cuda
-    return str(device).startswith("cuda")
 
 
 def default_cpu_infer() -> int:
