@@ -13,7 +13,8 @@ random prompts of `--prompt_len` tokens with greedy sampling, `ignore_eos` and `
   start and end stamps, read by torch.profiler over `--profile_steps` extra steps), `cpu_experts` (the CPU pool's
   own busy time: the union of its jobs' posted-to-complete spans, counted in C++), and `host`: the rest of the
   step's wall time (wall - gpu - cpu_experts; where the GPU and the CPU experts overlap it is an undercount).
-  `gpu_span` is the step's span on the stream between two CUDA events.
+  `gpu_span` is the step's span on the stream between two CUDA events; `device_ops_per_token` counts the kernels,
+  copies and memsets the profiler saw on the device per batch-1 decode step (the launches per token).
 
 Also reported: load time, host RSS (now and peak), and each GPU's memory (allocated, peak, reserved).
 """
@@ -132,8 +133,9 @@ class _Bench:
         run.tpot_s = [(last[i] - first[i]) / (gen_len - 1) for i in range(batch)]
         return run
 
-    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> float | None:
-        """Mean GPU kernel time of a batch-1 decode step, from the kernels' own timestamps (None without CUDA)."""
+    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float] | None:
+        """(mean GPU busy seconds, mean device operations) of a batch-1 decode step, from the kernels' own timestamps
+        (None without CUDA). An operation is one kernel, copy or memset on the device: what the host launched."""
         if not self.devices or steps == 0:
             return None
         from torch.profiler import ProfilerActivity, profile
@@ -150,13 +152,14 @@ class _Bench:
             self._sync()
         while self.engine.poll():
             pass
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        device_ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        spans = sorted((e.time_range.start, e.time_range.end) for e in device_ops
+                       if e.time_range.end > e.time_range.start)
         busy_us, end = 0.0, float("-inf")
         for a, b in spans:  # union of the kernel intervals, in us
             busy_us += max(0.0, b - max(a, end))
             end = max(end, b)
-        return busy_us / 1e6 / steps
+        return busy_us / 1e6 / steps, len(device_ops) / steps
 
 
 def _rss() -> dict[str, float]:
@@ -240,12 +243,14 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     if one is None:  # prefill and the split are of one request: measure one if the list left it out
         r = bench.run(1, opts.prompt_len, opts.gen_len)
         one, prefill_tok_s = _summary(r, 1), opts.prompt_len / r.ttft_s[0]
-    gpu_s = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
+    profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
+    gpu_s, launches = profiled if profiled is not None else (None, None)
     if "step_ms" in one:
         wall, cpu_ms = one["step_ms"]["wall"], one["step_ms"]["cpu_experts"]
         gpu_ms = 1e3 * gpu_s if gpu_s is not None else 0.0
         split = {"wall": wall, "gpu": gpu_ms, "cpu_experts": cpu_ms, "host": max(0.0, wall - gpu_ms - cpu_ms),
-                 "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None}
+                 "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None,
+                 "device_ops_per_token": launches}
 
     return {
         "model": name,
