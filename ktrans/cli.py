@@ -35,9 +35,9 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ktrans.serve.offline import generate
-    from ktrans.serve.sampler import SamplingParams
-    from ktrans.weights.loader import ModelSource, load_model, load_tokenizer, parse_dtype
+    from ktrans.engine.offline import generate
+    from ktrans.engine.sampler import SamplingParams
+    from ktrans.model.source import ModelSource, load_model, load_tokenizer, parse_dtype
 
     if args.optimize_config_path and args.device != "cpu":
         raise CliError("--device places the plain model; with --optimize_config_path the rules place every module")
@@ -104,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ktrans.serve.server import ServeOptions, run
+    from ktrans.api.server import ServeOptions, run
 
     names = ServeOptions.__dataclass_fields__
     opts = ServeOptions(**{k: v for k, v in vars(args).items() if k in names})
@@ -116,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from ktrans.serve.chat_client import ChatError, chat
+    from ktrans.api.chat_client import ChatError, chat
 
     try:
         return chat(args.url, args.model, args.api_key, think=not args.no_think, temperature=args.temperature,
@@ -230,7 +230,7 @@ def _rules_config(args: argparse.Namespace):
     from pathlib import Path
 
     from ktrans.config import CONFIGS_DIR, ModelConfig
-    from ktrans.weights.loader import ModelSource
+    from ktrans.model.source import ModelSource
 
     given = [f for f in ("model_path", "gguf_path", "config") if getattr(args, f)]
     if len(given) > 1:
@@ -332,7 +332,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def _make_tiny_gguf(args: argparse.Namespace, d: dict) -> int:
     from ktrans.config import ModelConfig
-    from ktrans.weights.tokenizer import Tokenizer
+    from ktrans.tokenizer.tokenizer import Tokenizer
 
     if args.out.endswith("/") or not args.out.endswith(".gguf"):
         raise CliError(f"--out {args.out!r}: with --gguf, give a file name ending in .gguf")
@@ -350,7 +350,7 @@ def _make_tiny_gguf(args: argparse.Namespace, d: dict) -> int:
                           legacy_ssm_in=args.legacy_ssm_in, dense=args.dense, tokenizer=Tokenizer.default())
         how = "fp32 weights quantized"
     else:
-        from ktrans.weights.random_gguf import write_random_gguf
+        from ktrans.model.random_gguf import write_random_gguf
 
         path = write_random_gguf(args.out, config, args.quant, args.seed, args.router, args.dense,
                                  Tokenizer.default(), args.workers, args.legacy_ssm_in, show_progress=True)

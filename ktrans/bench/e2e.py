@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ktrans.serve.sampler import SamplingParams
+from ktrans.engine.sampler import SamplingParams
 
 
 @dataclass
@@ -208,8 +208,8 @@ def _summary(run: _Run, batch: int) -> dict:
 def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     from ktrans.kernels import cpu
     from ktrans.operators.experts_cpu import KExpertsCPU
-    from ktrans.serve.engine import Engine, EngineConfig
-    from ktrans.serve.server import ServeOptions, load
+    from ktrans.engine.engine import Engine, EngineConfig
+    from ktrans.api.server import ServeOptions, load
 
     t0 = time.perf_counter()
     serve = ServeOptions(model_path=opts.model_path, gguf_path=opts.gguf_path,

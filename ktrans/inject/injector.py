@@ -224,7 +224,7 @@ def build_injected_model(config: ModelConfig, rules: RuleSet | str | Path, sourc
                 dtype: torch.dtype = torch.float32, default_device: str | None = None,
                 show_progress: bool = False) -> tuple[Qwen3NextForCausalLM, Injection]:
     """The injected, loaded model. Devices are checked first: no silent fallback to the CPU."""
-    from ktrans.weights.loader import build_model as build_meta
+    from ktrans.model.source import build_model as build_meta
 
     rules = rules if isinstance(rules, RuleSet) else load_rules(rules)
     check_devices(rules)

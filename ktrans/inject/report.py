@@ -153,7 +153,7 @@ def _describe(p: Placed, phase: str) -> str:
 def meta_model(config: ModelConfig):
     """The meta tree of `config`, kept for the next report: the 80B tree has ~99k modules and takes seconds to
     build, while a dry-run injection over it takes a fraction of a second and leaves it unchanged."""
-    from ktrans.weights.loader import build_model
+    from ktrans.model.source import build_model
 
     return build_model(config)
 

@@ -106,7 +106,7 @@ def random_state_dict(config: ModelConfig, seed: int = 0, router: str = "uniform
         else:
             t = normal(1.0 / math.sqrt(shape[-1]))
         if router == "skewed" and name.endswith("mlp.gate.weight"):
-            from ktrans.weights.random_gguf import router_row_scales
+            from ktrans.model.random_gguf import router_row_scales
 
             t = t * torch.from_numpy(router_row_scales(seed, int(name.split(".")[2]), shape[0]))[:, None]
         out[name] = t.contiguous()
@@ -129,7 +129,7 @@ def write_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, c
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
     if with_tokenizer:
-        from ktrans.weights.tokenizer import Tokenizer
+        from ktrans.tokenizer.tokenizer import Tokenizer
 
         Tokenizer.default().write_hf_files(out_dir)
     return out_dir

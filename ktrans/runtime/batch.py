@@ -53,6 +53,7 @@ class ForwardBatch:
     kv: KVPool
     states: StatePool
     is_decode: bool = False      # every sequence is a one-token decode step: operators use their generate op
+    slots: list[int] = field(default_factory=list)  # state_slots on the host (plan with these, never read the tensor)
     _cu: torch.Tensor | None = field(default=None, repr=False)
     _on: dict | None = field(default=None, repr=False)  # device -> copy of this batch there (shared by all copies)
 
@@ -100,6 +101,23 @@ class ForwardBatch:
         if self._cu is None:
             self._cu = torch.tensor([0, *torch.tensor(self.seq_lens).cumsum(0).tolist()], dtype=torch.int64)
         return self._cu
+
+    @property
+    def cu_seqlens_host(self) -> list[int]:
+        """cu_seqlens as Python ints: what an op's plan reads (no device read in a forward)."""
+        out = [0]
+        for n in self.seq_lens:
+            out.append(out[-1] + n)
+        return out
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens)
+
+    @property
+    def decode_seqs(self) -> list[int]:
+        """Sequences whose part of the step is one token continuing a cached state (the batched decode path)."""
+        return [i for i, (n, c) in enumerate(zip(self.seq_lens, self.cached_lens)) if n == 1 and c > 0]
 
     @property
     def has_initial_state(self) -> list[bool]:
@@ -151,7 +169,7 @@ class ForwardBatch:
             input_ids=as_t(ids), positions=as_t(pos), seq_lens=[len(c.token_ids) for c in chunks],
             cached_lens=[c.cached_len for c in chunks], state_slots=as_t([c.state_slot for c in chunks]),
             block_tables=tables.to(device), slot_mapping=as_t(slots), logits_indices=as_t(logit_idx),
-            kv=kv, states=states, is_decode=is_decode,
+            kv=kv, states=states, is_decode=is_decode, slots=[c.state_slot for c in chunks],
         )
 
 

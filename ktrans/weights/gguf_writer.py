@@ -365,20 +365,17 @@ def _q4_k_m_type(name: str, ncols: int, attn_v_like: list[str], n_layers: int, n
 
 def write_gguf(path: str | Path, config: ModelConfig, state: Mapping[str, torch.Tensor], quant: str = "f32",
                legacy_ssm_in: bool = False, fused_gate_up: bool = False, router_type: str = "F32", dense: str = "as-quant",
-               tokenizer=None, extra_metadata: Mapping[str, Any] | None = None, drop_metadata: tuple[str, ...] = (),
+               extra_metadata: Mapping[str, Any] | None = None, drop_metadata: tuple[str, ...] = (),
                extra_tensors: Mapping[str, np.ndarray] | None = None) -> Path:
-    """Write `state` (HF names, the plain model's parameters) as a GGUF. `tokenizer` (a ktrans Tokenizer) is
-    embedded as llama.cpp's gpt2/qwen2 vocabulary with its chat template. extra_metadata / drop_metadata /
-    extra_tensors (written F32) let tests imitate other writers (older keys, multi-token-prediction blocks)."""
+    """Write `state` (HF names, the plain model's parameters) as a GGUF. extra_metadata carries the vocabulary
+    (ktrans.tokenizer.gguf.gguf_tokenizer_metadata) and, with drop_metadata and extra_tensors (written F32), lets
+    tests imitate other writers (older keys, multi-token-prediction blocks). ktrans.model.convert adds the
+    tokenizer of an HF directory."""
     tensors = list(gguf_tensors(config, state, legacy_ssm_in, fused_gate_up))
     n_all = int((extra_metadata or {}).get(f"{ARCH}.block_count", config.num_hidden_layers))
     types = choose_types([(n, s) for n, s, _ in tensors], quant, n_all, router_type, dense)
     w = GGUFWriter(path)
     w.metadata.update(model_metadata(config, quant))
-    if tokenizer is not None:
-        from ktrans.weights.gguf_tokenizer import gguf_tokenizer_metadata
-
-        w.metadata.update(gguf_tokenizer_metadata(tokenizer, config))
     w.metadata.update(extra_metadata or {})
     for k in drop_metadata:
         w.metadata.pop(k, None)
@@ -387,31 +384,6 @@ def write_gguf(path: str | Path, config: ModelConfig, state: Mapping[str, torch.
     for name, arr in (extra_tensors or {}).items():
         w.add_tensor(name, arr.shape, "F32", lambda a=arr: np.asarray(a, np.float32))
     return w.write()
-
-
-def write_vocab_gguf(path: str | Path, config: ModelConfig, tokenizer) -> Path:
-    """A vocabulary-only GGUF (metadata, no tensors), like `convert_hf_to_gguf.py --vocab-only`."""
-    from ktrans.weights.gguf_tokenizer import gguf_tokenizer_metadata
-
-    w = GGUFWriter(path)
-    w.metadata.update(model_metadata(config, "f32"))
-    w.metadata.update(gguf_tokenizer_metadata(tokenizer, config))
-    return w.write()
-
-
-def convert_hf_dir(model_dir: str | Path, out: str | Path, quant: str = "f32", legacy_ssm_in: bool = False,
-                   **kwargs) -> Path:
-    """An HF directory (config.json, safetensors, optional tokenizer files) -> one GGUF file."""
-    from ktrans.weights.safetensors_mmap import SafetensorsCheckpoint
-    from ktrans.weights.tokenizer import Tokenizer
-
-    model_dir = Path(model_dir)
-    config = ModelConfig.from_json(model_dir)
-    ckpt = SafetensorsCheckpoint(model_dir)
-    state = {k: ckpt.get(k) for k in ckpt.keys()}
-    if "tokenizer" not in kwargs and (model_dir / "tokenizer.json").is_file():
-        kwargs["tokenizer"] = Tokenizer.from_hf_dir(model_dir)
-    return write_gguf(out, config, state, quant, legacy_ssm_in, **kwargs)
 
 
 def split_gguf(path: str | Path, n_shards: int) -> list[Path]:

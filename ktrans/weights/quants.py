@@ -29,6 +29,9 @@ from typing import Callable
 
 import numpy as np
 
+from ktrans.weights.quant_blocks import f16_bytes, inv, pack_nibbles, roundf, signed_absmax
+from ktrans.weights.quants_k import K_QUANTIZERS
+
 QK_K = 256  # elements per k-quant super-block
 _CHUNK_ELEMS = 1 << 21  # elements per vectorised chunk; bounds temporary memory
 
@@ -299,26 +302,6 @@ def dequantize_torch(raw, qtype: int | str, shape: tuple[int, ...], dtype=None, 
 # ---------------------------------------------------------------------------------------------
 # quantizers: float32 blocks (n, block_size) -> uint8 (n, type_size)
 
-def _roundf(x: np.ndarray) -> np.ndarray:
-    """C roundf (ties away from zero), exact for every float32."""
-    t = np.trunc(x)
-    return np.where(np.abs(x - t) == 0.5, t + np.sign(x), np.rint(x))
-
-
-def _inv(d: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore"):
-        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-
-
-def _f16_bytes(d: np.ndarray) -> np.ndarray:
-    return d.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
-    """(..., 2, k) uint8 values < 16 -> (..., k): first half in the low nibbles."""
-    return q[..., 0, :] | (q[..., 1, :] << 4)
-
-
 def _q_f16(x):
     return x.astype(np.float16).view(np.uint8)
 
@@ -334,12 +317,8 @@ def _q_bf16(x):
 
 def _q_q8_0(x):
     d = np.abs(x).max(axis=1, keepdims=True) / np.float32(127)
-    q = _roundf(x * _inv(d)).astype(np.int8).view(np.uint8)
-    return np.concatenate([_f16_bytes(d), q], axis=1)
-
-
-def _signed_absmax(x: np.ndarray) -> np.ndarray:
-    return np.take_along_axis(x, np.abs(x).argmax(axis=-1, keepdims=True), axis=-1)
+    q = roundf(x * inv(d)).astype(np.int8).view(np.uint8)
+    return np.concatenate([f16_bytes(d), q], axis=1)
 
 
 def _q_legacy(x, nbits: int, affine: bool):
@@ -349,17 +328,17 @@ def _q_legacy(x, nbits: int, affine: bool):
     if affine:
         lo = x.min(axis=1, keepdims=True)
         d = (x.max(axis=1, keepdims=True) - lo) / np.float32(top)
-        q = np.trunc((x - lo) * _inv(d) + np.float32(0.5))
-        head = [_f16_bytes(d), _f16_bytes(lo)]
+        q = np.trunc((x - lo) * inv(d) + np.float32(0.5))
+        head = [f16_bytes(d), f16_bytes(lo)]
     else:
         half = (top + 1) // 2
-        d = _signed_absmax(x) / np.float32(-half)
-        q = np.trunc(x * _inv(d) + np.float32(half + 0.5))
-        head = [_f16_bytes(d)]
+        d = signed_absmax(x) / np.float32(-half)
+        q = np.trunc(x * inv(d) + np.float32(half + 0.5))
+        head = [f16_bytes(d)]
     q = np.minimum(q, top).astype(np.uint8)
     if nbits == 5:
         head.append(np.packbits(q >> 4, axis=1, bitorder="little"))
-    return np.concatenate([*head, _pack_nibbles((q & 15).reshape(-1, 2, 16))], axis=1)
+    return np.concatenate([*head, pack_nibbles((q & 15).reshape(-1, 2, 16))], axis=1)
 
 
 _QUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -374,8 +353,6 @@ def quantize(x: np.ndarray, qtype: int | str) -> np.ndarray:
 
     Returns uint8 of shape (*x.shape[:-1], row_bytes), the layout gguf files and dequantize() use.
     """
-    from ktrans.weights.quants_k import K_QUANTIZERS  # here, not at the top: quants_k builds on this module
-
     quantizers = {**_QUANT, **K_QUANTIZERS}
     t = quant_type(qtype)
     if t.name not in quantizers:

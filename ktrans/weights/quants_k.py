@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ktrans.weights.quants import _f16_bytes, _inv, _pack_nibbles, _signed_absmax
+from ktrans.weights.quant_blocks import f16_bytes, inv, pack_nibbles, signed_absmax
 
 
 def _pack_k_scale_min(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -51,7 +51,7 @@ def _fit_affine(x: np.ndarray, nmax: int, iters: int = 2) -> tuple[np.ndarray, n
     for c in _SCALE_CANDIDATES:
         scale, lo = spread / (nmax + c), lo0
         for _ in range(iters):
-            q = np.clip(np.rint((x - lo) * _inv(scale)), 0, nmax)
+            q = np.clip(np.rint((x - lo) * inv(scale)), 0, nmax)
             sq, sqq = q.sum(axis=-1, keepdims=True), (q * q).sum(axis=-1, keepdims=True)
             sxq = (x * q).sum(axis=-1, keepdims=True)
             det = k * sqq - sq * sq
@@ -64,7 +64,7 @@ def _fit_affine(x: np.ndarray, nmax: int, iters: int = 2) -> tuple[np.ndarray, n
             new_lo = np.where(pinned, 0, new_lo)
             ok &= new_scale > 0
             scale, lo = np.where(ok, new_scale, scale), np.where(ok, new_lo, lo)
-        q = np.clip(np.rint((x - lo) * _inv(scale)), 0, nmax)
+        q = np.clip(np.rint((x - lo) * inv(scale)), 0, nmax)
         err = np.square(q * scale + lo - x).sum(axis=-1, keepdims=True)
         best = _keep_best(best, (scale, lo, err))
     return best[0], best[1]
@@ -75,15 +75,15 @@ def _fit_signed(x: np.ndarray, qmin: int, qmax: int, iters: int = 2) -> np.ndarr
 
     The value of largest magnitude starts on qmin, the extra negative code; then as _fit_affine.
     """
-    v = _signed_absmax(x)
+    v = signed_absmax(x)
     best = None
     for c in _SCALE_CANDIDATES:
         s = v / (qmin + c)
         for _ in range(iters):
-            q = np.clip(np.rint(x * _inv(s)), qmin, qmax)
+            q = np.clip(np.rint(x * inv(s)), qmin, qmax)
             sqq = (q * q).sum(axis=-1, keepdims=True)
             s = np.where(sqq > 0, (x * q).sum(axis=-1, keepdims=True) / np.where(sqq > 0, sqq, 1), s)
-        q = np.clip(np.rint(x * _inv(s)), qmin, qmax)
+        q = np.clip(np.rint(x * inv(s)), qmin, qmax)
         best = _keep_best(best, (s, np.square(q * s - x).sum(axis=-1, keepdims=True)))
     return best[0]
 
@@ -102,30 +102,30 @@ def _q_kquant_affine(x, nbits):
     xs = x.reshape(n, 8, 32)
     scale, lo = _fit_affine(xs, nmax)
     d, dmin = _super_scale(scale[..., 0], 63), _super_scale(lo[..., 0], 63)
-    sc_f, mn_f = scale[..., 0] * _inv(d), -lo[..., 0] * _inv(dmin)
+    sc_f, mn_f = scale[..., 0] * inv(d), -lo[..., 0] * inv(dmin)
     # 6-bit codes: try both neighbours of each real-valued scale and min, keep the best per sub-block
     best = None
     for sc in (np.floor(sc_f), np.ceil(sc_f)):
         for mn in (np.floor(mn_f), np.ceil(mn_f)):
             sc, mn = np.clip(sc, 0, 63), np.clip(mn, 0, 63)
             eff_scale, eff_min = (d * sc)[..., None], (dmin * mn)[..., None]
-            q = np.clip(np.rint((xs + eff_min) * _inv(eff_scale)), 0, nmax)
+            q = np.clip(np.rint((xs + eff_min) * inv(eff_scale)), 0, nmax)
             err = np.square(q * eff_scale - eff_min - xs).sum(axis=-1)
             best = _keep_best(best, (sc, mn, q, err))
     sc, mn, q = (a.astype(np.uint8) for a in best[:3])
-    head = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_k_scale_min(sc, mn)], axis=1)
+    head = np.concatenate([f16_bytes(d), f16_bytes(dmin), _pack_k_scale_min(sc, mn)], axis=1)
     return head, q
 
 
 def _q_q4_k(x):
     head, q = _q_kquant_affine(x, 4)
-    return np.concatenate([head, _pack_nibbles(q.reshape(-1, 4, 2, 32)).reshape(-1, 128)], axis=1)
+    return np.concatenate([head, pack_nibbles(q.reshape(-1, 4, 2, 32)).reshape(-1, 128)], axis=1)
 
 
 def _q_q5_k(x):
     head, q = _q_kquant_affine(x, 5)
     qh = np.packbits((q >> 4).transpose(0, 2, 1), axis=-1, bitorder="little").reshape(-1, 32)
-    qs = _pack_nibbles((q & 15).reshape(-1, 4, 2, 32)).reshape(-1, 128)
+    qs = pack_nibbles((q & 15).reshape(-1, 4, 2, 32)).reshape(-1, 128)
     return np.concatenate([head, qh, qs], axis=1)
 
 
@@ -134,14 +134,14 @@ def _q_q6_k(x):
     xs = x.reshape(n, 16, 16)
     s = _fit_signed(xs, -32, 31)[..., 0]
     # signed super-scale: the largest sub-block scale gets code -128, the extra code of int8
-    d = _super_scale(s, 128) * -np.sign(_signed_absmax(s))
-    sc = np.clip(np.rint(s * _inv(d)), -128, 127).astype(np.int8)
+    d = _super_scale(s, 128) * -np.sign(signed_absmax(s))
+    sc = np.clip(np.rint(s * inv(d)), -128, 127).astype(np.int8)
     eff = (d * sc.astype(np.float32))[..., None]
-    q = (np.clip(np.rint(xs * _inv(eff)), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
-    ql = _pack_nibbles((q & 15).reshape(n, 2, 2, 2, 32).transpose(0, 1, 3, 2, 4)).reshape(n, 128)
+    q = (np.clip(np.rint(xs * inv(eff)), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
+    ql = pack_nibbles((q & 15).reshape(n, 2, 2, 2, 32).transpose(0, 1, 3, 2, 4)).reshape(n, 128)
     hi = q >> 4
     qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
+    return np.concatenate([ql, qh, sc.view(np.uint8), f16_bytes(d)], axis=1)
 
 
 K_QUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"Q4_K": _q_q4_k, "Q5_K": _q_q5_k, "Q6_K": _q_q6_k}

@@ -55,8 +55,8 @@ def test_echo_scores_the_prompt(ckpt, capsys):
         assert str(tok) in pos and all(v <= 0 for v in pos.values())
     # scoring the same text as a continuation gives the same numbers as echo
     model = load(ckpt)
-    from ktrans.serve.offline import generate
-    from ktrans.serve.sampler import SamplingParams
+    from ktrans.engine.offline import generate
+    from ktrans.engine.sampler import SamplingParams
 
     res = generate(model, [9, 8, 7, 6, 5], 0, SamplingParams(temperature=0, logprobs=1), echo=True)
     assert abs(res.prompt_logprobs[0][8] - out["prompt_logprobs"][0]["8"]) < 1e-6

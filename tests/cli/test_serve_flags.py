@@ -10,13 +10,13 @@ import torch
 from ktrans import cli
 from ktrans.config import RULES_DIR
 from ktrans.inject.rules import load_rules
-from ktrans.weights.loader import parse_dtype
+from ktrans.model.source import parse_dtype
 
 
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if the model would be loaded."""
-    import ktrans.serve.server as server
+    import ktrans.api.server as server
 
     def load(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")

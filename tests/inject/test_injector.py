@@ -14,7 +14,7 @@ from ktrans.operators.experts import EXPERT_OPS, KExpertsTorch, KTransformersExp
 from ktrans.operators.linear import KTransformersLinear
 from ktrans.operators.moe import KQwen3NextSparseMoeBlock
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
-from ktrans.weights.loader import build_model
+from ktrans.model.source import build_model
 
 from ..model.helpers import OTHER_SHAPE, load, make_checkpoint, pools, run_chunks
 from .helpers import CPU_RULES, cpu_variant, injected, rules

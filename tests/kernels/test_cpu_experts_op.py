@@ -10,8 +10,8 @@ from ktrans.config import RULES_DIR, ModelConfig
 from ktrans.inject import build_injected_model, parse_rules
 from ktrans.model.tiny import preset_config, random_state_dict
 from ktrans.operators.experts import EXPERT_OPS
-from ktrans.serve.offline import generate
-from ktrans.serve.sampler import SamplingParams
+from ktrans.engine.offline import generate
+from ktrans.engine.sampler import SamplingParams
 from ktrans.weights.gguf_source import GGUFSource
 from ktrans.weights.gguf_writer import write_gguf
 from ktrans import _cpu
@@ -84,7 +84,7 @@ def rel(y, ref) -> float:
 
 def _all_logits(model, ids):
     from ktrans.runtime.batch import ForwardBatch, SeqChunk
-    from ktrans.serve.engine import make_pools
+    from ktrans.engine.engine import make_pools
 
     kv, states = make_pools(model, -(-(len(ids) + 1) // 16), 16, num_slots=1)
     pages = kv.allocator.alloc(kv.pages_for(len(ids) + 1))

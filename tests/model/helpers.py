@@ -8,7 +8,7 @@ import torch
 from ktrans.model.tiny import write_tiny_model
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
-from ktrans.weights.loader import ModelSource, load_model
+from ktrans.model.source import ModelSource, load_model
 
 # A second shape besides the `small` preset: more key heads, a GQA ratio of 4, a dense MLP layer, attention first,
 # head_dim not a power of two, conv kernel 3, top-1 routing without renormalisation.

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ktrans.serve.offline import generate
-from ktrans.serve.sampler import SamplingParams
+from ktrans.engine.offline import generate
+from ktrans.engine.sampler import SamplingParams
 
 from .helpers import OTHER_SHAPE, load, make_checkpoint, run_chunks
 

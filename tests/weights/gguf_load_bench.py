@@ -44,13 +44,13 @@ mode, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 if mode == "baseline":  # the interpreter, torch and ktrans imported, nothing loaded
     from ktrans.weights.gguf_source import GGUFSource
-    from ktrans.weights.loader import ModelSource, load_model
+    from ktrans.model.source import ModelSource, load_model
 elif mode == "plain":
-    from ktrans.weights.loader import ModelSource, load_model
+    from ktrans.model.source import ModelSource, load_model
     model, _ = load_model(ModelSource(gguf_path=path), torch.bfloat16, show_progress=False)
 else:
     from ktrans.weights.gguf_source import GGUFSource
-    from ktrans.weights.loader import build_model
+    from ktrans.model.source import build_model
     src = GGUFSource(path)
     kept, checksum = [], 0
     for name, p in build_model(src.config).named_parameters():

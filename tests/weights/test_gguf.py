@@ -10,8 +10,9 @@ from ktrans.config import FULL_ATTENTION
 from ktrans.model.tiny import random_state_dict
 from ktrans.weights.gguf import GGUFModelFile
 from ktrans.weights.gguf_source import GGUFSource
-from ktrans.weights.gguf_writer import convert_hf_dir, split_gguf, write_gguf
-from ktrans.weights.loader import ModelSource, load_model
+from ktrans.weights.gguf_writer import split_gguf, write_gguf
+from ktrans.model.convert import convert_hf_dir
+from ktrans.model.source import ModelSource, load_model
 from ktrans.weights.quants import dequantize_torch
 from ktrans.weights.safetensors_mmap import SafetensorsCheckpoint
 

@@ -13,8 +13,9 @@ from ktrans.cli import main
 from ktrans.config import ConfigError
 from ktrans.weights.gguf import GGUFError, GGUFModelFile
 from ktrans.weights.gguf_source import GGUFSource
-from ktrans.weights.gguf_writer import GGUFWriter, Typed, convert_hf_dir, split_gguf
-from ktrans.weights.loader import ModelSource, load_model
+from ktrans.weights.gguf_writer import GGUFWriter, Typed, split_gguf
+from ktrans.model.convert import convert_hf_dir
+from ktrans.model.source import ModelSource, load_model
 
 from ..model.helpers import make_checkpoint
 

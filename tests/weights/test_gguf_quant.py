@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from ktrans.serve.offline import generate
-from ktrans.serve.sampler import SamplingParams
+from ktrans.engine.offline import generate
+from ktrans.engine.sampler import SamplingParams
 from ktrans.weights.gguf import GGUFModelFile
 from ktrans.weights.gguf_source import GGUFSource
-from ktrans.weights.gguf_writer import choose_types, convert_hf_dir, tensor_census
-from ktrans.weights.loader import ModelSource, load_model
+from ktrans.weights.gguf_writer import choose_types, tensor_census
+from ktrans.model.convert import convert_hf_dir
+from ktrans.model.source import ModelSource, load_model
 
 from ..model.helpers import load, make_checkpoint, run_chunks
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ktrans.weights.safetensors_mmap import CheckpointError, SafetensorsCheckpoint
-from ktrans.weights.loader import ModelSource, load_model
+from ktrans.model.source import ModelSource, load_model
 
 from ..model.helpers import load, make_checkpoint
 

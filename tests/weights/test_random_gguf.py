@@ -15,7 +15,7 @@ import pytest
 from ktrans.config import CONFIGS_DIR, ModelConfig
 from ktrans.model.tiny import SMALL_OVERRIDES, preset_config
 from ktrans.weights.gguf_writer import choose_types, tensor_census
-from ktrans.weights.random_gguf import plan_tensors, router_row_scales, write_random_gguf
+from ktrans.model.random_gguf import plan_tensors, router_row_scales, write_random_gguf
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
@@ -40,7 +40,7 @@ def small_file(tmp_path_factory):
 
 
 def test_same_seed_same_bytes_whatever_the_workers(tmp_path, small_file, monkeypatch):
-    import ktrans.weights.random_gguf as rg
+    import ktrans.model.random_gguf as rg
 
     monkeypatch.setattr(rg, "UNIT_BYTES", 1 << 14)
     monkeypatch.setattr(rg, "CHUNK_BYTES", 1 << 16)  # many tasks per tensor, so their order really varies
@@ -193,9 +193,9 @@ def test_real_slice_loads_under_cpu_rules_and_generates(real_slice):
 
     from ktrans.config import RULES_DIR
     from ktrans.inject import load_injected_model
-    from ktrans.serve.offline import generate
-    from ktrans.serve.sampler import SamplingParams
-    from ktrans.weights.loader import ModelSource
+    from ktrans.engine.offline import generate
+    from ktrans.engine.sampler import SamplingParams
+    from ktrans.model.source import ModelSource
 
     model, config, _ = load_injected_model(ModelSource(None, str(real_slice)), RULES_DIR / "Qwen3Next-cpu.yaml",
                                            torch.float32, show_progress=False)

@@ -1,0 +1,203 @@
+"""The OpenAI request schema (the parts ktrans serves) as pydantic models, and their translation to SamplingParams.
+
+Field checks here become HTTP 400 errors in the OpenAI shape, naming the field. Unknown fields are accepted and
+ignored, as OpenAI clients send fields a server may not know. Beyond OpenAI's fields, the vLLM extensions users
+rely on are accepted: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs.
+`tool_choice` is accepted in all its forms; only "none" changes anything (tool calls are not parsed): "required"
+and a named function are not enforced.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+
+from ktrans.engine.sampler import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: `usage` (counts so far) on every streamed chunk
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it: text parts joined, `developer` as `system`."""
+        content = self.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text"]
+            if bad:
+                raise ValueError(f"content parts of type {bad[0]!r} are not supported (text only)")
+            content = "".join(p.text or "" for p in content)
+        d = self.model_dump(exclude_none=True)
+        d.update(role="system" if self.role == "developer" else self.role, content=content or "")
+        return d
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=16)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return stops
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int, return_logprobs: bool,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            logprobs=logprobs,
+            return_logprobs=return_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            max_tokens=max_tokens,
+            stop=tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self.sampling_params(max_tokens, self.top_logprobs or 0, self.logprobs)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f'tool_choice is "none", "auto", "required" or a named function, not {v!r}')
+        if isinstance(v, dict) and (v.get("type") != "function" or not isinstance(v.get("function"), dict)):
+            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+        return v
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether tool calls in the output become `tool_calls` (there are tools and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def enable_thinking(self) -> bool:
+        return (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
+
+Prompt = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt list is empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo=true, to score the prompt)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        lp = self.logprobs
+        return self.sampling_params(self.max_tokens, lp or 0, lp is not None,
+                                    prompt_logprobs=lp if (self.echo and lp is not None) else None)
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,270 @@
+"""`ktrans serve`: load the model, size the KV cache and state pool, print what went where, run uvicorn.
+
+ServeOptions holds the flags (KTransformers' names); `start_background` runs the same server in a thread on a
+loopback port, for tests and benchmarks.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ktrans.runtime.batch import PHASES
+from ktrans.api.app import DEFAULT_MAX_REQUEST_BODY_BYTES, OpenAIServer
+from ktrans.engine.engine import Engine, EngineConfig
+from ktrans.engine.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeOptions:
+    model_path: str | None = None
+    gguf_path: str | None = None
+    optimize_config_path: str | None = None
+    backend_type: str = "balance_serve"
+    host: str = "127.0.0.1"
+    port: int = 10021
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_new_tokens: int = 1024
+    cache_lens: int = 32768
+    cache_memory_fraction: float | None = None
+    page_size: int = 16
+    chunk_size: int = 512
+    max_batch_size: int = 16
+    max_model_len: int | None = None
+    max_queued_requests: int = 1024
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    cpu_infer: int | None = None
+    use_cuda_graph: bool = False
+    dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
+    device: str = "cpu"
+
+
+def load(opts: ServeOptions, show_progress: bool = True):
+    """(model, tokenizer, model name, injection) for the options.
+
+    The model is built under --optimize_config_path, or under the CPU rules when neither rules nor a --device
+    other than cpu are given (the embedded default model with no flags at all). `injection` is None for a plain
+    model on --device.
+    """
+    from ktrans.config import RULES_DIR
+    from ktrans.model.source import ModelSource, load_model, load_tokenizer, parse_dtype
+
+    if opts.backend_type != "balance_serve":
+        raise ValueError(f"--backend_type {opts.backend_type!r}: ktrans serves with 'balance_serve' only")
+    if opts.optimize_config_path and opts.device != "cpu":
+        raise ValueError("--device places the plain model; with --optimize_config_path the rules place every module")
+    if opts.cpu_infer is not None and opts.cpu_infer <= 0:
+        raise ValueError(f"--cpu_infer must be positive, got {opts.cpu_infer}")
+    threads = opts.cpu_infer or default_cpu_infer()
+    torch.set_num_threads(threads)
+    from ktrans.kernels import cpu
+
+    cpu.get_pool(threads)  # before the model is built: each KExpertsCPU layer binds the pool it is given
+    source = ModelSource(opts.model_path, opts.gguf_path)
+    tokenizer = load_tokenizer(source)
+    rules_path = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
+    injection = None
+    if rules_path:
+        from ktrans.inject import load_injected_model
+        from ktrans.inject.rules import load_rules
+
+        rules = load_rules(rules_path)
+        model, _, injection = load_injected_model(source, rules, parse_dtype(opts.dtype, rules.uses_cuda),
+                                                  show_progress=show_progress)
+    else:
+        dtype = parse_dtype(opts.dtype, opts.device.startswith("cuda"))
+        model, _ = load_model(source, dtype, opts.device, show_progress=show_progress)
+    name = opts.served_model_name or (Path(opts.gguf_path).stem if opts.gguf_path else source.resolve_dir().name)
+    return model, tokenizer, name, injection
+
+
+def default_cpu_infer() -> int:
+    """All cores but one: the HTTP loop, tokenization and detokenization need a core too, and torch's OpenMP
+    threads slow down badly when one of them has to share (2 threads on a 2-core box serve at about half the
+    speed of 1; see doc/benchmarks.md)."""
+    from ktrans.kernels.cpu import default_threads
+
+    return max(1, default_threads() - 1)  # the cores this process may use (affinity), not all the host has
+
+
+def engine_config(opts: ServeOptions, model) -> EngineConfig:
+    cache_lens = opts.cache_lens
+    if opts.cache_memory_fraction is not None:
+        cache_lens = cache_lens_for_fraction(model, opts.cache_memory_fraction, opts.max_batch_size)
+    return EngineConfig(max_batch_size=opts.max_batch_size, chunk_size=opts.chunk_size, page_size=opts.page_size,
+                        cache_lens=cache_lens, max_model_len=opts.max_model_len, max_new_tokens=opts.max_new_tokens,
+                        max_queued_requests=opts.max_queued_requests)
+
+
+def cache_lens_for_fraction(model, fraction: float, num_slots: int) -> int:
+    """KV tokens that fit in `fraction` of the free memory of the model's device, after the state slots."""
+    from ktrans.runtime.pools import KVPool, StatePool
+
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"--cache_memory_fraction must be in (0, 1], got {fraction}")
+    p = next(model.parameters())
+    if p.device.type == "cuda":
+        free = torch.cuda.mem_get_info(p.device)[0]
+    else:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024
+    budget = fraction * free - num_slots * StatePool.bytes_per_slot(model.config, p.dtype)
+    tokens = int(budget // KVPool.bytes_per_token(model.config, p.dtype))
+    if tokens <= 0:
+        raise ValueError(f"--cache_memory_fraction {fraction} leaves no memory for the KV cache")
+    return tokens
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def placement_lines(injection) -> list[str]:
+    """Operators grouped by class and where each phase runs: `12 x KQwen3NextAttention  prefill cpu ...`."""
+    if injection is None:
+        return []
+    groups: dict[tuple, int] = {}
+    for p in injection.operators():
+        op = p.operator
+        where = tuple(f"{dev}{' ' + name if name else ''}" for dev, name in (op.placement(ph) for ph in PHASES))
+        key = (type(op).__name__, *where)
+        groups[key] = groups.get(key, 0) + 1
+    w_cls = max((len(k[0]) for k in groups), default=0)
+    w_pre = max((len(k[1]) for k in groups), default=0)
+    return [f"    {n:>3} x {cls:<{w_cls}}  prefill {pre:<{w_pre}}  generate {gen}"
+            for (cls, pre, gen), n in groups.items()]
+
+
+def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules: str | None = None) -> str:
+    c, model = engine.model_config, engine.model
+    weights: dict[str, int] = {}
+    for p in model.parameters():
+        weights[str(p.device)] = weights.get(str(p.device), 0) + p.numel() * p.element_size()
+    kv, st = engine.kv, engine.states
+    n_attn, n_lin = len(c.full_attention_layers), len(c.linear_attention_layers)
+    memory = {d: [f"weights {_mib(b)}"] for d, b in weights.items()}
+    memory.setdefault(str(kv.k[0].device if kv.k else "cpu"), []).append(f"KV cache {_mib(kv.nbytes)}")
+    memory.setdefault(str(st.conv[0].device if st.conv else "cpu"), []).append(f"DeltaNet states {_mib(st.nbytes)}")
+    placement = (f"rules {rules}" if injection is not None else f"every module on {opts.device} (no rules)")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    lines = [
+        f"ktrans serve: {name}: {c.num_hidden_layers} layers ({n_attn} full attention, {n_lin} Gated DeltaNet), "
+        f"{c.num_experts} experts top-{c.num_experts_per_tok}, vocab {c.vocab_size}",
+        f"  placement  {placement}, dtype {dtype}, {torch.get_num_threads()} CPU threads (--cpu_infer)",
+        *placement_lines(injection),
+        "  memory     " + "; ".join(f"{d}: {', '.join(parts)}" for d, parts in memory.items()),
+        f"  KV cache   {kv.num_pages * kv.page_size} tokens = {kv.num_pages} pages of {kv.page_size}, "
+        f"{n_attn} attention layer(s), {kv.nbytes // (kv.num_pages * kv.page_size)} B per token",
+        f"  states     {st.num_slots} slots (--max_batch_size), {_mib(st.nbytes / st.num_slots)} each",
+        f"  batching   --chunk_size {engine.config.chunk_size} tokens/step, max_model_len {engine.max_model_len}, "
+        f"default max_tokens {engine.config.max_new_tokens}",
+    ]
+    if opts.use_cuda_graph:
+        # Accepted for KTransformers' command lines; capturing decode steps is not built yet, so say so plainly.
+        lines.append("  note       --use_cuda_graph: CUDA graph capture is not implemented yet; steps run eagerly")
+    return "\n".join(lines)
+
+
+def run(opts: ServeOptions) -> None:
+    """Load, print the summary and the URL, serve until Ctrl-C."""
+    import uvicorn
+
+    t0 = time.perf_counter()
+    if opts.max_request_body_bytes <= 0:
+        raise ValueError(f"--max_request_body_bytes must be positive, got {opts.max_request_body_bytes}")
+    sock = listen_socket(opts.host, opts.port)  # a busy port is found now, not after minutes of loading
+    print("ktrans serve: loading the model ...", file=sys.stderr, flush=True)
+    try:
+        model, tokenizer, name, injection = load(opts, show_progress=True)
+    except BaseException:
+        sock.close()
+        raise
+    metrics = EngineMetrics(name)
+    engine = Engine(model, tokenizer, engine_config(opts, model), metrics)
+    app = OpenAIServer(engine, tokenizer, name, opts.api_key, metrics,
+                       max_request_body_bytes=opts.max_request_body_bytes).build_app()
+    url = f"http://{opts.host}:{opts.port}"
+    rules = opts.optimize_config_path or "Qwen3Next-cpu.yaml (the default on the CPU)"
+    print(summary(engine, name, opts, injection, rules), file=sys.stderr)
+    print(f"  loaded in {time.perf_counter() - t0:.1f} s; serving the OpenAI API at {url}/v1 (model {name!r})\n"
+          f"  try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"stream\": true}}'",
+          file=sys.stderr, flush=True)
+    engine.start()
+    try:
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for --host/--port, or a ValueError naming the flag."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); is another server "
+                         f"running on it? Pick another --port") from None
+    return sock
+
+
+class BackgroundServer:
+    """The server in a thread on a free loopback port (tests, benchmarks). Use as a context manager."""
+
+    def __init__(self, engine: Engine, tokenizer, name: str = "ktrans-test", api_key: str | None = None,
+                 host: str = "127.0.0.1", max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
+        import uvicorn
+
+        self.engine, self.metrics = engine, EngineMetrics(name)
+        engine.metrics = self.metrics
+        self.name = name
+        self.api = OpenAIServer(engine, tokenizer, name, api_key, self.metrics,
+                                max_request_body_bytes=max_request_body_bytes)
+        app = self.api.build_app()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((host, 0))
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def start(self) -> "BackgroundServer":
+        self.engine.start()
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.engine.stop()
+        self._sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

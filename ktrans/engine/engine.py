@@ -1,0 +1,374 @@
+"""The engine: continuous batching over the model, in its own thread.
+
+The API calls submit() (and abort()) from its event loop; the loop thread drains that inbox, runs steps while
+there is work, and pushes a RequestOutput per request and step into the request's stream. One step is
+
+    schedule -> build batch -> forward -> sample -> postprocess
+
+and every finished, aborted or failed request gives its KV pages and state slot back through the scheduler.
+The engine never touches HTTP; the API never touches tensors.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from ktrans.inject import pool_devices
+from ktrans.runtime.batch import ForwardBatch, SeqChunk
+from ktrans.runtime.pools import KVPool, StatePool
+from ktrans.engine.output import RequestOutput, TextStream
+from ktrans.engine.request import Request, RequestStatus, TokenLogprob
+from ktrans.engine.sampler import SamplingParams, sample, token_logprob, top_logprobs
+from ktrans.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16  # running requests, and DeltaNet state slots
+    chunk_size: int = 512  # token budget of one step (decode tokens + prefill chunks)
+    page_size: int = 16  # tokens per KV page
+    cache_lens: int = 32768  # KV cache size in tokens, over all requests
+    max_model_len: int | None = None  # prompt + output; None: the model's, within the cache
+    max_new_tokens: int = 1024  # default max_tokens
+    max_queued_requests: int = 1024  # waiting requests beyond this are refused (EngineOverloaded)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "chunk_size", "page_size", "cache_lens", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max_model_len must be positive, got {self.max_model_len}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max_queued_requests must be >= 0, got {self.max_queued_requests}")
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as asked (HTTP 400); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (HTTP 503)."""
+
+
+class RequestStream:
+    """A request's outputs, in order, ending with one that has finished=True. Iterate with `async for` when made
+    with an event loop (the API), or with `for` from a plain thread."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:  # engine thread
+        if self._loop is None:
+            self._queue.put(out)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def __aiter__(self):
+        while not self.finished:
+            out = await self._queue.get()
+            self.finished = out.finished
+            yield out
+
+    def drain(self) -> list[RequestOutput]:
+        """The outputs queued so far, without waiting (a stream made without an event loop)."""
+        outs = []
+        while not self.finished:
+            try:
+                out = self._queue.get_nowait()
+            except (queue.Empty, asyncio.QueueEmpty):
+                break
+            self.finished = out.finished
+            outs.append(out)
+        return outs
+
+    def __iter__(self):
+        while not self.finished:
+            out = self._queue.get()
+            self.finished = out.finished
+            yield out
+
+
+@dataclass(eq=False)
+class _Tracked:
+    req: Request
+    stream: RequestStream
+    text: TextStream
+    sent_prompt_logprobs: bool = False
+
+
+def make_pools(model, num_pages: int, page_size: int, num_slots: int) -> tuple[KVPool, StatePool]:
+    """KV pages and DeltaNet state slots in the model's float dtype, on the devices where attention and DeltaNet
+    run (under rules these need not be the device of the model's first parameter)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    kv_device, state_device = pool_devices(model)
+    kv = KVPool(model.config, num_pages, page_size, dtype=dtype, device=kv_device)
+    return kv, StatePool(model.config, num_slots, dtype=dtype, device=state_device)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(), metrics=None):
+        self.model = model
+        self.model_config = mc = model.config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.device = next(model.parameters()).device  # where batches are built; operators copy what they need
+        num_pages = -(-config.cache_lens // config.page_size)
+        self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.chunk_size, config.page_size),
+                                   self.kv.allocator, self.states)
+        capacity = num_pages * config.page_size
+        if config.max_model_len is not None and config.max_model_len > capacity:
+            raise ValueError(f"--max_model_len {config.max_model_len} is more than the KV cache holds ({capacity} "
+                             f"tokens, --cache_lens): raise --cache_lens or lower --max_model_len")
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
+        self._tracked: dict[str, _Tracked] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.num_steps = 0
+
+    # ---- API side (any thread) ----------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request; its outputs arrive on the returned stream. Raises InvalidRequest or EngineOverloaded."""
+        req = self.make_request(prompt_ids, params, request_id)
+        if len(self.scheduler.waiting) + self._inbox.qsize() >= self.config.max_queued_requests:
+            raise EngineOverloaded(f"the server is overloaded: {self.config.max_queued_requests} requests are "
+                                   f"already waiting; retry later")
+        stream = RequestStream(req.request_id, loop)
+        text = TextStream(self.tokenizer, params.stop)
+        self._inbox.put(("add", _Tracked(req, stream, text)))
+        self._wake.set()
+        return stream
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt")
+        n, limit = len(prompt_ids), self.max_model_len
+        if params.max_tokens is None:
+            max_tokens = min(self.config.max_new_tokens, limit - n)
+            if max_tokens <= 0:
+                raise InvalidRequest(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                     f"is {n} tokens, which leaves no room for the completion.", "messages")
+        else:
+            max_tokens = params.max_tokens
+            if n + max_tokens > limit:
+                raise InvalidRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                                     f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                                     f"Please reduce the prompt or max_tokens.", "max_tokens")
+        params = dataclasses.replace(params, max_tokens=max_tokens, _generator=None)  # its own RNG
+        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, max_tokens)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting) + self._inbox.qsize(),
+                "kv_usage": s.kv_usage, "slot_usage": s.slot_usage, "num_preemptions": s.num_preemptions,
+                "kv_pages_free": self.kv.allocator.num_free, "kv_pages": self.kv.num_pages,
+                "slots_free": self.states.num_free, "slots": self.states.num_slots}
+
+    # ---- the loop thread ----------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._run, name="ktrans-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                if not self.poll():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+            except Exception as e:  # a failed step fails its requests, never the engine
+                log.exception("engine step failed")
+                for r in list(self.scheduler.running):
+                    if (t := self._tracked.get(r.request_id)) is not None:
+                        self._end(t, RequestStatus.FINISHED_ERROR, error=f"internal error in the engine step: {e}")
+
+    def poll(self) -> bool:
+        """Take in what was submitted or aborted, then run one step if there is work; False when idle. The loop
+        thread calls it; a benchmark that times steps one by one calls it from its own thread instead of start()."""
+        self._drain_inbox()
+        if not self.scheduler.has_work():
+            return False
+        self.step()
+        return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._tracked[item.req.request_id] = item
+                try:
+                    self.scheduler.add(item.req)
+                except ValueError as e:  # make_request checked the length already; this is a safety net
+                    self._end(item, RequestStatus.FINISHED_ERROR, error=str(e))
+            elif (t := self._tracked.get(item)) is not None:
+                self._end(t, RequestStatus.FINISHED_ABORTED)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> None:
+        sched = self.scheduler.schedule()  # 1. which requests, how many tokens each (may preempt)
+        if not sched.chunks:
+            return
+        batch = ForwardBatch.build([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits)
+                                    for c in sched.chunks], self.kv, self.states, device=self.device)  # 2. batch
+        logits = self.model(batch)  # 3. forward
+        rows = self._rows_per_chunk(sched.chunks, logits)
+        tokens = self._sample(sched.chunks, rows)  # 4. sample
+        for c in sched.chunks:  # 5. postprocess: stop checks, text, outputs, memory back for finished ones
+            self._postprocess(c, rows[id(c)], tokens.get(id(c)))
+        self.num_steps += 1
+        if self.metrics is not None:
+            self.metrics.on_step(sched, len(tokens))
+
+    def _sample(self, chunks: list[ScheduledChunk], rows: dict[int, torch.Tensor]) -> dict[int, int]:
+        """A token for every chunk that completes its request's tokens, unless max_tokens is already reached."""
+        due = [c for c in chunks if c.completes and c.request.num_output_tokens < c.request.max_tokens]
+        if not due:
+            return {}
+        reqs = [c.request for c in due]
+        histories = [(r.prompt_ids, r.output_ids) if r.params.has_penalties else None for r in reqs]
+        tokens = sample(torch.cat([rows[id(c)][-1:] for c in due]), [r.params for r in reqs], histories)
+        return {id(c): t for c, t in zip(due, tokens)}
+
+    def _rows_per_chunk(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, torch.Tensor]:
+        rows, offset = {}, 0
+        for c in chunks:
+            n = {"all": c.num_tokens, "last": 1, "none": 0}[c.logits]
+            rows[id(c)] = logits[offset : offset + n]
+            offset += n
+        return rows
+
+    def _postprocess(self, chunk: ScheduledChunk, rows: torch.Tensor, token: int | None) -> None:
+        req = chunk.request
+        t = self._tracked[req.request_id]
+        self.scheduler.advance(chunk)
+        if chunk.logits == "all":
+            self._score_prompt(req, chunk, rows)
+        if not chunk.completes:
+            return
+        out = RequestOutput(req.request_id)
+        if token is None:  # max_tokens reached before sampling: only max_tokens=0 (prompt scoring) gets here
+            return self._end(t, RequestStatus.FINISHED_LENGTH)
+        if req.params.wants_logprobs:
+            last = rows[-1:]
+            top = top_logprobs(last, req.params.logprobs)[0] if req.params.logprobs else {}
+            out.logprobs = [TokenLogprob(token, token_logprob(last, [token])[0], top)]
+        if self.metrics is not None:
+            self.metrics.on_token(req)
+        req.append_token(token)
+        out.token_ids = [token]
+        status = None
+        if token in req.params.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif token in self.eos_token_ids and not req.params.ignore_eos:
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            out.text = t.text.add(token)
+            if t.text.stopped_by is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, t.text.stopped_by
+            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            self._publish(t, out)
+        else:
+            self._end(t, status, out)
+
+    def _score_prompt(self, req: Request, chunk: ScheduledChunk, rows: torch.Tensor) -> None:
+        """Logits at position p score prompt token p + 1; keep those not scored yet."""
+        first = len(req.prompt_logprobs)  # the next position to score
+        end = min(chunk.start + chunk.num_tokens, req.num_prompt_tokens - 1)
+        if end <= first:
+            return
+        r = rows[first - chunk.start : end - chunk.start]
+        targets = req.prompt_ids[first + 1 : end + 1]
+        k = req.params.prompt_logprobs
+        tops = top_logprobs(r, k) if k else [{} for _ in targets]
+        for tok, lp, top in zip(targets, token_logprob(r, targets), tops):
+            req.prompt_logprobs.append(TokenLogprob(tok, lp, top))
+
+    def _publish(self, t: _Tracked, out: RequestOutput) -> None:
+        req = t.req
+        if req.params.prompt_logprobs is not None and not t.sent_prompt_logprobs:
+            out.prompt_logprobs, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
+        out.num_prompt_tokens, out.num_output_tokens = req.num_prompt_tokens, req.num_output_tokens
+        t.stream.put(out)
+
+    def _end(self, t: _Tracked, status: RequestStatus, out: RequestOutput | None = None, error: str | None = None):
+        """Finish a request: pages and slot back, and its last output (with whatever text was held back)."""
+        req = t.req
+        self.scheduler.finish(req, status)
+        self._tracked.pop(req.request_id, None)
+        out = out or RequestOutput(req.request_id)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            out.text += t.text.finish()
+        out.finished, out.finish_reason, out.stop_reason, out.error = True, status.value, req.stop_reason, error
+        if self.metrics is not None:
+            self.metrics.on_finish(req)
+        self._publish(t, out)
+
+
+def collect(stream: RequestStream) -> RequestOutput:
+    """All of a stream's outputs joined into one (blocking; for tests and offline use)."""
+    total = RequestOutput(stream.request_id, logprobs=[])
+    for out in stream:
+        total.token_ids += out.token_ids
+        total.text += out.text
+        total.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            total.prompt_logprobs = out.prompt_logprobs
+        total.finished, total.finish_reason, total.stop_reason = out.finished, out.finish_reason, out.stop_reason
+        total.num_prompt_tokens, total.num_output_tokens, total.error = (out.num_prompt_tokens, out.num_output_tokens,
+                                                                         out.error)
+    return total
+
+
+def wait_idle(engine: Engine, timeout: float = 30.0) -> bool:
+    """Until the engine has nothing queued or running (tests)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = engine.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and not engine._tracked:
+            return True
+        time.sleep(0.01)
+    return False

@@ -1,0 +1,156 @@
+"""The engine without HTTP, on the embedded default model: outputs equal offline generation, memory comes back."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktrans.engine.engine import Engine, EngineConfig, EngineOverloaded, InvalidRequest, collect, wait_idle
+from ktrans.engine.offline import generate
+from ktrans.engine.sampler import SamplingParams
+
+from .conftest import pools_full
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def prompts(tok, n: int = 6) -> list[list[int]]:
+    return [tok.encode("The quick brown fox " * (k + 1) + str(k)) for k in range(n)]
+
+
+@pytest.fixture()
+def engine(tiny, request):
+    model, tok = tiny
+    kwargs = getattr(request, "param", {})
+    e = Engine(model, tok, EngineConfig(**kwargs)).start()
+    yield e
+    e.stop()
+
+
+@pytest.mark.parametrize("engine", [dict(chunk_size=5, max_batch_size=4),
+                                    dict(chunk_size=16, max_batch_size=8, cache_lens=96, page_size=4)],
+                         indirect=True, ids=["chunked", "preempting"])
+def test_greedy_batch_equals_offline(engine, tiny, reference):
+    _, tok = tiny
+    ps = prompts(tok)
+    streams = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in ps]
+    outs = [collect(s) for s in streams]
+    for p, o in zip(ps, outs):
+        assert o.token_ids == reference(p, 12)
+        assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+    if engine.kv.page_size == 4:
+        assert engine.scheduler.num_preemptions > 0, "the tiny cache should have forced preemption"
+    assert wait_idle(engine) and pools_full(engine)
+
+
+@pytest.mark.parametrize("engine", [dict(max_batch_size=2, chunk_size=8)], indirect=True)
+def test_hundred_submitted_then_aborted_leave_pools_full(engine, tiny):
+    _, tok = tiny
+    streams = [engine.submit(tok.encode(f"request {i} " * (1 + i % 7)), SamplingParams(max_tokens=50))
+               for i in range(100)]
+    for s in streams:
+        engine.abort(s.request_id)
+    outs = [collect(s) for s in streams]
+    assert all(o.finished for o in outs)
+    assert {o.finish_reason for o in outs} <= {"abort", "length", "stop"}
+    assert wait_idle(engine) and pools_full(engine)
+
+
+def test_echo_scores_equal_offline(engine, tiny):
+    model, tok = tiny
+    p = tok.encode("Scoring a prompt, token by token.")
+    off = generate(model, p, 3, GREEDY, echo=True, chunk_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, logprobs=2)
+    out = collect(engine.submit(p, params))
+    assert len(out.prompt_logprobs) == len(p) - 1
+    for mine, ref, tok_id in zip(out.prompt_logprobs, off.prompt_logprobs, p[1:]):
+        assert mine.token_id == tok_id
+        assert mine.logprob == pytest.approx(ref[tok_id], abs=1e-4)
+        assert len(mine.top) == 2 and max(mine.top.values()) >= mine.logprob - 1e-6
+    assert [e.token_id for e in out.logprobs] == out.token_ids == off.output_ids
+    only = collect(engine.submit(p, SamplingParams(max_tokens=0, prompt_logprobs=0)))  # scoring only
+    assert only.token_ids == [] and only.finish_reason == "length" and len(only.prompt_logprobs) == len(p) - 1
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine, tiny):
+    _, tok = tiny
+    p = tok.encode("Once upon a time")
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=10)
+    alone = collect(engine.submit(p, params)).token_ids
+    noise = [engine.submit(tok.encode("noise " * k), SamplingParams(temperature=1.0, max_tokens=15))
+             for k in range(1, 5)]
+    again = engine.submit(p, params)
+    assert collect(again).token_ids == alone
+    for s in noise:
+        collect(s)
+
+
+def test_stop_token_ids_eos_and_ignore_eos(engine, tiny, reference):
+    _, tok = tiny
+    p = tok.encode("stop here")
+    ref = reference(p, 8)
+    out = collect(engine.submit(p, SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(ref[2],))))
+    assert out.token_ids == ref[:3] and out.finish_reason == "stop" and out.stop_reason == ref[2]
+    out = collect(engine.submit(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+def test_invalid_requests_and_overload(tiny):
+    model, tok = tiny
+    e = Engine(model, tok, EngineConfig(max_model_len=64, cache_lens=64, max_queued_requests=0))
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        e.make_request(list(range(60)), SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        e.make_request([10**7], SamplingParams())
+    with pytest.raises(InvalidRequest, match="empty"):
+        e.make_request([], SamplingParams())
+    assert e.make_request(list(range(60)), SamplingParams()).max_tokens == 4  # the default fills the context
+    with pytest.raises(EngineOverloaded):
+        e.submit([1, 2, 3], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, tok, EngineConfig(max_model_len=100, cache_lens=64))
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine(tiny, monkeypatch):
+    model, tok = tiny
+    e = Engine(model, tok, EngineConfig()).start()
+    try:
+        real = e.model
+        calls = {"n": 0}
+
+        def flaky(batch):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("boom")
+            return real(batch)
+
+        e.model = flaky
+        first = collect(e.submit(tok.encode("a b c"), SamplingParams(temperature=0.0, max_tokens=5)))
+        assert first.finish_reason == "error" and "boom" in first.error
+        assert wait_idle(e) and pools_full(e)
+        second = collect(e.submit(tok.encode("a b c"), SamplingParams(temperature=0.0, max_tokens=5)))
+        assert second.finish_reason == "length" and len(second.token_ids) == 5
+    finally:
+        e.stop()
+
+
+def test_penalties_reach_the_sampler(engine, tiny):
+    _, tok = tiny
+    p = tok.encode("repeat repeat repeat")
+    out = collect(engine.submit(p, SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=2.0,
+                                                  presence_penalty=2.0, ignore_eos=True)))
+    plain = collect(engine.submit(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
+    assert len(out.token_ids) == 12
+    assert len(set(out.token_ids)) >= len(set(plain.token_ids))
+    assert torch.tensor(out.token_ids).unique().numel() == len(out.token_ids)  # no token twice under the penalty
+
+
+def test_cache_size_from_a_memory_fraction(tiny):
+    from ktrans.runtime.pools import KVPool
+    from ktrans.api.server import ServeOptions, cache_lens_for_fraction, engine_config
+
+    model, _ = tiny
+    tokens = cache_lens_for_fraction(model, 0.001, num_slots=4)
+    assert tokens > 0 and tokens * KVPool.bytes_per_token(model.config, torch.float32) < 0.01 * 2**40
+    assert engine_config(ServeOptions(cache_memory_fraction=0.001), model).cache_lens > 0
+    with pytest.raises(ValueError, match="cache_memory_fraction"):
+        cache_lens_for_fraction(model, 1.5, num_slots=4)
