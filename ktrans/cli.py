@@ -344,10 +344,12 @@ def _make_tiny_gguf(args: argparse.Namespace, d: dict) -> int:
     t0 = time.perf_counter()
     if args.preset in FLOAT_PRESETS:
         from ktrans.model.tiny import random_state_dict
+        from ktrans.tokenizer.gguf import gguf_tokenizer_metadata
         from ktrans.weights.gguf_writer import write_gguf
 
         path = write_gguf(args.out, config, random_state_dict(config, args.seed, args.router), args.quant,
-                          legacy_ssm_in=args.legacy_ssm_in, dense=args.dense, tokenizer=Tokenizer.default())
+                          legacy_ssm_in=args.legacy_ssm_in, dense=args.dense,
+                          extra_metadata=gguf_tokenizer_metadata(Tokenizer.default(), config))
         how = "fp32 weights quantized"
     else:
         from ktrans.model.random_gguf import write_random_gguf
