@@ -54,8 +54,12 @@ class ForwardBatch:
     states: StatePool
     is_decode: bool = False      # every sequence is a one-token decode step: operators use their generate op
     slots: list[int] = field(default_factory=list)  # state_slots on the host (plan with these, never read the tensor)
+    kv_lens_t: torch.Tensor | None = None      # [B] int64 kv_lens on the batch's device (ModelRunner batches)
+    cu_seqlens_t: torch.Tensor | None = None   # [B + 1] int64 cu_seqlens on the batch's device (ModelRunner batches)
     _cu: torch.Tensor | None = field(default=None, repr=False)
     _on: dict | None = field(default=None, repr=False)  # device -> copy of this batch there (shared by all copies)
+
+    INDEX_FIELDS = _INDEX_FIELDS
 
     @property
     def phase(self) -> str:
@@ -80,6 +84,8 @@ class ForwardBatch:
             self._on = {self.device: self}
         if device not in self._on:
             moved = {f: getattr(self, f).to(device) for f in _INDEX_FIELDS}
+            moved.update({f: getattr(self, f).to(device) for f in ("kv_lens_t", "cu_seqlens_t")
+                          if getattr(self, f) is not None})
             self._on[device] = dataclasses.replace(self, **moved, _cu=self._cu, _on=self._on)
         return self._on[device]
 
@@ -135,42 +141,67 @@ class ForwardBatch:
     @classmethod
     def build(cls, chunks: list[SeqChunk], kv: KVPool, states: StatePool, is_decode: bool | None = None,
               device: str | torch.device = "cpu") -> "ForwardBatch":
-        if not chunks:
-            raise ValueError("a ForwardBatch needs at least one sequence")
-        page = kv.page_size
-        ids, pos, slots, logit_idx = [], [], [], []
-        offset = 0
-        for c in chunks:
-            n = len(c.token_ids)
-            if n == 0:
-                raise ValueError("a sequence in a ForwardBatch has no new tokens")
-            end = c.cached_len + n
-            if kv.pages_for(end) > len(c.pages):
-                raise ValueError(f"sequence needs {kv.pages_for(end)} KV pages for {end} tokens, has {len(c.pages)}")
-            ids.extend(c.token_ids)
-            p = range(c.cached_len, end)
-            pos.extend(p)
-            slots.extend(c.pages[t // page] * page + t % page for t in p)
-            if c.logits == "last":
-                logit_idx.append(offset + n - 1)
-            elif c.logits == "all":
-                logit_idx.extend(range(offset, offset + n))
-            elif c.logits != "none":
-                raise ValueError(f"SeqChunk.logits must be 'last', 'all' or 'none', got {c.logits!r}")
-            offset += n
+        """A batch of new tensors (tests, one-off forwards); the engine's ModelRunner writes into fixed buffers."""
+        f = flatten(chunks, kv, is_decode)
         width = max(1, max(len(c.pages) for c in chunks))
         tables = torch.full((len(chunks), width), -1, dtype=torch.int64)
         for i, c in enumerate(chunks):
             tables[i, : len(c.pages)] = torch.tensor(c.pages, dtype=torch.int64)
-        if is_decode is None:
-            is_decode = all(len(c.token_ids) == 1 and c.cached_len > 0 for c in chunks)
         as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         return cls(
-            input_ids=as_t(ids), positions=as_t(pos), seq_lens=[len(c.token_ids) for c in chunks],
-            cached_lens=[c.cached_len for c in chunks], state_slots=as_t([c.state_slot for c in chunks]),
-            block_tables=tables.to(device), slot_mapping=as_t(slots), logits_indices=as_t(logit_idx),
-            kv=kv, states=states, is_decode=is_decode, slots=[c.state_slot for c in chunks],
+            input_ids=as_t(f.input_ids), positions=as_t(f.positions), seq_lens=f.seq_lens, cached_lens=f.cached_lens,
+            state_slots=as_t(f.slots), block_tables=tables.to(device), slot_mapping=as_t(f.slot_mapping),
+            logits_indices=as_t(f.logits_indices), kv=kv, states=states, is_decode=f.is_decode, slots=f.slots,
         )
+
+
+@dataclass
+class FlatChunks:
+    """A step's sequences flattened into host lists: what a ForwardBatch's index tensors are made of."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]      # KV row of each new token
+    logits_indices: list[int]
+    seq_lens: list[int]
+    cached_lens: list[int]
+    kv_lens: list[int]
+    cu_seqlens: list[int]        # B + 1 offsets
+    slots: list[int]             # state slot per sequence
+    is_decode: bool
+
+
+def flatten(chunks: list[SeqChunk], kv: KVPool, is_decode: bool | None = None) -> FlatChunks:
+    """Check and flatten a step's sequences. ValueError says what does not fit."""
+    if not chunks:
+        raise ValueError("a ForwardBatch needs at least one sequence")
+    page = kv.page_size
+    f = FlatChunks([], [], [], [], [], [], [], [0], [], False)
+    for c in chunks:
+        n = len(c.token_ids)
+        if n == 0:
+            raise ValueError("a sequence in a ForwardBatch has no new tokens")
+        end = c.cached_len + n
+        if kv.pages_for(end) > len(c.pages):
+            raise ValueError(f"sequence needs {kv.pages_for(end)} KV pages for {end} tokens, has {len(c.pages)}")
+        offset = f.cu_seqlens[-1]
+        f.input_ids.extend(c.token_ids)
+        p = range(c.cached_len, end)
+        f.positions.extend(p)
+        f.slot_mapping.extend(c.pages[t // page] * page + t % page for t in p)
+        if c.logits == "last":
+            f.logits_indices.append(offset + n - 1)
+        elif c.logits == "all":
+            f.logits_indices.extend(range(offset, offset + n))
+        elif c.logits != "none":
+            raise ValueError(f"SeqChunk.logits must be 'last', 'all' or 'none', got {c.logits!r}")
+        f.seq_lens.append(n)
+        f.cached_lens.append(c.cached_len)
+        f.kv_lens.append(end)
+        f.cu_seqlens.append(offset + n)
+        f.slots.append(c.state_slot)
+    f.is_decode = all(n == 1 and c > 0 for n, c in zip(f.seq_lens, f.cached_lens)) if is_decode is None else is_decode
+    return f
 
 
 # A context variable, not a global: the engine loop may run in its own thread, each with its own batch.

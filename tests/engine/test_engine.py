@@ -114,7 +114,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny, monkeypatch):
     model, tok = tiny
     e = Engine(model, tok, EngineConfig()).start()
     try:
-        real = e.model
+        real = e.runner.model
         calls = {"n": 0}
 
         def flaky(batch):
@@ -123,7 +123,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny, monkeypatch):
                 raise RuntimeError("boom")
             return real(batch)
 
-        e.model = flaky
+        e.runner.model = flaky
         first = collect(e.submit(tok.encode("a b c"), SamplingParams(temperature=0.0, max_tokens=5)))
         assert first.finish_reason == "error" and "boom" in first.error
         assert wait_idle(e) and pools_full(e)

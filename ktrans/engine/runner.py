@@ -1,0 +1,126 @@
+"""ModelRunner: between the engine and the model. It turns a step's sequences into a ForwardBatch whose index
+tensors live in buffers allocated once, plans the operators, and runs the forward.
+
+Every index tensor of a batch (input ids, positions, KV slot mapping, logits indices, state slots, block tables,
+kv lengths, cu_seqlens) is a view at a fixed offset of one flat int64 buffer on the model's device. A step writes
+them into a pinned host copy of that buffer and moves the used prefix with one asynchronous copy, so the forward
+never reads an index back from the device, and the same addresses serve every step (what a captured CUDA graph
+needs: `run_decode(batch_size)` then replays at fixed addresses). The host copy of the batch goes to operators that
+run on the CPU (`batch.on("cpu")`), so they never copy indices back from the GPU either.
+
+Before the forward, `plan(batch)` is called once on every operator that has one: attention metadata, DeltaNet's
+split of decode rows from prefill sequences, whatever an op derives from the batch's host lists. A decode-only
+step then does no host<->device synchronisation inside the forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ktrans.runtime.batch import ForwardBatch, SeqChunk, flatten
+from ktrans.runtime.pools import KVPool, StatePool
+
+# Fields of the flat index buffer, in order. T: tokens, B: sequences, W: block table width (pages per sequence).
+_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "state_slots", "kv_lens", "cu_seqlens",
+           "block_tables")
+
+
+def plan_operators(model: nn.Module) -> list[nn.Module]:
+    """The modules whose plan(batch) a step calls: every operator (an op's plan is its operator's business)."""
+    from ktrans.operators.base import BaseOperator
+
+    return [m for m in model.modules() if isinstance(m, BaseOperator) and callable(getattr(m, "plan", None))]
+
+
+class ModelRunner:
+    """Builds batches into preallocated buffers and runs the model. One per engine (and per model)."""
+
+    def __init__(self, model: nn.Module, kv: KVPool, states: StatePool, max_num_seqs: int, max_num_tokens: int,
+                 max_pages_per_seq: int, device: torch.device | str | None = None):
+        if min(max_num_seqs, max_num_tokens, max_pages_per_seq) <= 0:
+            raise ValueError("ModelRunner sizes must be positive")
+        self.model = model
+        self.kv, self.states = kv, states
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.max_num_seqs, self.max_num_tokens, self.width = max_num_seqs, max_num_tokens, max_pages_per_seq
+        t, b, w = max_num_tokens, max_num_seqs, max_pages_per_seq
+        sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "logits_indices": t, "state_slots": b,
+                 "kv_lens": b, "cu_seqlens": b + 1, "block_tables": b * w}
+        self.offsets, n = {}, 0
+        for f in _FIELDS:
+            self.offsets[f] = n
+            n += sizes[f]
+        self.size = n
+        pinned = self.device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pinned)
+        self.dev = torch.zeros(n, dtype=torch.int64, device=self.device) if pinned else self.host
+        self._host_np = self.host.numpy()
+        self._copied: torch.cuda.Event | None = None  # the last host->device copy, before the host copy is reused
+        self._planners = plan_operators(model)
+
+    # ---- building a batch -----------------------------------------------------------------------------------------
+    def prepare(self, chunks: list[SeqChunk], is_decode: bool | None = None) -> ForwardBatch:
+        """The step's ForwardBatch on the model's device, its index tensors views of the runner's buffers."""
+        b = len(chunks)
+        if b > self.max_num_seqs:
+            raise ValueError(f"{b} sequences in a step, the runner holds {self.max_num_seqs} (--max_batch_size)")
+        f = flatten(chunks, self.kv, is_decode)
+        for c in chunks:
+            if len(c.pages) > self.width:
+                raise ValueError(f"sequence holds {len(c.pages)} KV pages, the runner's block tables hold "
+                                 f"{self.width} (--max_model_len)")
+        t = f.cu_seqlens[-1]
+        if t > self.max_num_tokens:
+            raise ValueError(f"{t} tokens in a step, the runner holds {self.max_num_tokens} (--chunk_size)")
+
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer (it always has by now)
+        h, o = self._host_np, self.offsets
+        for name, values in (("input_ids", f.input_ids), ("positions", f.positions), ("slot_mapping", f.slot_mapping),
+                             ("logits_indices", f.logits_indices), ("state_slots", f.slots),
+                             ("kv_lens", f.kv_lens), ("cu_seqlens", f.cu_seqlens)):
+            h[o[name]: o[name] + len(values)] = values
+        tables = h[o["block_tables"]: o["block_tables"] + b * self.width].reshape(b, self.width)
+        tables.fill(-1)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.pages)] = c.pages
+        used = o["block_tables"] + b * self.width
+        if self.dev is not self.host:
+            self.dev[:used].copy_(self.host[:used], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+        sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "logits_indices": len(f.logits_indices),
+                 "state_slots": b, "kv_lens": b, "cu_seqlens": b + 1}
+        meta = dict(seq_lens=f.seq_lens, cached_lens=f.cached_lens, kv=self.kv, states=self.states,
+                    is_decode=f.is_decode, slots=f.slots)
+
+        def views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+            out = {f: buf[o[f]: o[f] + n] for f, n in sizes.items()}
+            out["block_tables"] = buf[o["block_tables"]: used].view(b, self.width)
+            return out
+
+        host_v = views(self.host)
+        host_batch = ForwardBatch(**{f: host_v[f] for f in ForwardBatch.INDEX_FIELDS}, **meta, _cu=host_v["cu_seqlens"],
+                                  kv_lens_t=host_v["kv_lens"], cu_seqlens_t=host_v["cu_seqlens"])
+        if self.dev is self.host:
+            return host_batch
+        dev_v = views(self.dev)
+        batch = ForwardBatch(**{f: dev_v[f] for f in ForwardBatch.INDEX_FIELDS}, **meta, _cu=host_v["cu_seqlens"],
+                             kv_lens_t=dev_v["kv_lens"], cu_seqlens_t=dev_v["cu_seqlens"])
+        batch._on = {self.device: batch, torch.device("cpu"): host_batch}
+        host_batch._on = batch._on
+        return batch
+
+    # ---- running --------------------------------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch) -> None:
+        for m in self._planners:
+            m.plan(batch)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""
+        self.plan(batch)
+        return self.model(batch)
+
+    def step(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        return self.forward(self.prepare(chunks))
