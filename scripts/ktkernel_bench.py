@@ -8,7 +8,7 @@ e.g. the venv /opt/ktk-venv made by
     python3 -m venv /opt/ktk-venv && /opt/ktk-venv/bin/pip install kt-kernel==0.7.2
 
 or, on a machine without network, the wheel's kt_kernel/ package and kt_kernel.libs/ put on PYTHONPATH (see
-tools/device_ktkernel.sh). Only kt_kernel's compiled extension is used, loaded the way kt_kernel/__init__.py loads
+scripts/device_ktkernel.sh). Only kt_kernel's compiled extension is used, loaded the way kt_kernel/__init__.py loads
 it (kt_kernel._cpu_detect: best variant for this CPU, KT_KERNEL_CPU_VARIANT overrides); the extension does not
 link libtorch, so any recent torch serves for the buffers.
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Full-size baseline on the lent H200 machine (doc/benchmarks.md, "Full size: the baseline"), in three device calls
 # made back to back (each within ~30 s of the last, so /dev/shm and the llama.cpp build survive):
-#   bash tools/device_e2e_baseline.sh setup   write the random 80B Q4_K_M file to /dev/shm (timed), the machine's
-#                                             limits, a 4-layer smoke run of bench e2e; then build llama-bench
-#                                             (carry .llama: the trimmed llama.cpp of llama-cpp-python 0.3.36) while
-#                                             the GPU rules try to load the full file (their error is the record)
-#   bash tools/device_e2e_baseline.sh ktrans  bench e2e at full size: serve rules with the experts on the CPU in both
-#                                             phases (batch 1 at 512 tokens; 1,4,16 at 64), the shipped serve rules
-#   bash tools/device_e2e_baseline.sh peers   the CPU rules, then llama-bench on the same file (-ngl 99 -ot exps=CPU,
-#                                             -ngl 99, -ngl 0 at pp512, pp4096, tg64)
+#   bash scripts/device_e2e_baseline.sh setup   write the random 80B Q4_K_M file to /dev/shm (timed), the machine's
+#                                               limits, a 4-layer smoke run of bench e2e; then build llama-bench
+#                                               (carry .llama: the trimmed llama.cpp of llama-cpp-python 0.3.36) while
+#                                               the GPU rules try to load the full file (their error is the record)
+#   bash scripts/device_e2e_baseline.sh ktrans  bench e2e at full size: serve rules with the experts on the CPU in both
+#                                               phases (batch 1 at 512 tokens; 1,4,16 at 64), the shipped serve rules
+#   bash scripts/device_e2e_baseline.sh peers   the CPU rules, then llama-bench on the same file (-ngl 99 -ot exps=CPU,
+#                                               -ngl 99, -ngl 0 at pp512, pp4096, tg64)
 # Every result is a JSON or text file under $OUT; the output's tail has the short lines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5 on the lent GPU machine's CPU (16-core Xeon, python 3.12, torch 2.11, no network): our CPU MoE
-# (`ktrans bench moe`) next to KTransformers' kt-kernel 0.7.2 llamafile backend (tools/ktkernel_bench.py) on the same
+# (`ktrans bench moe`) next to KTransformers' kt-kernel 0.7.2 llamafile backend (scripts/ktkernel_bench.py) on the same
 # random Q4_K Qwen3-Next blocks, runs interleaved (ours, theirs, ours, theirs, ...). Results under $OUT.
 #
 # kt-kernel cannot be installed there (no network; its wheel is 101 MB and pins torch 2.9.1), but its extension
@@ -15,7 +15,7 @@
 # (a missing variant falls back to the next lower one: amx -> avx512_bf16 -> vbmi -> vnni -> base -> avx2).
 #
 # Call it from the device tool with carry [".ktk"] (plus whatever else the run needs), e.g.
-#   bash tools/device_ktkernel.sh
+#   bash scripts/device_ktkernel.sh
 # Env: THREADS (kt-kernel compute threads, default 16,15,8; its dispatcher thread busy-waits on top of them),
 #      OURS_THREADS (default 16), TOKENS (default 1,256), ROUNDS (default 2), SKIP_CHECK=1 (skip the correctness
 #      check), SKIP_BUILD=1 (ktrans already built there), KT_KERNEL_CPU_VARIANT (force a kt-kernel variant).
@@ -55,7 +55,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_CHECK:-0}" != 1 ]; then
-  python3 tools/ktkernel_bench.py --check --check-threads 8 > "$OUT/ktk_check.log" 2>&1
+  python3 scripts/ktkernel_bench.py --check --check-threads 8 > "$OUT/ktk_check.log" 2>&1
   echo "kt-kernel correctness check: exit $?"; grep '^{' "$OUT/ktk_check.log" | cut -c1-200
 fi
 
@@ -65,7 +65,7 @@ for r in $(seq 1 "$ROUNDS"); do
   ktrans bench moe --shape qwen3-next --quant q4_k --tokens "$TOKENS" --threads "$OURS_THREADS" --json 2>>"$OUT/ours.err" \
     | sed "s/^{/{\"round\": $r, \"impl\": \"ktrans\", /" | tee -a "$OUT/runs.jsonl"
   echo "# round $r kt-kernel $(date -u +%T) load $(cut -d' ' -f1 /proc/loadavg)"
-  python3 tools/ktkernel_bench.py --threads "$THREADS" --tokens "$TOKENS" 2>>"$OUT/ktk.err" \
+  python3 scripts/ktkernel_bench.py --threads "$THREADS" --tokens "$TOKENS" 2>>"$OUT/ktk.err" \
     | sed "s/^{/{\"round\": $r, /" | tee -a "$OUT/runs.jsonl"
 done
 

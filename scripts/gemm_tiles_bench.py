@@ -1,7 +1,7 @@
 """One thread, the raw Q4_K gemm kernel: row kernels vs AVX-512 VNNI tiles vs AMX tiles vs the fused kernels on
 Q4_K repacked 16 rows at a time (x16) (tuning aid).
 
-Usage: python3 tools/gemm_tiles_bench.py [--isa avx512|avx2]  -> one JSON line per (M, k, N) with ms per mode and
+Usage: python3 scripts/gemm_tiles_bench.py [--isa avx512|avx2]  -> one JSON line per (M, k, N) with ms per mode and
 the speedups over the row kernels (AMX only on the avx512 path of a CPU that has it, x16 where the path reads it).
 """
 import argparse

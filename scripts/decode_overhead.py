@@ -1,6 +1,6 @@
 """Where a 1-token MoE call's wall time goes (diagnostics): Python wrapper, C++ submit, the pool's work, the tail.
 
-Usage: python3 tools/decode_overhead.py [--threads N]  -> one JSON line of medians in microseconds:
+Usage: python3 scripts/decode_overhead.py [--threads N]  -> one JSON line of medians in microseconds:
   forward_us   CPUMoE.forward as the model calls it
   raw_us       the pybind submit + pool.wait alone (no Python wrapper)
   submit_us    the pybind submit call alone (routing, buffers, activation quantization, posting the job)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine's CPU: the Q4_K prefill tiles (AMX, AVX-512 VNNI, row kernels) and the decode
 # step's per-thread timeline under the prefetch/task-split knobs. JSON lines under $OUT.
-# Usage: bash tools/device_moe_tuning.sh   (after the build; THREADS defaults to all cores)
+# Usage: bash scripts/device_moe_tuning.sh   (after the build; THREADS defaults to all cores)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,4 +26,4 @@ bench() { ktrans bench moe --shape qwen3-next --quant q4_k --threads "$T" --json
   echo '# KTRANS_GU_TASKS=16 KTRANS_DN_TASKS=8'; KTRANS_GU_TASKS=16 KTRANS_DN_TASKS=8 bench --tokens 1,4 --trace
 } | tee "$OUT/decode.jsonl" | cut -c1-600
 # where a 1-token call's time goes, with the default and the non-temporal prefetch
-{ python3 tools/decode_overhead.py; KTRANS_PREFETCH_HINT=nta python3 tools/decode_overhead.py; } | tee "$OUT/overhead.jsonl"
+{ python3 scripts/decode_overhead.py; KTRANS_PREFETCH_HINT=nta python3 scripts/decode_overhead.py; } | tee "$OUT/overhead.jsonl"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Serve a random-weight `small` Q4_K_M GGUF under given rules and run `ktrans bench serve` against it.
-# Usage: bash tools/device_serve_bench.sh RULES.yaml PORT [bench args...]   (results under $OUT)
+# Usage: bash scripts/device_serve_bench.sh RULES.yaml PORT [bench args...]   (results under $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; rules=$1; port=$2; shift 2
 name=$(basename "$rules" .yaml)

