@@ -35,9 +35,12 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ktrans.engine.offline import generate
+    """One prompt through a one-request Engine, stepped on this thread (the server's own step, not a second loop)."""
+    from ktrans.engine.engine import Engine
     from ktrans.engine.sampler import SamplingParams
-    from ktrans.model.source import ModelSource, load_model, load_tokenizer, parse_dtype
+    from ktrans.inject import load_model
+    from ktrans.inject.rules import load_rules
+    from ktrans.model.source import ModelSource, parse_dtype
 
     if args.optimize_config_path and args.device != "cpu":
         raise CliError("--device places the plain model; with --optimize_config_path the rules place every module")
@@ -46,24 +49,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("give exactly one of --prompt, --prompt_ids, --chat")
     if args.max_new_tokens < 0:
         raise CliError(f"--max_new_tokens must be >= 0, got {args.max_new_tokens}")
+    if args.chunk_size < 0:
+        raise CliError(f"--chunk_size must be >= 0, got {args.chunk_size}")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                logprobs=args.logprobs)
+                                logprobs=args.logprobs, max_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+                                prompt_logprobs=args.logprobs if args.echo else None)
     except ValueError as e:
         raise CliError(f"--{str(e).split()[0]}: {e}") from None
-    source = ModelSource(args.model_path, args.gguf_path)
     t0 = time.perf_counter()
-    tok = load_tokenizer(source)
+    opened = ModelSource(args.model_path, args.gguf_path).open()
+    tok = opened.tokenizer
     if args.optimize_config_path:
-        from ktrans.inject import load_injected_model
-        from ktrans.inject.rules import load_rules
-
         rules = load_rules(args.optimize_config_path)
-        model, config, _ = load_injected_model(source, rules, parse_dtype(args.dtype, rules.uses_cuda),
-                                               show_progress=not args.json)
+        model, _ = load_model(opened, parse_dtype(args.dtype, rules.uses_cuda), rules=rules,
+                              show_progress=not args.json)
     else:
-        model, config = load_model(source, parse_dtype(args.dtype, args.device.startswith("cuda")), args.device,
-                                   show_progress=not args.json)
+        model, _ = load_model(opened, parse_dtype(args.dtype, args.device.startswith("cuda")), args.device,
+                              show_progress=not args.json)
+    config = model.config
     load_s = time.perf_counter() - t0
 
     if args.prompt_ids is not None:
@@ -79,28 +83,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(f"--prompt_ids: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     if not prompt_ids:
         raise CliError("the prompt is empty")
-    stop = set() if args.ignore_eos else set(tok.eos_token_ids) | set(config.eos_token_id)
-    res = generate(model, prompt_ids, args.max_new_tokens, params, stop_token_ids=stop, echo=args.echo,
-                   chunk_size=args.chunk_size)
-    text = tok.decode(res.output_ids, skip_special_tokens=True)
+    engine = Engine.for_one_request(model, tok, len(prompt_ids) + args.max_new_tokens, args.chunk_size)
+    res, timings = engine.generate(prompt_ids, params)
+    if res.error:
+        raise CliError(res.error)
+    text = tok.decode(res.token_ids, skip_special_tokens=True)
     if args.json:
         out = {
-            "prompt_ids": res.prompt_ids,
-            "output_ids": res.output_ids,
+            "prompt_ids": prompt_ids,
+            "output_ids": res.token_ids,
             "text": text,
             "finish_reason": res.finish_reason,
-            "logprobs": [{str(k): v for k, v in d.items()} for d in res.logprobs],
-            "timings": {"load_s": load_s, **res.timings},
+            "logprobs": [_scores(lp) for lp in res.logprobs] if args.logprobs else [],
+            "timings": {"load_s": load_s, **timings},
         }
         if args.echo:
-            out["prompt_logprobs"] = [{str(k): v for k, v in d.items()} for d in res.prompt_logprobs]
+            out["prompt_logprobs"] = [_scores(lp) for lp in res.prompt_logprobs or []]
         print(json.dumps(out, ensure_ascii=False))
     else:
         print(text)
-        t = res.timings
-        print(f"[prefill {len(prompt_ids)} tok {t['prefill_tokens_per_s']:.1f} tok/s, decode "
-              f"{len(res.output_ids)} tok {t['decode_tokens_per_s']:.1f} tok/s, {res.finish_reason}]", file=sys.stderr)
+        print(f"[prefill {len(prompt_ids)} tok {timings['prefill_tokens_per_s']:.1f} tok/s, decode "
+              f"{len(res.token_ids)} tok {timings['decode_tokens_per_s']:.1f} tok/s, {res.finish_reason}]",
+              file=sys.stderr)
     return 0
+
+
+def _scores(lp) -> dict[str, float]:
+    """A TokenLogprob as `ktrans generate --json` prints it: {token id: logprob} of the top-K and the chosen one."""
+    d = {str(k): v for k, v in lp.top.items()}
+    d[str(lp.token_id)] = lp.logprob
+    return d
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

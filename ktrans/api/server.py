@@ -52,11 +52,13 @@ def load(opts: ServeOptions, show_progress: bool = True):
     """(model, tokenizer, model name, injection) for the options.
 
     The model is built under --optimize_config_path, or under the CPU rules when neither rules nor a --device
-    other than cpu are given (the embedded default model with no flags at all). `injection` is None for a plain
-    model on --device.
+    other than cpu are given (the embedded default model with no flags at all), else under the default rules on
+    --device.
     """
     from ktrans.config import RULES_DIR
-    from ktrans.model.source import ModelSource, load_model, load_tokenizer, parse_dtype
+    from ktrans.inject import load_model
+    from ktrans.inject.rules import load_rules
+    from ktrans.model.source import ModelSource, parse_dtype
 
     if opts.backend_type != "balance_serve":
         raise ValueError(f"--backend_type {opts.backend_type!r}: ktrans serves with 'balance_serve' only")
@@ -69,21 +71,17 @@ def load(opts: ServeOptions, show_progress: bool = True):
     from ktrans.kernels import cpu
 
     cpu.get_pool(threads)  # before the model is built: each KExpertsCPU layer binds the pool it is given
-    source = ModelSource(opts.model_path, opts.gguf_path)
-    tokenizer = load_tokenizer(source)
+    opened = ModelSource(opts.model_path, opts.gguf_path).open()
+    tokenizer = opened.tokenizer  # before the weights: a bad tokenizer fails fast
     rules_path = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
-    injection = None
     if rules_path:
-        from ktrans.inject import load_injected_model
-        from ktrans.inject.rules import load_rules
-
         rules = load_rules(rules_path)
-        model, _, injection = load_injected_model(source, rules, parse_dtype(opts.dtype, rules.uses_cuda),
-                                                  show_progress=show_progress)
-    else:
+        model, injection = load_model(opened, parse_dtype(opts.dtype, rules.uses_cuda), rules=rules,
+                                      show_progress=show_progress)
+    else:  # the default rules on --device
         dtype = parse_dtype(opts.dtype, opts.device.startswith("cuda"))
-        model, _ = load_model(source, dtype, opts.device, show_progress=show_progress)
-    name = opts.served_model_name or (Path(opts.gguf_path).stem if opts.gguf_path else source.resolve_dir().name)
+        model, injection = load_model(opened, dtype, opts.device, show_progress=show_progress)
+    name = opts.served_model_name or opened.name
     return model, tokenizer, name, injection
 
 
@@ -154,7 +152,7 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
     memory = {d: [f"weights {_mib(b)}"] for d, b in weights.items()}
     memory.setdefault(str(kv.k[0].device if kv.k else "cpu"), []).append(f"KV cache {_mib(kv.nbytes)}")
     memory.setdefault(str(st.conv[0].device if st.conv else "cpu"), []).append(f"DeltaNet states {_mib(st.nbytes)}")
-    placement = (f"rules {rules}" if injection is not None else f"every module on {opts.device} (no rules)")
+    placement = f"rules {rules}" if rules else f"every module on {opts.device} (the default rules)"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     lines = [
         f"ktrans serve: {name}: {c.num_hidden_layers} layers ({n_attn} full attention, {n_lin} Gated DeltaNet), "
@@ -193,7 +191,8 @@ def run(opts: ServeOptions) -> None:
     app = OpenAIServer(engine, tokenizer, name, opts.api_key, metrics,
                        max_request_body_bytes=opts.max_request_body_bytes).build_app()
     url = f"http://{opts.host}:{opts.port}"
-    rules = opts.optimize_config_path or "Qwen3Next-cpu.yaml (the default on the CPU)"
+    rules = opts.optimize_config_path or ("Qwen3Next-cpu.yaml (the default on the CPU)" if opts.device == "cpu" else
+                                          f"Qwen3Next-default.yaml (every module on {opts.device}, reference ops)")
     print(summary(engine, name, opts, injection, rules), file=sys.stderr)
     print(f"  loaded in {time.perf_counter() - t0:.1f} s; serving the OpenAI API at {url}/v1 (model {name!r})\n"
           f"  try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "

@@ -245,6 +245,33 @@ class Engine:
             elif (t := self._tracked.get(item)) is not None:
                 self._end(t, RequestStatus.FINISHED_ABORTED)
 
+    @classmethod
+    def for_one_request(cls, model, tokenizer, num_tokens: int, chunk_size: int = 0) -> "Engine":
+        """An engine sized for one request of `num_tokens` (prompt + output) tokens, for generate(): a prefill
+        chunk of `chunk_size` tokens per step (0: the whole prompt in one)."""
+        return cls(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=chunk_size or num_tokens,
+                                                  cache_lens=num_tokens, max_model_len=num_tokens))
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestOutput, dict[str, float]]:
+        """One request run to its end on the caller's thread, through this engine's own steps (`ktrans generate`,
+        tests): submit, then poll() until idle. Not beside the loop thread. Returns the joined output and timings
+        (prefill: until the first token; decode: after it). Raises InvalidRequest as submit does."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("Engine.generate steps the engine itself; it cannot run beside start()'s thread")
+        stream = self.submit(prompt_ids, params)
+        t0 = time.monotonic()  # the clock Request stamps its tokens with
+        self._drain_inbox()
+        tracked = self._tracked.get(stream.request_id)
+        while self.poll():
+            pass
+        out, end = collect(stream), time.monotonic()
+        first = (tracked.req.first_token_time if tracked is not None else None) or end
+        prefill_s, decode_s = first - t0, end - first
+        n_dec = max(len(out.token_ids) - 1, 0)
+        return out, {"prefill_s": prefill_s, "decode_s": decode_s,
+                     "prefill_tokens_per_s": len(prompt_ids) / max(prefill_s, 1e-9),
+                     "decode_tokens_per_s": n_dec / decode_s if n_dec and decode_s > 0 else 0.0}
+
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> None:
         sched = self.scheduler.schedule()  # 1. which requests, how many tokens each (may preempt)

@@ -10,8 +10,9 @@ Every placed module hands its output back on its caller's device unless its rule
 residual stream stays on the device of the plain code that adds to it. Operators move tensors themselves; kept
 (plain) modules get forward hooks that do the same, installed only when the placement spans several devices.
 
-`build_injected_model` is the entry point: validate devices (a rule that needs a missing GPU fails here, never
-falls back), build on meta, inject, build the ops (an op not built yet fails here, before any weight is read), load.
+`build_injected_model` does it all: validate devices (a rule that needs a missing GPU fails here, never falls
+back), build on meta, inject, build the ops (an op not built yet fails here, before any weight is read), load.
+`ktrans.inject.load_model` calls it for a ModelSource, with the default rules when none are given.
 """
 from __future__ import annotations
 
@@ -187,10 +188,17 @@ def plain_specs(inj: Injection) -> list[tuple[ParamSpec, torch.device]]:
     return out
 
 
+def progress(items, total: int, desc: str, enabled: bool = True):
+    """A tqdm bar on stderr when enabled."""
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit="module", dynamic_ncols=True, leave=False)
+
+
 def load_weights(model: nn.Module, inj: Injection, source: WeightSource, dtype: torch.dtype,
                  show_progress: bool = False) -> None:
-    from ktrans.weights.hf import progress
-
     for p in inj.operators():
         try:
             p.operator.build_ops(source)  # before any tensor is read: a missing op fails fast
@@ -234,27 +242,6 @@ def build_injected_model(config: ModelConfig, rules: RuleSet | str | Path, sourc
     injection = inject(model, rules, default_device)
     load_weights(model, injection, source, dtype, show_progress)
     return model.eval(), injection
-
-
-def load_injected_model(source, rules: RuleSet | str | Path, dtype: torch.dtype = torch.float32,
-                        default_device: str | None = None, show_progress: bool = True):
-    """`ktrans generate --optimize_config_path`: a ModelSource (GGUF, HF directory or the default model) under rules.
-
-    Returns (model, config, injection)."""
-    if source.gguf_path:
-        from ktrans.weights.gguf_source import GGUFSource
-        from ktrans.weights.source import GGUFWeightSource
-
-        weights = GGUFWeightSource(GGUFSource(source.gguf_path))
-        config = weights.config
-    else:
-        from ktrans.weights.hf import HFWeightSource
-
-        model_dir = source.resolve_dir()
-        config = ModelConfig.from_json(model_dir / "config.json")
-        weights = HFWeightSource(model_dir, config)
-    model, injection = build_injected_model(config, rules, weights, dtype, default_device, show_progress)
-    return model, config, injection
 
 
 def pool_devices(model: nn.Module) -> tuple[torch.device, torch.device]:

@@ -19,14 +19,13 @@ load_arch_tensors / build_qkvz / build_layer_attn_linear) define the layout this
     lm_head                 output.weight, or token_embd.weight when output is absent (tied)
 
 Routed-expert tensors are not dequantized at load: `get_raw_experts` hands their blocks to the CPU kernels in
-place. `get` dequantizes everything else (and single experts, for the plain torch model).
+place, and `get_raw` any tensor's blocks (for quantized GPU linears). `get` dequantizes (for the torch ops).
 """
 from __future__ import annotations
 
 import logging
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -36,11 +35,11 @@ import torch
 from ktrans.config import FULL_ATTENTION, LINEAR_ATTENTION, ConfigError, ModelConfig
 from ktrans.weights.gguf import GGUFError, GGUFModelFile, TensorInfo
 from ktrans.weights.quants import UnsupportedQuantError, dequantize, quant_type
+from ktrans.weights.source import EXPERT_KINDS, RawExperts, RawTensor, WeightSource, float_bytes
 
 log = logging.getLogger(__name__)
 
 ARCH = "qwen3next"
-EXPERT_KINDS = ("gate", "up", "down")
 _DEQUANT_CHUNK = 1 << 22  # values dequantized per step
 _VIEW_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -76,21 +75,6 @@ _GLOBAL_TENSORS = {
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
-@dataclass(frozen=True)
-class RawExperts:
-    """A layer's stacked routed-expert matrices as stored: `data` is uint8 [E, rows, row_bytes] (a view of the
-    mapped file; for a fused gate_up tensor, a strided view of its half), `shape` the logical [E, rows, cols]."""
-
-    data: torch.Tensor
-    ggml_type: int
-    shape: tuple[int, int, int]
-    name: str  # the GGUF tensor it comes from
-
-    @property
-    def type_name(self) -> str:
-        return quant_type(self.ggml_type).name
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -179,12 +163,14 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, TensorInfo], sourc
 # ---------------------------------------------------------------------------------------------- source
 
 
-class GGUFSource:
-    """Weights of a Qwen3-Next GGUF under HF names: `get` for dense tensors, `get_raw_experts` for the CPU kernels."""
+class GGUFSource(WeightSource):
+    """Weights of a Qwen3-Next GGUF under HF names: `get` for dense tensors, `get_raw` / `get_raw_experts` for the
+    blocks as stored."""
 
     def __init__(self, path: str | Path):
         self.file = GGUFModelFile(path)
         self.path = self.file.path
+        self.description = str(self.path)
         self.config = config_from_gguf(self.file.metadata, self.file.tensors, str(self.path))
 
     @property
@@ -241,6 +227,12 @@ class GGUFSource:
         if how == "regroup_qkvz":
             return gname in self.file and f"blk.{layer}.attn_gate.weight" in self.file
         return gname in self.file
+
+    def require(self, hf_name: str, shape: tuple[int, ...], dtype: torch.dtype | None,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+        if hf_name not in self:
+            self.get(hf_name)  # raises the GGUFError that names the file's tensor and the parameter
+        return super().require(hf_name, shape, dtype, device)
 
     def tensor_type(self, hf_name: str) -> str:
         """The ggml type name of the stored tensor behind `hf_name` (for placement reports)."""
@@ -317,10 +309,12 @@ class GGUFSource:
             return t.reshape(1, -1)
         return t
 
-    def _regroup_qkvz(self, i: int) -> torch.Tensor:
-        """HF in_proj_qkvz from the split layout: rows [q(all heads) | k | v] + z -> per key head [q_h|k_h|v_h|z_h]."""
+    def _regroup_qkvz(self, i: int, raw: bool = False) -> torch.Tensor:
+        """HF in_proj_qkvz from the split layout: rows [q(all heads) | k | v] + z -> per key head [q_h|k_h|v_h|z_h].
+        raw: move the stored rows (whole blocks each; both tensors of one type) instead of float values."""
         c = self.config
-        qkv, z = self._float(f"blk.{i}.attn_qkv.weight").float(), self._float(f"blk.{i}.attn_gate.weight").float()
+        read = self._raw_torch if raw else (lambda name: self._float(name).float())
+        qkv, z = read(f"blk.{i}.attn_qkv.weight"), read(f"blk.{i}.attn_gate.weight")
         nk, dk, dv, r = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, \
             c.linear_num_value_heads // c.linear_num_key_heads
         if qkv.shape[0] != c.conv_dim or z.shape[0] != c.linear_value_dim:
@@ -328,15 +322,55 @@ class GGUFSource:
                             f"{z.shape[0]} rows, expected {c.conv_dim} / {c.linear_value_dim} for this config")
         h = qkv.shape[1]
         q, k, v = qkv.split([nk * dk, nk * dk, nk * r * dv])
-        grouped = torch.cat([q.view(nk, dk, h), k.view(nk, dk, h), v.view(nk, r * dv, h), z.view(nk, r * dv, h)], 1)
+        grouped = torch.cat([q.reshape(nk, dk, h), k.reshape(nk, dk, h), v.reshape(nk, r * dv, h),
+                             z.reshape(nk, r * dv, h)], 1)
         return grouped.reshape(-1, h)
 
-    def _fused_attention_part(self, i: int, which: str) -> torch.Tensor:
+    def _fused_attention_rows(self, which: str) -> tuple[int, int]:
+        """(first row, rows) of q (with its gate), k or v in a fused attention attn_qkv tensor."""
         c = self.config
         q_rows, kv_rows = 2 * c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        start = {"q": 0, "k": q_rows, "v": q_rows + kv_rows}[which]
-        n = q_rows if which == "q" else kv_rows
+        return {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}[which]
+
+    def _fused_attention_part(self, i: int, which: str) -> torch.Tensor:
+        start, n = self._fused_attention_rows(which)
         return self._float(f"blk.{i}.attn_qkv.weight", rows=slice(start, start + n))
+
+    # ---- raw blocks ---------------------------------------------------------------------------------
+    def get_raw(self, hf_name: str) -> RawTensor:
+        """Parameter `hf_name` as stored, in HF layout (see RawTensor): a view of the mapped blocks where the GGUF
+        keeps HF's rows (a reshape, a row range of a fused tensor or one expert of a stacked one is still a view);
+        the split attn_qkv + attn_gate rows regrouped (a copy); norms and A_log, which the file stores as other
+        values, as HF's F32 values."""
+        try:
+            gname, how, layer = self._locate(hf_name)
+        except GGUFError as e:
+            raise GGUFError(f"{e} (needed for {hf_name})") from None
+        if how.startswith("expert:"):
+            _, kind, e = how.split(":")
+            name, rows = self._expert_tensor(layer, kind)
+            info, data = self.file.info(name), self._raw_torch(name)[int(e)]
+            data = data[rows] if rows is not None else data
+            return RawTensor(hf_name, info.ggml_type, (data.shape[0], info.shape[-1]), data)
+        if how == "regroup_qkvz" and self.file.info(gname).ggml_type == \
+                self.file.info(f"blk.{layer}.attn_gate.weight").ggml_type:
+            info = self.file.info(gname)
+            data = self._regroup_qkvz(layer, raw=True)
+            return RawTensor(hf_name, info.ggml_type, (data.shape[0], info.shape[-1]), data)
+        if how.startswith("fused_qkv:"):
+            start, n = self._fused_attention_rows(how[-1])
+            info = self.file.info(gname)
+            return RawTensor(hf_name, info.ggml_type, (n, info.shape[-1]), self._raw_torch(gname)[start:start + n])
+        if how in ("", "conv", "row"):  # HF's values; at most the shape differs
+            info, data = self.file.info(gname), self._raw_torch(gname)
+            if how == "conv":  # [C, K] -> [C, 1, K]
+                return RawTensor(hf_name, info.ggml_type, (info.shape[0], 1, info.shape[-1]), data.unsqueeze(1))
+            if how == "row":  # [H] or [1, H] -> [1, H]
+                return RawTensor(hf_name, info.ggml_type, (1, info.shape[-1]), data.reshape(1, -1))
+            return RawTensor(hf_name, info.ggml_type, tuple(info.shape), data)
+        t = self._get(hf_name, None).float()  # stored as other values (or regrouped across types): HF's, in F32
+        ggml_type, data = float_bytes(t)
+        return RawTensor(hf_name, ggml_type, tuple(t.shape), data)
 
     # ---- experts ------------------------------------------------------------------------------------
     def get_raw_experts(self, layer: int, kind: str) -> RawExperts:
@@ -368,7 +402,7 @@ class GGUFSource:
         return torch.stack([self._float(name, rows, expert=e, dtype=dtype).to(dtype) for e in range(n)])
 
     # ---- bookkeeping --------------------------------------------------------------------------------
-    def unused_tensors(self, hf_names: Iterable[str]) -> list[str]:
+    def unused(self, hf_names: Iterable[str]) -> list[str]:
         """GGUF tensors the given parameters do not use (multi-token-prediction blocks excluded)."""
         used = set()
         for n in hf_names:
@@ -391,18 +425,3 @@ class GGUFSource:
         return [t for t in self.file.tensors if t not in used
                 and not ((m := mtp.match(t)) and int(m[1]) >= trunk) and t != "rope_freqs.weight"]
 
-
-def load_gguf_weights(model: torch.nn.Module, source: GGUFSource, dtype: torch.dtype,
-                      device: str | torch.device = "cpu", show_progress: bool = True) -> None:
-    """Materialize every parameter of the (meta) plain model from the GGUF, experts dequantized per expert."""
-    from ktrans.weights.hf import materialize
-
-    names = [n for n, _ in model.named_parameters()]
-    extra = source.unused_tensors(names)
-    if extra:
-        log.warning("%s: %d tensors not used by the model, e.g. %s", source.path, len(extra), extra[:3])
-
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:  # dequantize straight into the target dtype
-        return source.get(name, torch.float32 if name.endswith(("A_log", "dt_bias")) else dtype)
-
-    materialize(model, get, dtype, device, show_progress, desc=f"loading {source.path.name}")

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from ktrans.engine.engine import Engine, EngineConfig
-from ktrans.engine.offline import generate
 from ktrans.engine.sampler import SamplingParams
 from ktrans.api.server import BackgroundServer, ServeOptions, load
 
@@ -21,16 +20,17 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def reference(tiny):
-    """Greedy offline generation, the oracle for the server: reference(prompt_ids, n) -> output ids."""
+    """Greedy generation alone, as `ktrans generate` runs it (a one-request engine, prompt in one pass), the oracle
+    for batched, chunked and preempted serving: reference(prompt_ids, n) -> output ids."""
     model, tok = tiny
-    stop = set(tok.eos_token_ids) | set(model.config.eos_token_id)
     cache: dict = {}
 
     def ref(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(prompt_ids), max_new_tokens)
         if key not in cache:
-            cache[key] = generate(model, prompt_ids, max_new_tokens, SamplingParams(temperature=0.0),
-                                  stop_token_ids=stop).output_ids
+            engine = Engine.for_one_request(model, tok, len(prompt_ids) + max_new_tokens)
+            out, _ = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
+            cache[key] = out.token_ids
         return cache[key]
 
     return ref

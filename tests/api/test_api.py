@@ -205,11 +205,10 @@ def test_chat_logprobs(client, tiny, reference):
 
 def test_echo_with_prompt_logprobs(client, tiny):
     model, tok = tiny
-    from ktrans.engine.offline import generate
-    from ktrans.engine.sampler import SamplingParams
+    from ..model.helpers import prompt_logprobs
 
     ids = tok.encode("Score this prompt please")
-    off = generate(model, ids, 1, SamplingParams(temperature=0.0), echo=True)
+    direct = prompt_logprobs(model, ids)  # one forward, no engine
     for max_tokens in (0, 1):  # 0: what loglikelihood evaluations send, scoring only
         r = client.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens, temperature=0, echo=True,
                                       logprobs=1)
@@ -217,7 +216,7 @@ def test_echo_with_prompt_logprobs(client, tiny):
         assert len(lp.tokens) == len(ids) + max_tokens
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         for k, tid in enumerate(ids[1:], start=1):
-            assert lp.token_logprobs[k] == pytest.approx(off.prompt_logprobs[k - 1][tid], abs=1e-4)
+            assert lp.token_logprobs[k] == pytest.approx(direct[k - 1], abs=1e-4)
         assert r.choices[0].text.startswith(tok.decode(ids))
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
@@ -277,11 +276,11 @@ def test_models_health_tokenize_metrics(server, client, tiny):
 
 def test_startup_summary(server):
     from ktrans.config import RULES_DIR
-    from ktrans.inject import load_injected_model
+    from ktrans.inject import load_model
     from ktrans.api.server import ServeOptions, summary
     from ktrans.model.source import ModelSource
 
-    _, _, injection = load_injected_model(ModelSource(), RULES_DIR / "Qwen3Next-cpu.yaml", show_progress=False)
+    _, injection = load_model(ModelSource(), rules=RULES_DIR / "Qwen3Next-cpu.yaml", show_progress=False)
     text = summary(server.engine, "tiny", ServeOptions(), injection, "Qwen3Next-cpu.yaml")
     for words in ("placement  rules Qwen3Next-cpu.yaml", "KQwen3NextAttention", "prefill cpu", "KV cache",
                   "pages of 16", "states     8 slots", "--chunk_size 64"):

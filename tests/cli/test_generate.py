@@ -9,7 +9,7 @@ import pytest
 
 from ktrans.cli import main
 
-from ..model.helpers import load, make_checkpoint
+from ..model.helpers import generate, load, make_checkpoint, prompt_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +53,28 @@ def test_echo_scores_the_prompt(ckpt, capsys):
     assert len(out["prompt_logprobs"]) == 4  # every prompt position after the first
     for pos, tok in zip(out["prompt_logprobs"], [8, 7, 6, 5]):
         assert str(tok) in pos and all(v <= 0 for v in pos.values())
-    # scoring the same text as a continuation gives the same numbers as echo
-    model = load(ckpt)
-    from ktrans.engine.offline import generate
-    from ktrans.engine.sampler import SamplingParams
+    # the same numbers as the model's own log-softmax over one direct forward
+    direct = prompt_logprobs(load(ckpt), [9, 8, 7, 6, 5])
+    for pos, tok, want in zip(out["prompt_logprobs"], [8, 7, 6, 5], direct):
+        assert abs(pos[str(tok)] - want) < 1e-5
 
-    res = generate(model, [9, 8, 7, 6, 5], 0, SamplingParams(temperature=0, logprobs=1), echo=True)
-    assert abs(res.prompt_logprobs[0][8] - out["prompt_logprobs"][0]["8"]) < 1e-6
+
+def test_chunked_prefill_and_stop_tokens(ckpt, tmp_path, capsys):
+    """--chunk_size feeds the prompt to the engine in chunks of that many tokens: the same greedy tokens. An
+    end-of-text token ends the output (kept in output_ids, finish_reason stop) unless --ignore_eos."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    args = ["--prompt_ids", ",".join(map(str, prompt)), "--max_new_tokens", "8"]
+    a = run_json(capsys, "--model_path", str(ckpt), *args)
+    b = run_json(capsys, "--model_path", str(ckpt), *args, "--chunk_size", "3")
+    assert a["output_ids"] == b["output_ids"] == generate(load(ckpt), prompt, 8).token_ids
+    assert a["finish_reason"] == "length"
+    eos = a["output_ids"][3]
+    first = a["output_ids"].index(eos)
+    with_eos = make_checkpoint(tmp_path, "small", seed=2, eos_token_id=eos)  # same weights, this eos
+    c = run_json(capsys, "--model_path", str(with_eos), *args)
+    assert c["output_ids"] == a["output_ids"][:first + 1] and c["finish_reason"] == "stop"
+    d = run_json(capsys, "--model_path", str(with_eos), *args, "--ignore_eos")
+    assert d["output_ids"] == a["output_ids"] and d["finish_reason"] == "length"
 
 
 def test_default_model_chat(capsys):

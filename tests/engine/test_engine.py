@@ -1,13 +1,14 @@
-"""The engine without HTTP, on the embedded default model: outputs equal offline generation, memory comes back."""
+"""The engine without HTTP, on the embedded default model: batched outputs equal one request alone (`ktrans
+generate`'s one-request engine), prompt scores equal a direct forward, memory comes back."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from ktrans.engine.engine import Engine, EngineConfig, EngineOverloaded, InvalidRequest, collect, wait_idle
-from ktrans.engine.offline import generate
 from ktrans.engine.sampler import SamplingParams
 
+from ..model.helpers import generate, prompt_logprobs
 from .conftest import pools_full
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -29,7 +30,7 @@ def engine(tiny, request):
 @pytest.mark.parametrize("engine", [dict(chunk_size=5, max_batch_size=4),
                                     dict(chunk_size=16, max_batch_size=8, cache_lens=96, page_size=4)],
                          indirect=True, ids=["chunked", "preempting"])
-def test_greedy_batch_equals_offline(engine, tiny, reference):
+def test_greedy_batch_equals_alone(engine, tiny, reference):
     _, tok = tiny
     ps = prompts(tok)
     streams = [engine.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in ps]
@@ -55,18 +56,19 @@ def test_hundred_submitted_then_aborted_leave_pools_full(engine, tiny):
     assert wait_idle(engine) and pools_full(engine)
 
 
-def test_echo_scores_equal_offline(engine, tiny):
+def test_echo_scores_equal_a_direct_forward(engine, tiny):
     model, tok = tiny
     p = tok.encode("Scoring a prompt, token by token.")
-    off = generate(model, p, 3, GREEDY, echo=True, chunk_size=4)
+    direct = prompt_logprobs(model, p)
+    alone = generate(model, p, 3, GREEDY, tokenizer=tok, chunk_size=4)  # ktrans generate --chunk_size 4
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, logprobs=2)
     out = collect(engine.submit(p, params))
     assert len(out.prompt_logprobs) == len(p) - 1
-    for mine, ref, tok_id in zip(out.prompt_logprobs, off.prompt_logprobs, p[1:]):
+    for mine, ref, tok_id in zip(out.prompt_logprobs, direct, p[1:]):
         assert mine.token_id == tok_id
-        assert mine.logprob == pytest.approx(ref[tok_id], abs=1e-4)
+        assert mine.logprob == pytest.approx(ref, abs=1e-4)
         assert len(mine.top) == 2 and max(mine.top.values()) >= mine.logprob - 1e-6
-    assert [e.token_id for e in out.logprobs] == out.token_ids == off.output_ids
+    assert [e.token_id for e in out.logprobs] == out.token_ids == alone.token_ids
     only = collect(engine.submit(p, SamplingParams(max_tokens=0, prompt_logprobs=0)))  # scoring only
     assert only.token_ids == [] and only.finish_reason == "length" and len(only.prompt_logprobs) == len(p) - 1
 

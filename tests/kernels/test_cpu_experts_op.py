@@ -10,12 +10,13 @@ from ktrans.config import RULES_DIR, ModelConfig
 from ktrans.inject import build_injected_model, parse_rules
 from ktrans.model.tiny import preset_config, random_state_dict
 from ktrans.operators.experts import EXPERT_OPS
-from ktrans.engine.offline import generate
 from ktrans.engine.sampler import SamplingParams
 from ktrans.weights.gguf_source import GGUFSource
 from ktrans.weights.gguf_writer import write_gguf
 from ktrans import _cpu
-from ktrans.weights.source import GGUFWeightSource, StateDictSource
+from ktrans.weights.source import StateDictSource
+
+from ..model.helpers import generate
 
 CPU_RULES = (RULES_DIR / "Qwen3Next-cpu.yaml").read_text()  # as shipped: KExpertsCPU in both phases
 TORCH_RULES = CPU_RULES.replace('_op: "KExpertsCPU"', '_op: "KExpertsTorch"')
@@ -37,7 +38,7 @@ def tiny():
 def gguf_source(request, tiny, tmp_path_factory):
     config, state = tiny
     path = write_gguf(tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf", config, state, request.param)
-    return request.param, GGUFWeightSource(GGUFSource(path))
+    return request.param, GGUFSource(path)
 
 
 def build(config, source, rules_text):
@@ -46,7 +47,7 @@ def build(config, source, rules_text):
 
 
 def greedy(model, prompt, n):
-    return generate(model, prompt, n, SamplingParams(temperature=0.0), chunk_size=0).output_ids
+    return generate(model, prompt, n, SamplingParams(temperature=0.0, ignore_eos=True)).token_ids
 
 
 def test_op_is_registered():

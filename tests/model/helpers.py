@@ -1,6 +1,7 @@
 """Shared helpers for model tests: small random checkpoints and running prompts through ForwardBatch."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -8,7 +9,8 @@ import torch
 from ktrans.model.tiny import write_tiny_model
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
-from ktrans.model.source import ModelSource, load_model
+from ktrans.inject import load_model
+from ktrans.model.source import ModelSource
 
 # A second shape besides the `small` preset: more key heads, a GQA ratio of 4, a dense MLP layer, attention first,
 # head_dim not a power of two, conv kernel 3, top-1 routing without renormalisation.
@@ -30,8 +32,37 @@ def make_checkpoint(tmp: Path, preset: str = "small", seed: int = 0, **overrides
 
 
 def load(path: Path, dtype=torch.float32):
+    """The plain model: the default rules (every module on the CPU, reference ops)."""
     model, _ = load_model(ModelSource(model_path=str(path)), dtype, show_progress=False)
     return model
+
+
+def generate(model, prompt_ids: list[int], max_new_tokens: int, params=None, tokenizer=None, chunk_size: int = 0):
+    """`ktrans generate`'s path: a one-request Engine stepped on this thread. Greedy unless params say otherwise;
+    the built-in tokenizer unless given (its end-of-text ids lie outside the small test vocabularies)."""
+    import dataclasses
+
+    from ktrans.engine.engine import Engine
+    from ktrans.engine.sampler import SamplingParams
+
+    params = dataclasses.replace(params or SamplingParams(temperature=0.0), max_tokens=max_new_tokens)
+    engine = Engine.for_one_request(model, tokenizer or default_tokenizer(), len(prompt_ids) + max_new_tokens,
+                                    chunk_size)
+    return engine.generate(prompt_ids, params)[0]
+
+
+@functools.cache
+def default_tokenizer():
+    from ktrans.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer.default()
+
+
+def prompt_logprobs(model, prompt_ids: list[int]) -> list[float]:
+    """log p(token i+1 | tokens ..i) for each prompt position, from one direct forward (no engine)."""
+    logits = run_chunks(model, [prompt_ids])[0][0].float()
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return lp.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist()
 
 
 def pools(model, num_slots: int, tokens_per_seq: int, page_size: int = 8) -> tuple[KVPool, StatePool]:

@@ -10,7 +10,7 @@ from ktrans.model.tiny import preset_config
 from ktrans.weights.gguf import GGUFError, GGUFModelFile
 from ktrans.tokenizer.gguf import CONTROL, NORMAL, UNUSED, USER_DEFINED, tokenizer_from_gguf
 from ktrans.model.convert import write_vocab_gguf
-from ktrans.model.source import ModelSource, load_tokenizer
+from ktrans.model.source import ModelSource
 from ktrans.tokenizer.tokenizer import Tokenizer
 
 from .test_tokenizer import CHATS, CORPUS, _ref_dir
@@ -35,7 +35,7 @@ def vocab_gguf(hf_tokenizer, config, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gguf_tok(vocab_gguf):
-    return load_tokenizer(ModelSource(gguf_path=str(vocab_gguf)))
+    return ModelSource(gguf_path=str(vocab_gguf)).open().tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_special_ids(gguf_tok, hf_tokenizer):
 
 def test_model_path_tokenizer_wins(vocab_gguf, tmp_path):
     Tokenizer.default().write_hf_files(tmp_path)
-    tok = load_tokenizer(ModelSource(model_path=str(tmp_path), gguf_path=str(vocab_gguf)))
+    tok = ModelSource(model_path=str(tmp_path), gguf_path=str(vocab_gguf)).open().tokenizer
     assert tok.special_ids == Tokenizer.default().special_ids  # from the HF files: <|fim_prefix|> not special
 
 

@@ -44,9 +44,10 @@ mode, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 if mode == "baseline":  # the interpreter, torch and ktrans imported, nothing loaded
     from ktrans.weights.gguf_source import GGUFSource
-    from ktrans.model.source import ModelSource, load_model
+    from ktrans.inject import load_model
 elif mode == "plain":
-    from ktrans.model.source import ModelSource, load_model
+    from ktrans.inject import load_model
+    from ktrans.model.source import ModelSource
     model, _ = load_model(ModelSource(gguf_path=path), torch.bfloat16, show_progress=False)
 else:
     from ktrans.weights.gguf_source import GGUFSource

@@ -12,7 +12,8 @@ from ktrans.weights.gguf import GGUFModelFile
 from ktrans.weights.gguf_source import GGUFSource
 from ktrans.weights.gguf_writer import split_gguf, write_gguf
 from ktrans.model.convert import convert_hf_dir
-from ktrans.model.source import ModelSource, load_model
+from ktrans.inject import load_model
+from ktrans.model.source import ModelSource
 from ktrans.weights.quants import dequantize_torch
 from ktrans.weights.safetensors_mmap import SafetensorsCheckpoint
 
@@ -47,8 +48,8 @@ def assert_same_params(a, b):
     one float32 ulp of 1) and -exp(A_log) (A_log within a few ulp)."""
     pb = dict(b.named_parameters())
     assert set(pb) == {n for n, _ in a.named_parameters()}
-    for name, p in a.named_parameters():
-        q = pb[name]
+    for op_name, p in a.named_parameters():
+        q, name = pb[op_name], op_name.replace(".op.", ".")  # the HF name: the default rules' ops hold the weights
         assert p.shape == q.shape and p.dtype == q.dtype, name
         if name.endswith(ZERO_CENTRED):
             assert (p - q).abs().max() <= 2.0**-23, name
@@ -181,7 +182,7 @@ def test_older_files_and_fused_experts(hf_dir, hf_model, tmp_path):
     got = load_gguf(path)
     assert got.config == hf_model.config
     for (name, p), q in zip(hf_model.named_parameters(), got.parameters()):
-        if name.endswith("mlp.gate.weight"):
+        if name.replace(".op.", ".").endswith("mlp.gate.weight"):
             torch.testing.assert_close(q, p.half().float(), rtol=0, atol=0)
         elif "experts." in name:
             assert torch.equal(p, q), name
@@ -216,7 +217,7 @@ def test_raw_experts_are_views_of_the_file(tmp_path):
 
 
 def test_random_preset_writes_without_a_checkpoint(tmp_path):
-    """make-tiny's path: a preset's random state straight to GGUF; bf16 loads as zero-copy views."""
+    """make-tiny's path: a preset's random state straight to GGUF; bf16 reads as zero-copy views."""
     from ktrans.config import ModelConfig
     from ktrans.model.tiny import SMALL_OVERRIDES, preset_config
 
@@ -224,8 +225,9 @@ def test_random_preset_writes_without_a_checkpoint(tmp_path):
     cfg = ModelConfig.from_hf_dict(d)
     path = write_gguf(tmp_path / "b.gguf", cfg, random_state_dict(cfg, 0), "bf16")
     model = load_gguf(path, torch.bfloat16)
-    w = model.model.layers[0].mlp.experts[1].up_proj.weight
-    assert w.dtype == torch.bfloat16 and not w.untyped_storage().resizable()
+    w = model.model.layers[0].mlp.experts.op.w["up_proj"][1]
+    stored = GGUFSource(path).get("model.layers.0.mlp.experts.1.up_proj.weight", torch.bfloat16)
+    assert w.dtype == torch.bfloat16 and torch.equal(w, stored) and not stored.untyped_storage().resizable()
     assert [t == FULL_ATTENTION for t in model.config.layer_types].count(True) == 2
 
 

@@ -15,7 +15,8 @@ from ktrans.weights.gguf import GGUFError, GGUFModelFile
 from ktrans.weights.gguf_source import GGUFSource
 from ktrans.weights.gguf_writer import GGUFWriter, Typed, split_gguf
 from ktrans.model.convert import convert_hf_dir
-from ktrans.model.source import ModelSource, load_model
+from ktrans.inject import load_model
+from ktrans.model.source import ModelSource
 
 from ..model.helpers import make_checkpoint
 

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ktrans.weights.safetensors_mmap import CheckpointError, SafetensorsCheckpoint
-from ktrans.model.source import ModelSource, load_model
+from ktrans.inject import load_model
+from ktrans.model.source import ModelSource
 
 from ..model.helpers import load, make_checkpoint
 
@@ -20,7 +21,7 @@ def ckpt(tmp_path_factory):
 
 def test_fp32_params_are_memory_mapped_views(ckpt):
     model = load(ckpt)
-    w = model.model.layers[0].mlp.experts[3].up_proj.weight
+    w = model.model.layers[0].mlp.experts.op.w["up_proj"][3]
     ref = load_file(str(ckpt / "model.safetensors"))["model.layers.0.mlp.experts.3.up_proj.weight"]
     assert torch.equal(w, ref)
     mapped = SafetensorsCheckpoint(ckpt).get("model.layers.0.mlp.experts.3.up_proj.weight")
@@ -29,8 +30,8 @@ def test_fp32_params_are_memory_mapped_views(ckpt):
 
 def test_bfloat16_load(ckpt):
     model, _ = load_model(ModelSource(model_path=str(ckpt)), torch.bfloat16, show_progress=False)
-    assert model.lm_head.weight.dtype == torch.bfloat16
-    assert model.model.layers[0].linear_attn.A_log.dtype == torch.float32
+    assert model.lm_head.op.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].linear_attn.op.A_log.dtype == torch.float32
 
 
 def test_sharded_checkpoint_loads_the_same(ckpt, tmp_path):

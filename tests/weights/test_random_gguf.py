@@ -192,18 +192,21 @@ def test_real_slice_loads_under_cpu_rules_and_generates(real_slice):
     import torch
 
     from ktrans.config import RULES_DIR
-    from ktrans.inject import load_injected_model
-    from ktrans.engine.offline import generate
     from ktrans.engine.sampler import SamplingParams
+    from ktrans.inject import load_model
     from ktrans.model.source import ModelSource
 
-    model, config, _ = load_injected_model(ModelSource(None, str(real_slice)), RULES_DIR / "Qwen3Next-cpu.yaml",
-                                           torch.float32, show_progress=False)
+    from ..model.helpers import generate
+
+    model, _ = load_model(ModelSource(None, str(real_slice)), torch.float32, rules=RULES_DIR / "Qwen3Next-cpu.yaml",
+                          show_progress=False)
+    config = model.config
     assert config.num_hidden_layers == 4 and config.num_experts == 512 and config.hidden_size == 2048
     prompt = [9707, 11, 1879, 0, 151644, 77091, 198]
-    runs = [generate(model, prompt, 6, SamplingParams(temperature=0.0)) for _ in range(2)]
-    assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 6
-    assert all(0 <= t < config.vocab_size for t in runs[0].output_ids)
-    scored = generate(model, prompt, 0, SamplingParams(temperature=0.0, logprobs=2), echo=True)
-    lp = [v for d in scored.prompt_logprobs for v in d.values()]
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    runs = [generate(model, prompt, 6, greedy) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 6
+    assert all(0 <= t < config.vocab_size for t in runs[0].token_ids)
+    scored = generate(model, prompt, 0, SamplingParams(temperature=0.0, prompt_logprobs=2))
+    lp = [v for e in scored.prompt_logprobs for v in (e.logprob, *e.top.values())]
     assert lp and all(np.isfinite(lp)) and len(set(np.round(lp, 3))) > 1  # finite, and not a flat distribution
