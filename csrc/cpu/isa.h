@@ -14,7 +14,7 @@ struct IsaInfo {
   bool amx_int8 = false;
   bool amx_bf16 = false;
   bool amx_denied = false;  // the CPU has AMX but the kernel refused tile-data permission
-  bool amd = false;         // vendor AuthenticAMD (a tuning default differs, see g_x16_prefetch_bytes)
+  bool amd = false;         // vendor AuthenticAMD (a tuning default differs: MoEConfig::x16_prefetch_bytes)
 };
 
 const IsaInfo& isa();

@@ -40,8 +40,7 @@ inline __m256i bcast_u8_as_16(__m256i v, int i) {
 
 // ---- Q8_0 x ACT_Q8_0: |w| * sign(a, w) keeps maddubs' unsigned x signed form exact.
 template <int C>
-void row_q8_0(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_q8_0(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   __m256 acc[C];
   const int8_t* aq[C];
   const float* ad[C];
@@ -52,7 +51,7 @@ void row_q8_0(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / QK8_0; ++b, w += 34) {
-    prefetch_ahead<34>(w, pf_end);
+    prefetch_ahead<34>(w, pf);
     const __m256i wq = loadu(w + 2);
     const __m256i wabs = _mm256_sign_epi8(wq, wq);
     const float dw = f16(w);
@@ -89,8 +88,7 @@ inline __m256i legacy_q(const uint8_t* blk) {
 }
 
 template <int T, int C>
-void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_legacy(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   constexpr LegacyLayout L = legacy_layout(T);
   __m256 acc[C];
   float mins[C];
@@ -100,7 +98,7 @@ void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* o
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < k / QK8_0; ++b, w += L.bytes) {
-    prefetch_ahead<L.bytes>(w, pf_end);
+    prefetch_ahead<L.bytes>(w, pf);
     const __m256i q = legacy_q<T>(w);
     const float d = f16(w), m = legacy_min(w, L);
     for (int c = 0; c < C; ++c) {
@@ -114,15 +112,14 @@ void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* o
 
 // ---- Q4_K / Q5_K x ACT_Q8K. Per 64 values j: low nibbles are sub-block 2j, high nibbles 2j+1.
 template <bool Q5, int C>
-void row_q45_k(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_q45_k(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   constexpr int kBytes = Q5 ? 176 : 144;
   __m256 acc[C], macc[C];
   for (int c = 0; c < C; ++c) acc[c] = macc[c] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i bit0 = _mm256_set1_epi8(0x01);
   for (int64_t b = 0; b < k / QK_K; ++b, w += kBytes) {
-    prefetch_ahead<kBytes>(w, pf_end);
+    prefetch_ahead<kBytes>(w, pf);
     const __m256i scm = _mm256_broadcastsi128_si256(k4_scales_mins(w + 4));
     // each min twice as int16 (bsums are per 16 values): lane 0 takes m0-m3, lane 1 m4-m7
     const __m256i mins = _mm256_shuffle_epi8(scm, _mm256_setr_epi8(8, -1, 8, -1, 9, -1, 9, -1, 10, -1, 10, -1, 11, -1, 11, -1,
@@ -162,14 +159,13 @@ void row_q45_k(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
 // ---- Q6_K x ACT_Q8K. Per 128 values: ql[0..31] low nibbles are 0-31, ql[32..63] low 32-63, high nibbles
 // 64-95 and 96-127; qh[l] holds the two high bits of those four values. Scales are per 16 values.
 template <int C>
-void row_q6_k(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_q6_k(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i m30 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < k / QK_K; ++b, w += 210) {
-    prefetch_ahead<210>(w, pf_end);
+    prefetch_ahead<210>(w, pf);
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
     __m256i sumi[C];
     for (int c = 0; c < C; ++c) sumi[c] = _mm256_setzero_si256();
@@ -224,8 +220,7 @@ inline float scalar_w(const uint8_t* w, int64_t i) {
 }
 
 template <int T, int C>
-void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_float(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   __m256 acc0[C], acc1[C];
   const float* x[C];
   for (int c = 0; c < C; ++c) {
@@ -234,7 +229,7 @@ void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
   }
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    prefetch_ahead<(T == GGML_F32 ? 4 : 2) * 16>(w + (T == GGML_F32 ? 4 : 2) * i, pf_end);
+    prefetch_ahead<(T == GGML_F32 ? 4 : 2) * 16>(w + (T == GGML_F32 ? 4 : 2) * i, pf);
     const __m256 w0 = load8<T>(w, i), w1 = load8<T>(w, i + 8);
     for (int c = 0; c < C; ++c) {
       acc0[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[c] + i), acc0[c]);
@@ -250,7 +245,7 @@ void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
 
 // ---- dispatch
 
-using RowFn = void (*)(const uint8_t*, const uint8_t* const*, int64_t, float*, size_t);
+using RowFn = void (*)(Prefetch, const uint8_t*, const uint8_t* const*, int64_t, float*, size_t);
 
 template <int C>
 RowFn row_fn(int t) {
@@ -278,20 +273,20 @@ RowFn row_fn(int t, int c) {
   }
 }
 
-void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-          size_t ldc) {
+void gemm(const MoEConfig& cfg, int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
+          int64_t k, float* c, size_t ldc) {
   // prefill: 8 rows at a time (1.1-1.2x the row kernels from 16 activation rows on a 512 x 2048 matrix, 1.2-1.4x
   // on the small blocks of a down projection)
-  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= std::max(tile_min_tokens(), kAvx2TileMinTokens)) {
+  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= std::max(cfg.tile_min_tokens, kAvx2TileMinTokens)) {
     gemm_k4_tiles_avx2(t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
     return;
   }
-  set_rows_end(w + M * ldw);
-  prefetch_start(w, M * ldw);
+  const Prefetch pf = call_prefetch(cfg, w, M * ldw, cfg.prefetch_bytes);
+  prefetch_start(w, M * ldw, pf.dist);
   for (int n0 = 0; n0 < N; n0 += 4) {
     const int nc = N - n0 < 4 ? N - n0 : 4;
     const RowFn fn = row_fn(t, nc);
-    for (int m = 0; m < M; ++m) fn(w + m * ldw, act + n0, k, c + n0 * ldc + m, ldc);
+    for (int m = 0; m < M; ++m) fn(pf, w + m * ldw, act + n0, k, c + n0 * ldc + m, ldc);
   }
 }
 

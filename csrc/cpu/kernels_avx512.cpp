@@ -61,8 +61,7 @@ inline __m512i pick_u8_as_16(__m512i v, int a, int b) {
 
 // ---- Q8_0 x ACT_Q8_0, two blocks per zmm.
 template <int C>
-void row_q8_0(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_q8_0(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   __m512 acc[C];
   const int8_t* aq[C];
   const float* ad[C];
@@ -74,7 +73,7 @@ void row_q8_0(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out
   const int64_t nb = k / QK8_0;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2, w += 68) {
-    prefetch_ahead<68>(w, pf_end);
+    prefetch_ahead<68>(w, pf);
     const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(loadu256(w + 2)), loadu256(w + 36), 1);
     const __m512i wabs = _mm512_abs_epi8(wq);
     const __mmask64 neg = _mm512_movepi8_mask(wq);
@@ -120,8 +119,7 @@ inline __m256i legacy_q(const uint8_t* blk) {
 }
 
 template <int T, int C>
-void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_legacy(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   constexpr LegacyLayout L = legacy_layout(T);
   __m256 acc[C];
   float mins[C];
@@ -130,7 +128,7 @@ void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* o
     mins[c] = 0.f;
   }
   for (int64_t b = 0; b < k / QK8_0; ++b, w += L.bytes) {
-    prefetch_ahead<L.bytes>(w, pf_end);
+    prefetch_ahead<L.bytes>(w, pf);
     const __m256i q = legacy_q<T>(w);
     const float d = f16(w), m = legacy_min(w, L);
     for (int c = 0; c < C; ++c) {
@@ -145,8 +143,8 @@ void row_legacy(const uint8_t* w, const uint8_t* const* act, int64_t k, float* o
 // ---- Q4_K / Q5_K x ACT_Q8K_P. R rows x C activation rows: a decode step (C = 1) takes 4 rows at once, which
 // shares the activation loads and overlaps four independent dependency chains.
 template <bool Q5, int R, int C>
-void rows_q45_k(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void rows_q45_k(const Prefetch pf, const uint8_t* w, size_t ldw, const uint8_t* const* act,
+                int64_t k, float* out, size_t ldc) {
   constexpr int kBytes = Q5 ? 176 : 144;
   __m512 acc[R * C];
   __m256 macc[R * C];
@@ -163,7 +161,7 @@ void rows_q45_k(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t
   for (int r = 0; r < R; ++r) lane_of[r] = _mm512_add_epi32(_mm512_set1_epi32(4 * r), _mm512_set_epi32(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0));
   for (int64_t b = 0; b < k / QK_K; ++b) {
     // The R rows are read side by side, so prefetch their bytes as one stream, R blocks per step.
-    prefetch_ahead<R * kBytes>(w + b * R * kBytes, pf_end);
+    prefetch_ahead<R * kBytes>(w + b * R * kBytes, pf);
     // Four rows (a decode step): their scale fields unpacked together, one row per 128-bit lane (7% faster on
     // Zen 4 than one row at a time; converting the four rows' fp16 d and dmin together gained nothing more).
     __m512i scm4 = _mm512_setzero_si512();
@@ -218,8 +216,8 @@ void rows_q45_k(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t
 
 // ---- Q6_K x ACT_Q8K. Per 128 values one zmm of ql gives values 0-63 (low nibbles) and 64-127 (high).
 template <int R, int C>
-void rows_q6_k(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void rows_q6_k(const Prefetch pf, const uint8_t* w, size_t ldw, const uint8_t* const* act,
+               int64_t k, float* out, size_t ldc) {
   __m512 acc[R * C];
   for (int i = 0; i < R * C; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -227,7 +225,7 @@ void rows_q6_k(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t 
   const __m512i sh_lo = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);  // << : qh bits (0,1) | (2,3) -> (4,5)
   const __m512i sh_hi = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);  // >> : qh bits (4,5) | (6,7) -> (4,5)
   for (int64_t b = 0; b < k / QK_K; ++b) {
-    prefetch_ahead<R * 210>(w + b * R * 210, pf_end);  // the R rows as one stream, as in rows_q45_k
+    prefetch_ahead<R * 210>(w + b * R * 210, pf);  // the R rows as one stream, as in rows_q45_k
     for (int r = 0; r < R; ++r) {
       const uint8_t* wb = w + r * ldw + b * 210;
       const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192));
@@ -276,8 +274,7 @@ inline __m512 load16(const uint8_t* w, int64_t i, __mmask16 m) {
 }
 
 template <int T, int C>
-void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  const uint8_t* const pf_end = rows_end();
+void row_float(const Prefetch pf, const uint8_t* w, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
   __m512 acc0[C], acc1[C];
   const float* x[C];
   for (int c = 0; c < C; ++c) {
@@ -286,7 +283,7 @@ void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
   }
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    prefetch_ahead<(T == GGML_F32 ? 4 : 2) * 32>(w + (T == GGML_F32 ? 4 : 2) * i, pf_end);
+    prefetch_ahead<(T == GGML_F32 ? 4 : 2) * 32>(w + (T == GGML_F32 ? 4 : 2) * i, pf);
     const __m512 w0 = load16<T>(w, i, 0xffff), w1 = load16<T>(w, i + 16, 0xffff);
     for (int c = 0; c < C; ++c) {
       acc0[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[c] + i), acc0[c]);
@@ -304,12 +301,13 @@ void row_float(const uint8_t* w, const uint8_t* const* act, int64_t k, float* ou
 // ---- dispatch
 
 // Computes R weight rows (stride ldw) against C activation rows: out[c * ldc + r].
-using RowsFn = void (*)(const uint8_t*, size_t, const uint8_t* const*, int64_t, float*, size_t);
+using RowsFn = void (*)(Prefetch, const uint8_t*, size_t, const uint8_t* const*, int64_t, float*, size_t);
 
 // Formats without a multi-row kernel run their single-row one R times.
-template <void (*Row)(const uint8_t*, const uint8_t* const*, int64_t, float*, size_t), int R>
-void repeat_rows(const uint8_t* w, size_t ldw, const uint8_t* const* act, int64_t k, float* out, size_t ldc) {
-  for (int r = 0; r < R; ++r) Row(w + r * ldw, act, k, out + r, ldc);
+template <void (*Row)(Prefetch, const uint8_t*, const uint8_t* const*, int64_t, float*, size_t), int R>
+void repeat_rows(const Prefetch pf, const uint8_t* w, size_t ldw, const uint8_t* const* act,
+                 int64_t k, float* out, size_t ldc) {
+  for (int r = 0; r < R; ++r) Row(pf, w + r * ldw, act, k, out + r, ldc);
 }
 
 template <int R, int C>
@@ -341,27 +339,27 @@ RowsFn rows_fn(int t, int r, int c) {
 
 // Every output element is computed by the same row arithmetic whichever tile it falls in, so the result does not
 // depend on how the rows were split between tasks.
-void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-          size_t ldc) {
+void gemm(const MoEConfig& cfg, int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
+          int64_t k, float* c, size_t ldc) {
   if (is_x16(t)) {  // repacked at load: always the tiles' arithmetic, fused for a few activation rows
-    gemm_k_x16_avx512(t == KT_Q5_K_X16, w, ldw, M, act, N, k, c, ldc);
+    gemm_k_x16_avx512(cfg, t == KT_Q5_K_X16, w, ldw, M, act, N, k, c, ldc);
     return;
   }
-  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= tile_min_tokens()) {  // prefill: 16 rows at a time
-    gemm_k4_tiles_avx512(t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
+  if ((t == GGML_Q4_K || t == GGML_Q5_K) && N >= cfg.tile_min_tokens) {  // prefill: 16 rows at a time
+    gemm_k4_tiles_avx512(cfg, t == GGML_Q5_K, w, ldw, M, act, N, k, c, ldc);
     return;
   }
-  set_rows_end(w + M * ldw);
-  prefetch_start(w, M * ldw);
+  const Prefetch pf = call_prefetch(cfg, w, M * ldw, cfg.prefetch_bytes);
+  prefetch_start(w, M * ldw, pf.dist);
   for (int n0 = 0; n0 < N; n0 += 4) {
     const int nc = N - n0 < 4 ? N - n0 : 4;
     int m = 0;
     if (nc == 1) {
       const RowsFn fn4 = rows_fn(t, 4, 1);
-      for (; m + 4 <= M; m += 4) fn4(w + m * ldw, ldw, act + n0, k, c + n0 * ldc + m, ldc);
+      for (; m + 4 <= M; m += 4) fn4(pf, w + m * ldw, ldw, act + n0, k, c + n0 * ldc + m, ldc);
     }
     const RowsFn fn = rows_fn(t, 1, nc);
-    for (; m < M; ++m) fn(w + m * ldw, ldw, act + n0, k, c + n0 * ldc + m, ldc);
+    for (; m < M; ++m) fn(pf, w + m * ldw, ldw, act + n0, k, c + n0 * ldc + m, ldc);
   }
 }
 

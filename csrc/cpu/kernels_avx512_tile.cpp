@@ -13,37 +13,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include "isa.h"
 #include "prefetch.h"
 #include "quant.h"
 #include "tiles.h"
-
-namespace ktrans {
-namespace {
-
-// Q4_K, one thread (tools/gemm_tiles_bench.py): against the row kernels, the VNNI tiles take 1.0-1.2x at 2-3
-// activation rows, 1.2x at 4, 1.5x at 6-8 and 1.8-2.1x from 16 on (a 512 x 2048 matrix on Zen 4; 1.2-1.3x at 2-3
-// rows on the Xeon, more for the down projection's small blocks). 3 leaves decode steps of 1-2 tokens per expert
-// on the row kernels.
-std::atomic<int> g_tile_min{std::max(1, env_int("KTRANS_TILE_MIN_TOKENS", 3))};
-std::atomic<int> g_amx{env_int("KTRANS_AMX", 1)};
-
-}  // namespace
-
-int tile_min_tokens() { return g_tile_min.load(std::memory_order_relaxed); }
-int set_tile_min_tokens(int n) { return g_tile_min.exchange(std::max(n, 1)); }
-int amx_mode() {
-  const int m = g_amx.load(std::memory_order_relaxed);
-  return m == 2 ? 2 : (m == 1 && isa().amx_int8 ? 1 : 0);
-}
-int set_amx_mode(int mode) { return g_amx.exchange(mode); }
-
-}  // namespace ktrans
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
@@ -287,13 +262,13 @@ void gemm_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
 
 }  // namespace
 
-void gemm_k4_tiles_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
-                          int64_t k, float* c, size_t ldc) {
+void gemm_k4_tiles_avx512(const MoEConfig& cfg, bool q5, const uint8_t* w, size_t ldw, int M,
+                          const uint8_t* const* act, int N, int64_t k, float* c, size_t ldc) {
   // AMX takes activation rows 16 at a time (a partial group is padded) and transposes them once per call, so it
   // pays from 16 rows on and for blocks of at least 128 weight rows (measured on the 16-core Xeon: 2.75x the row
   // kernels at 16 rows of a 512 x 2048 matrix where the VNNI tiles reach 2.0x, but only 0.6-1.2x on the 32 x 512
   // blocks of a down projection task, where the VNNI tiles reach 1.2-2.4x).
-  const int mode = amx_mode();
+  const int mode = amx_mode(cfg.amx);
   switch (mode != 0 && N >= 16 && M >= 128 ? mode : 0) {
     case 1:
       if (q5) gemm_amx<true, true>(w, ldw, M, act, N, k, c, ldc);

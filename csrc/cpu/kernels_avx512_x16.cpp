@@ -7,7 +7,6 @@
 #include <cstring>
 #include <vector>
 
-#include "isa.h"
 #include "prefetch.h"
 #include "quant.h"
 #include "tiles.h"
@@ -161,8 +160,8 @@ inline void x16_superblock(const uint8_t* p, const int8_t* const* a, const uint3
 // Activation rows n0 .. n0 + NT - 1 against rows m0 .. m0 + 15 (the group at p), fused. bsp_all: per activation
 // row, x16_bsum_pairs of each superblock (4 per superblock).
 template <bool Q5, int NT>
-void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t* const* act,
-               const uint32_t* bsp_all, int64_t k, int n0, float* c, size_t ldc) {
+void x16_group(const uint8_t* p, const Prefetch pf, const uint8_t* const* act, const uint32_t* bsp_all, int64_t k,
+               int n0, float* c, size_t ldc) {
   constexpr size_t kSb = x16_sb_bytes(Q5);
   const int64_t nb = k / QK_K;
   const int8_t* a[NT];
@@ -176,7 +175,7 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t*
     acc[n] = macc[n] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b, p += kSb) {
-    prefetch_ahead<kSb>(p, pf_end, dist);
+    prefetch_ahead<kSb>(p, pf);
     float da[NT];
     for (int n = 0; n < NT; ++n) da[n] = dap[n][b];
     x16_superblock<Q5, NT>(p, a, bsp, da, acc, macc);
@@ -185,19 +184,14 @@ void x16_group(const uint8_t* p, const uint8_t* pf_end, int dist, const uint8_t*
   for (int n = 0; n < NT; ++n) _mm512_storeu_ps(c + (n0 + n) * ldc, _mm512_sub_ps(acc[n], macc[n]));
 }
 
-// From this many activation rows on, a Tile is unpacked once per superblock for tile_rows (AMX: gemm_x16_amx, from 16
-// rows); below, fused passes of up to four rows. One thread on Zen 4 (doc/benchmarks.md): the fused passes are
-// 1.15-1.56x the tiles on the original blocks at 5-16 rows, but 0.90-0.98x at 32-256, where the Tile path is 1.02-1.2x.
-int g_x16_tile_from = std::max(1, env_int("KTRANS_X16_TILE_FROM", 24));
-
+// From cfg.x16_tile_from activation rows on, a Tile is unpacked once per superblock for tile_rows (AMX: gemm_x16_amx,
+// from 16 rows); below, fused passes of up to four rows (config.h).
 template <bool Q5>
-void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-              size_t ldc) {
-  set_rows_end(w + M * ldw);
-  const uint8_t* const pf_end = rows_end();
-  const int dist = g_x16_prefetch_bytes;
-  prefetch_start(w, M * ldw, dist);
-  if (N >= g_x16_tile_from) {
+void gemm_x16(const MoEConfig& cfg, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
+              float* c, size_t ldc) {
+  const Prefetch pf = call_prefetch(cfg, w, M * ldw, cfg.x16_prefetch_bytes);
+  prefetch_start(w, M * ldw, pf.dist);
+  if (N >= cfg.x16_tile_from) {
     const TileScratch ts = tile_scratch(act, N, k);
     float* bsf = ts.bsf;
     __m512 *acc = ts.acc, *macc = ts.macc;
@@ -207,7 +201,7 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
       for (int n = 0; n < N; ++n) acc[n] = macc[n] = _mm512_setzero_ps();
       const uint8_t* p = w + m0 * ldw;
       for (int64_t b = 0; b < k / QK_K; ++b, p += kSb) {
-        prefetch_ahead<kSb>(p, pf_end, dist);
+        prefetch_ahead<kSb>(p, pf);
         unpack_tile_x16<Q5>(p, t);
         tile_rows_all(t, act, bsf, k, b, N, acc, macc);
       }
@@ -225,10 +219,10 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
     const uint8_t* p = w + m0 * ldw;
     for (int n0 = 0; n0 < N; n0 += 4) {
       switch (std::min(4, N - n0)) {
-        case 1: x16_group<Q5, 1>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
-        case 2: x16_group<Q5, 2>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
-        case 3: x16_group<Q5, 3>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
-        default: x16_group<Q5, 4>(p, pf_end, dist, act, bsp, k, n0, c + m0, ldc); break;
+        case 1: x16_group<Q5, 1>(p, pf, act, bsp, k, n0, c + m0, ldc); break;
+        case 2: x16_group<Q5, 2>(p, pf, act, bsp, k, n0, c + m0, ldc); break;
+        case 3: x16_group<Q5, 3>(p, pf, act, bsp, k, n0, c + m0, ldc); break;
+        default: x16_group<Q5, 4>(p, pf, act, bsp, k, n0, c + m0, ldc); break;
       }
     }
   }
@@ -241,8 +235,8 @@ void gemm_x16(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, in
 // operations the epilogue repeats in the same order: results bitwise those of the VNNI tiles.
 
 template <bool Q5, bool kHw>
-void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-                  size_t ldc) {
+void gemm_x16_amx(const MoEConfig& cfg, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
+                  int64_t k, float* c, size_t ldc) {
   constexpr size_t kSb = x16_sb_bytes(Q5);
   const int64_t nb = k / QK_K, nsub = k / 32;
   const int G = (N + 15) / 16;  // groups of 16 activation rows, the last one padded with zero rows
@@ -271,10 +265,8 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
       std::fill(dab + n * nb, dab + (n + 1) * nb, 0.f);
     }
   }
-  set_rows_end(w + M * ldw);
-  const uint8_t* const pf_end = rows_end();
-  const int dist = g_x16_prefetch_bytes;
-  prefetch_start(w, M * ldw, dist);
+  const Prefetch pf = call_prefetch(cfg, w, M * ldw, cfg.x16_prefetch_bytes);
+  prefetch_start(w, M * ldw, pf.dist);
   alignas(64) int32_t cbuf[2 * 256];
   Tile t;
   if (kHw) amx_begin();
@@ -282,7 +274,7 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
     for (int i = 0; i < 2 * G * 16; ++i) acc[i] = _mm512_setzero_ps();
     const uint8_t* p = w + m0 * ldw;
     for (int64_t b = 0; b < nb; ++b, p += kSb) {
-      prefetch_ahead<kSb>(p, pf_end, dist);
+      prefetch_ahead<kSb>(p, pf);
       unpack_tile_x16<Q5>(p, t);
       for (int gi = 0; gi < G; ++gi) {
         __m512 P[16];
@@ -315,17 +307,17 @@ void gemm_x16_amx(const uint8_t* w, size_t ldw, int M, const uint8_t* const* act
 
 }  // namespace
 
-void gemm_k_x16_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
-                       float* c, size_t ldc) {
+void gemm_k_x16_avx512(const MoEConfig& cfg, bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act,
+                       int N, int64_t k, float* c, size_t ldc) {
   // AMX under the same conditions as for the original blocks (gemm_k4_tiles_avx512)
-  const int mode = amx_mode();
+  const int mode = amx_mode(cfg.amx);
   if (mode != 0 && N >= 16 && M >= 128) {
-    if (q5) (mode == 1 ? gemm_x16_amx<true, true> : gemm_x16_amx<true, false>)(w, ldw, M, act, N, k, c, ldc);
-    else (mode == 1 ? gemm_x16_amx<false, true> : gemm_x16_amx<false, false>)(w, ldw, M, act, N, k, c, ldc);
+    if (q5) (mode == 1 ? gemm_x16_amx<true, true> : gemm_x16_amx<true, false>)(cfg, w, ldw, M, act, N, k, c, ldc);
+    else (mode == 1 ? gemm_x16_amx<false, true> : gemm_x16_amx<false, false>)(cfg, w, ldw, M, act, N, k, c, ldc);
     return;
   }
-  if (q5) gemm_x16<true>(w, ldw, M, act, N, k, c, ldc);
-  else gemm_x16<false>(w, ldw, M, act, N, k, c, ldc);
+  if (q5) gemm_x16<true>(cfg, w, ldw, M, act, N, k, c, ldc);
+  else gemm_x16<false>(cfg, w, ldw, M, act, N, k, c, ldc);
 }
 
 }  // namespace ktrans

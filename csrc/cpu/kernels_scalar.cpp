@@ -146,8 +146,9 @@ DotFn dot_for(int t) {
   }
 }
 
-void gemm(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-          size_t ldc) {
+// No prefetch and no tiles here: nothing of the config applies.
+void gemm(const MoEConfig&, int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
+          float* c, size_t ldc) {
   const DotFn dot = dot_for(t);
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) c[n * ldc + m] = dot(w + m * ldw, act[n], k);

@@ -46,6 +46,59 @@ struct PyLinear {
   Linear lin;
 };
 
+// MoEConfig <-> dict {field: int, prefetch_clamp: bool}, the form Python's CPUMoEConfig (ktrans/kernels/cpu.py)
+// passes; prefetch_hint is 0 (t0), 1 (t1) or 2 (nta) here.
+constexpr std::pair<const char*, int MoEConfig::*> kIntFields[] = {
+    {"gate_up_tasks", &MoEConfig::gate_up_tasks},
+    {"down_tasks", &MoEConfig::down_tasks},
+    {"down_expert_rows", &MoEConfig::down_expert_rows},
+    {"prefetch_bytes", &MoEConfig::prefetch_bytes},
+    {"prefetch_hint", &MoEConfig::prefetch_hint},
+    {"x16_prefetch_bytes", &MoEConfig::x16_prefetch_bytes},
+    {"tile_min_tokens", &MoEConfig::tile_min_tokens},
+    {"x16_tile_from", &MoEConfig::x16_tile_from},
+    {"amx", &MoEConfig::amx},
+};
+
+py::dict config_dict(const MoEConfig& c) {
+  py::dict d;
+  for (const auto& f : kIntFields) d[f.first] = c.*f.second;
+  d["prefetch_clamp"] = c.prefetch_clamp;
+  return d;
+}
+
+// MoEConfig::defaults() with the fields in `d` replaced, checked (std::invalid_argument, i.e. ValueError, naming the
+// field: out of range, not an integer, or not a field at all).
+MoEConfig config_from(const py::dict& d) {
+  MoEConfig c = MoEConfig::defaults();
+  for (const auto& item : d) {
+    const std::string key = py::str(item.first);
+    const py::handle v = item.second;
+    if (key == "prefetch_clamp") {
+      if (!py::isinstance<py::bool_>(v))
+        throw std::invalid_argument("prefetch_clamp: must be a bool, got " + std::string(py::repr(v)));
+      c.prefetch_clamp = v.cast<bool>();
+      continue;
+    }
+    int MoEConfig::*field = nullptr;
+    for (const auto& f : kIntFields)
+      if (key == f.first) field = f.second;
+    if (!field) {
+      std::string known;
+      for (const auto& f : kIntFields) known += std::string(f.first) + ", ";
+      throw std::invalid_argument("unknown config field '" + key + "' (known: " + known + "prefetch_clamp)");
+    }
+    if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v))
+      throw std::invalid_argument(key + ": must be an integer, got " + std::string(py::repr(v)));
+    const long long x = v.cast<long long>();
+    if (x < INT32_MIN || x > INT32_MAX)
+      throw std::invalid_argument(key + ": must be a 32-bit integer, got " + std::to_string(x));
+    c.*field = static_cast<int>(x);
+  }
+  c.check();
+  return c;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -107,21 +160,38 @@ PYBIND11_MODULE(_cpu, m) {
       .def("busy", &ThreadPool::busy,
            "(jobs completed, ns during which at least one job was posted and not complete): always counted.");
 
+  m.def("moe_config", [](const py::dict& overrides) { return config_dict(config_from(overrides)); },
+        py::arg("overrides") = py::dict(),
+        "The config of a MoE or Linear as a dict (gate_up_tasks, down_tasks, down_expert_rows, prefetch_bytes, "
+        "prefetch_hint 0 t0 / 1 t1 / 2 nta, x16_prefetch_bytes, tile_min_tokens, x16_tile_from, amx, prefetch_clamp): "
+        "the defaults, which the KTRANS_* environment variables set (read at this call), with `overrides` applied, "
+        "checked. ValueError names a field that is out of range, not an integer, or unknown.");
+  m.def("amx_mode", &amx_mode, py::arg("amx"),
+        "How the Q4_K/Q5_K prefill tiles run on this CPU for config field amx: 1 AMX, 0 AVX-512 VNNI, 2 emulated "
+        "AMX (1 asks for AMX and gets it only where the CPU has AMX-INT8 and the OS granted tile data).");
+
   py::class_<PyMoE>(m, "MoE", "One MoE layer's routed experts on raw ggml blocks (stacked [E, rows, cols]).")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int n_experts, int hidden, int intermediate,
                        uintptr_t gate, int gate_type, uintptr_t up, int up_type, uintptr_t down, int down_type,
-                       const std::string& isa) {
+                       const std::string& isa, const py::dict& config) {
              const Kernels& k = select_kernels(isa.c_str());
              return std::unique_ptr<PyMoE>(new PyMoE{
                  std::move(pool),
                  MoE(n_experts, hidden, intermediate, ExpertMatrix{ptr<const uint8_t>(gate), gate_type, intermediate, hidden},
                      ExpertMatrix{ptr<const uint8_t>(up), up_type, intermediate, hidden},
-                     ExpertMatrix{ptr<const uint8_t>(down), down_type, hidden, intermediate}, k)});
+                     ExpertMatrix{ptr<const uint8_t>(down), down_type, hidden, intermediate}, k, config_from(config))});
            }),
            py::arg("pool"), py::arg("n_experts"), py::arg("hidden"), py::arg("intermediate"), py::arg("gate"),
            py::arg("gate_type"), py::arg("up"), py::arg("up_type"), py::arg("down"), py::arg("down_type"),
-           py::arg("isa") = "auto")
+           py::arg("isa") = "auto", py::arg("config") = py::dict(),
+           "config: fields of moe_config to set (the others take their defaults, read from the environment now).")
       .def_property_readonly("path", [](const PyMoE& s) { return std::string(s.moe.kernels().name); })
+      .def_property_readonly("config", [](const PyMoE& s) { return config_dict(s.moe.config()); },
+                             "This layer's config (a dict, as moe_config gives it).")
+      .def("set_config", [](PyMoE& s, const py::dict& config) { s.moe.set_config(config_from(config)); },
+           py::arg("config"),
+           "Replace this layer's config (fields not given take their defaults), checked: ValueError names the field. "
+           "Jobs submitted from now on run with it; a job already submitted keeps the config it was submitted with.")
       .def("run",
            [](const PyMoE& s, uintptr_t x, int64_t T, int64_t ldx, uintptr_t ids, uintptr_t weights, int k,
               uintptr_t out, int64_t ldo) {
@@ -143,12 +213,19 @@ PYBIND11_MODULE(_cpu, m) {
 
   py::class_<PyLinear>(m, "Linear", "y = x W^T with W [n_out, n_in] in ggml blocks.")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int64_t n_out, int64_t n_in, uintptr_t w, int type,
-                       const std::string& isa) {
+                       const std::string& isa, const py::dict& config) {
              const Kernels& k = select_kernels(isa.c_str());
-             return std::unique_ptr<PyLinear>(new PyLinear{std::move(pool), Linear(n_out, n_in, ptr<const uint8_t>(w), type, k)});
+             return std::unique_ptr<PyLinear>(new PyLinear{
+                 std::move(pool), Linear(n_out, n_in, ptr<const uint8_t>(w), type, k, config_from(config))});
            }),
-           py::arg("pool"), py::arg("n_out"), py::arg("n_in"), py::arg("w"), py::arg("type"), py::arg("isa") = "auto")
+           py::arg("pool"), py::arg("n_out"), py::arg("n_in"), py::arg("w"), py::arg("type"), py::arg("isa") = "auto",
+           py::arg("config") = py::dict(),
+           "config: as MoE's (the kernel fields apply; the work split fields do not).")
       .def_property_readonly("path", [](const PyLinear& s) { return std::string(s.lin.kernels().name); })
+      .def_property_readonly("config", [](const PyLinear& s) { return config_dict(s.lin.config()); },
+                             "This linear's config (a dict, as moe_config gives it).")
+      .def("set_config", [](PyLinear& s, const py::dict& config) { s.lin.set_config(config_from(config)); },
+           py::arg("config"), "As MoE.set_config.")
       .def("submit",
            [](const PyLinear& s, uintptr_t x, int64_t T, int64_t ldx, uintptr_t y, int64_t ldy) {
              return s.lin.submit(*s.pool, ptr<const float>(x), T, ldx, ptr<float>(y), ldy);
@@ -156,46 +233,14 @@ PYBIND11_MODULE(_cpu, m) {
            py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            py::call_guard<py::gil_scoped_release>());
 
-  m.def("moe_split",
-        [] {
-          const MoESplit s = moe_split();
-          return py::make_tuple(s.gate_up_tasks, s.down_tasks, s.down_expert_rows);
-        },
-        "(gate/up tasks per thread, down tasks per thread, most rows per per-expert down task) of MoE jobs.");
-  m.def("set_moe_split",
-        [](int gate_up_tasks, int down_tasks, int down_expert_rows) {
-          const MoESplit s = set_moe_split({gate_up_tasks, down_tasks, down_expert_rows});
-          return py::make_tuple(s.gate_up_tasks, s.down_tasks, s.down_expert_rows);
-        },
-        py::arg("gate_up_tasks"), py::arg("down_tasks"), py::arg("down_expert_rows"),
-        "Set how MoE jobs split their work (tuning; start values KTRANS_GU_TASKS, KTRANS_DN_TASKS, KTRANS_DN_ROWS); "
-        "returns the previous split.");
-  m.def("prefetch", [] { return py::make_tuple(g_prefetch_bytes, g_prefetch_hint); },
-        "The kernels' software prefetch (distance in bytes, hint: 0 t0, 1 t1, 2 nta).");
-  m.def("set_prefetch", &set_prefetch, py::arg("bytes"), py::arg("hint"),
-        "Tuning: the kernels' software prefetch distance in bytes and hint (0 t0, 1 t1, 2 nta), start values "
-        "KTRANS_PREFETCH_BYTES and KTRANS_PREFETCH_HINT; only between jobs. Returns the previous (bytes, hint).");
-  m.def("x16_prefetch", [] { return g_x16_prefetch_bytes; },
-        "The Q4_K_X16 kernels' software prefetch distance in bytes (1024 on AMD CPUs, else 4096 by default).");
-  m.def("set_x16_prefetch", &set_x16_prefetch, py::arg("bytes"),
-        "Tuning: the Q4_K_X16 kernels' prefetch distance (between jobs only); returns the previous one. "
-        "KTRANS_X16_PREFETCH_BYTES sets the start value.");
-  m.def("set_prefetch_clamp", &set_prefetch_clamp, py::arg("on"),
-        "Whether the kernels' prefetch stops at the end of a call's weight rows (default True; A/B diagnostics). "
-        "Returns the previous value.");
-  m.def("set_tile_min_tokens", &set_tile_min_tokens, py::arg("n"),
-        "From how many activation rows per gemm call the Q4_K/Q5_K tile kernels run (tuning, tests); returns the "
-        "previous value. The start value is KTRANS_TILE_MIN_TOKENS or 3.");
-  m.def("tile_min_tokens", &tile_min_tokens, "From how many activation rows per call the Q4_K/Q5_K tiles run.");
   m.attr("AVX2_TILE_MIN_TOKENS") = kAvx2TileMinTokens;
-  m.def("set_amx_mode", &set_amx_mode, py::arg("mode"),
-        "Q4_K/Q5_K prefill tiles: 1 = AMX where the CPU has it, 0 = AVX-512 VNNI, 2 = the AMX data flow emulated in "
-        "C++ (tests). Returns the previous request. KTRANS_AMX sets the start value (1).");
-  m.def("amx_mode", &amx_mode, "How the Q4_K/Q5_K prefill tiles run now: 1 AMX, 0 AVX-512 VNNI, 2 emulated AMX.");
 
   m.def("bench_gemm",
-        [](int type, uintptr_t w, int64_t M, int64_t k, int N, int reps, const std::string& isa) {
+        [](int type, uintptr_t w, int64_t M, int64_t k, int N, int reps, const std::string& isa,
+           const py::dict& config) {
           // One thread, no pool: the kernel alone, for tuning. Activations are random; weights are the caller's.
+          const MoEConfig cfg = config_from(config);
+          py::gil_scoped_release release;
           const Kernels& K = select_kernels(isa.c_str());
           if (!type_supported(type)) throw std::invalid_argument("bench_gemm: unsupported type " + std::to_string(type));
           if (is_x16(type) && (!K.reads_x16 || M % kX16Rows))
@@ -216,12 +261,13 @@ PYBIND11_MODULE(_cpu, m) {
           const size_t ldw = type_row_bytes(type, k);
           const auto t0 = std::chrono::steady_clock::now();
           for (int r = 0; r < reps; ++r)
-            K.gemm(type, ptr<const uint8_t>(w), ldw, static_cast<int>(M), rows.data(), N, k, c.data(), M);
+            K.gemm(cfg, type, ptr<const uint8_t>(w), ldw, static_cast<int>(M), rows.data(), N, k, c.data(), M);
           return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
         },
         py::arg("type"), py::arg("w"), py::arg("M"), py::arg("k"), py::arg("N"), py::arg("reps"),
-        py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>(),
-        "Seconds per call of the raw gemm kernel on this thread (tuning aid).");
+        py::arg("isa") = "auto", py::arg("config") = py::dict(),
+        "Seconds per call of the raw gemm kernel on this thread (tuning aid), under `config` (fields of moe_config; "
+        "the others take their defaults).");
 
   m.def("read_bandwidth",
         [](std::shared_ptr<ThreadPool> pool, size_t nbytes, int reps, const std::string& isa) {

@@ -21,14 +21,6 @@ constexpr int kRowsPerQuant = 8;  // activation rows per quantization task
 constexpr int kDownByExpertPairs = 256;
 constexpr int kSortRouteMax = 64;  // up to this many expert ids per call, routing sorts instead of counting
 
-// Tasks per thread for gate/up and for down: more tasks balance uneven cores, fewer make longer streams for the
-// prefetchers and fewer trips through the shared task counter. 4 and 2 measured best on the 16-core Xeon for a
-// 1-token step (0.203-0.209 ms against 0.218-0.243 ms with 8 and 4, 0.248 with 2 and 1); on 2 cores the blocks
-// hit their caps either way.
-std::atomic<int> g_gate_up_tasks{std::max(1, env_int("KTRANS_GU_TASKS", 4))};
-std::atomic<int> g_down_tasks{std::max(1, env_int("KTRANS_DN_TASKS", 2))};
-std::atomic<int> g_down_expert_rows{std::max(16, env_int("KTRANS_DN_ROWS", 256))};
-
 // Rows per task: about `tasks_per_thread` tasks per thread, so a slow core is balanced out, but blocks as large as
 // that allows (multiples of 16 rows, at most `cap`), since every block is a separate stream the prefetcher must
 // pick up again.
@@ -103,6 +95,7 @@ void check_matrix(const char* what, const ExpertMatrix& m, int64_t rows, int64_t
 }
 
 struct MoEJob : Job {
+  MoEConfig cfg;              // the MoE's config when the job was submitted
   std::vector<int> experts;   // active expert ids, ascending
   std::vector<int> offsets;   // pairs of experts[a] are offsets[a] .. offsets[a + 1]
   std::vector<int> pair_tok;  // (token, slot) pairs grouped by expert
@@ -118,26 +111,17 @@ struct MoEJob : Job {
 constexpr int kReadyStride = 16;  // ints per expert in MoEJob::ready: one cache line each, no false sharing
 
 struct LinearJob : Job {
+  MoEConfig cfg;
   std::vector<const uint8_t*> xrows;
   Buffer xq_buf;
 };
 
 }  // namespace
 
-MoESplit moe_split() {
-  return {g_gate_up_tasks.load(std::memory_order_relaxed), g_down_tasks.load(std::memory_order_relaxed),
-          g_down_expert_rows.load(std::memory_order_relaxed)};
-}
-
-MoESplit set_moe_split(MoESplit s) {
-  return {g_gate_up_tasks.exchange(std::max(1, s.gate_up_tasks)), g_down_tasks.exchange(std::max(1, s.down_tasks)),
-          g_down_expert_rows.exchange(std::max(16, s.down_expert_rows))};
-}
-
 MoE::MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertMatrix up, ExpertMatrix down,
-         const Kernels& kernels)
+         const Kernels& kernels, const MoEConfig& config)
     : n_experts_(n_experts), hidden_(hidden), inter_(intermediate), gate_(gate), up_(up), down_(down),
-      kernels_(kernels) {
+      kernels_(kernels), config_(config) {
   if (n_experts < 1 || hidden < 1 || intermediate < 1)
     throw std::invalid_argument("MoE: n_experts, hidden and intermediate must be positive");
   check_matrix("gate", gate_, intermediate, hidden, kernels_);
@@ -150,6 +134,7 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
   if (T < 0 || k < 1) throw std::invalid_argument("MoE.submit: need T >= 0 tokens and k >= 1 experts per token");
   auto job = std::make_shared<MoEJob>();
   MoEJob& J = *job;
+  J.cfg = config_.get();
 
   // Route: group the (token, slot) pairs by expert, in token order within an expert.
   const int64_t n_ids = T * k;
@@ -252,10 +237,9 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
   }
 
   const bool by_expert = n_pairs > 0 && n_pairs <= kDownByExpertPairs;  // (no pairs: zero rows)
-  const MoESplit split = moe_split();
-  const int64_t rows_gu = block_rows(n_active * I, pool.size(), split.gate_up_tasks, I);
-  const int64_t rows_dn = block_rows((by_expert ? n_active : 1) * H, pool.size(), split.down_tasks,
-                                    by_expert ? split.down_expert_rows : 256);
+  const int64_t rows_gu = block_rows(n_active * I, pool.size(), J.cfg.gate_up_tasks, I);
+  const int64_t rows_dn = block_rows((by_expert ? n_active : 1) * H, pool.size(), J.cfg.down_tasks,
+                                    by_expert ? J.cfg.down_expert_rows : 256);
   const int blocks_gu = ceil_div(I, rows_gu), blocks_dn = ceil_div(H, rows_dn);
   const int n_gu = n_active * blocks_gu, n_dn = by_expert ? n_active * blocks_dn : blocks_dn;
   if (by_expert) J.y_buf.alloc(static_cast<size_t>(n_pairs) * H * sizeof(float));
@@ -296,8 +280,8 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     } mark{jp, a, p0, n, blocks_gu, fd, I, ldh, ld, hbase};
     float* g = static_cast<float*>(pl->scratch(thread, 2 * sizeof(float) * n * m));
     float* u = g + n * m;
-    K.gemm(G.type, G.data + e * g_eb + r0 * g_rb, g_rb, m, &jp->xg[p0], n, H, g, m);
-    K.gemm(U.type, U.data + e * u_eb + r0 * u_rb, u_rb, m, &jp->xu[p0], n, H, u, m);
+    K.gemm(jp->cfg, G.type, G.data + e * g_eb + r0 * g_rb, g_rb, m, &jp->xg[p0], n, H, g, m);
+    K.gemm(jp->cfg, U.type, U.data + e * u_eb + r0 * u_rb, u_rb, m, &jp->xu[p0], n, H, u, m);
     for (int i = 0; i < n; ++i) silu_mul(g + i * m, u + i * m, hbase + (p0 + i) * ldh + r0, m);
   };
 
@@ -319,7 +303,7 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
     float* y = static_cast<float*>(pl->scratch(thread, sizeof(float) * std::max(jp->max_group, 1) * m));
     auto chunk = [&](int a) { return D.data + jp->experts[a] * d_eb + c0 * d_rb; };
-    const int chunk_bytes = static_cast<int>(std::min<size_t>(g_prefetch_bytes, m * d_rb));
+    const int chunk_bytes = static_cast<int>(std::min<size_t>(jp->cfg.prefetch_bytes, m * d_rb));
     for (int a = 0; a < n_active; ++a) {
       const int p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
       // The kernels prefetch ahead within a chunk; start the next expert's chunk now so it is not cold.
@@ -328,7 +312,7 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
         for (int off = 0; off < chunk_bytes; off += 64) __builtin_prefetch(next + off);
       }
       if (!wait_h(a)) return;
-      K.gemm(D.type, chunk(a), d_rb, m, &jp->hin[p0], n, I, y, m);
+      K.gemm(jp->cfg, D.type, chunk(a), d_rb, m, &jp->hin[p0], n, I, y, m);
       for (int i = 0; i < n; ++i) {
         float* o = out + jp->pair_tok[p0 + i] * ldo + c0;
         const float w = jp->pair_w[p0 + i];
@@ -343,7 +327,8 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     const int p0 = jp->offsets[a], n = jp->offsets[a + 1] - p0;
     if (!wait_h(a)) return;
     float* yb = reinterpret_cast<float*>(jp->y_buf.get());
-    K.gemm(D.type, D.data + jp->experts[a] * d_eb + c0 * d_rb, d_rb, m, &jp->hin[p0], n, I, yb + p0 * H + c0, H);
+    K.gemm(jp->cfg, D.type, D.data + jp->experts[a] * d_eb + c0 * d_rb, d_rb, m, &jp->hin[p0], n, I,
+           yb + p0 * H + c0, H);
     if (jp->ready[(n_active + blk) * kReadyStride].fetch_add(1, std::memory_order_acq_rel) + 1 < n_active) return;
     for (int64_t t = 0; t < T; ++t) std::memset(out + t * ldo + c0, 0, m * sizeof(float));
     for (int p = 0; p < jp->offsets[n_active]; ++p) {
@@ -362,8 +347,9 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
   return pool.submit(std::move(job));
 }
 
-Linear::Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels)
-    : n_out_(n_out), n_in_(n_in), w_(w), type_(type), kernels_(kernels) {
+Linear::Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels,
+               const MoEConfig& config)
+    : n_out_(n_out), n_in_(n_in), w_(w), type_(type), kernels_(kernels), config_(config) {
   if (n_out < 1 || n_in < 1) throw std::invalid_argument("Linear: n_out and n_in must be positive");
   check_matrix("linear weight", ExpertMatrix{w, type, n_out, n_in}, n_out, n_in, kernels_);
 }
@@ -371,6 +357,7 @@ Linear::Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Ke
 uint64_t Linear::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, float* y, int64_t ldy) const {
   auto job = std::make_shared<LinearJob>();
   LinearJob* jp = job.get();
+  jp->cfg = config_.get();
   const Kernels& K = kernels_;
   const ActFormat f = K.act_format(type_);
   const size_t l = act_row_bytes(f, n_in_);
@@ -396,7 +383,7 @@ uint64_t Linear::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx
   job->phases.push_back({ceil_div(N, rows), [=, &K](int task, int) {
     const int64_t r0 = task * rows;
     const int m = static_cast<int>(std::min<int64_t>(rows, N - r0));
-    if (T > 0) K.gemm(type, w + r0 * rb, rb, m, jp->xrows.data(), static_cast<int>(T), k, y + r0, ldy);
+    if (T > 0) K.gemm(jp->cfg, type, w + r0 * rb, rb, m, jp->xrows.data(), static_cast<int>(T), k, y + r0, ldy);
   }});
   return pool.submit(std::move(job));
 }

@@ -30,13 +30,17 @@ struct ExpertMatrix {
 // is not ready yet, in expert order, so the sums do not depend on the thread count.
 class MoE {
  public:
+  // `config` (checked: std::invalid_argument naming the field) tunes the work split and the kernels of every job.
   MoE(int n_experts, int hidden, int intermediate, ExpertMatrix gate, ExpertMatrix up, ExpertMatrix down,
-      const Kernels& kernels);
+      const Kernels& kernels, const MoEConfig& config);
   // x [T, hidden] fp32 (row stride ldx), ids [T, k] int64, weights [T, k] fp32, out [T, hidden] fp32 (row stride
-  // ldo). The pointers must stay valid until pool.wait(ticket) returns.
+  // ldo). The pointers must stay valid until pool.wait(ticket) returns. The job runs with the config of this moment.
   uint64_t submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, const int64_t* ids,
                   const float* weights, int k, float* out, int64_t ldo) const;
   const Kernels& kernels() const { return kernels_; }
+  MoEConfig config() const { return config_.get(); }
+  // Checked; from the next submit on (jobs already submitted keep theirs).
+  void set_config(const MoEConfig& c) { config_.set(c); }
   // Weight bytes one call streams for the given routing (each distinct expert once).
   static size_t bytes_per_expert(const ExpertMatrix& g, const ExpertMatrix& u, const ExpertMatrix& d) {
     return g.expert_bytes() + u.expert_bytes() + d.expert_bytes();
@@ -46,20 +50,25 @@ class MoE {
   int n_experts_, hidden_, inter_;
   ExpertMatrix gate_, up_, down_;
   const Kernels& kernels_;
+  SharedConfig config_;
 };
 
 // y [T, n_out] = x [T, n_in] W^T for W [n_out, n_in] in ggml blocks.
 class Linear {
  public:
-  Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels);
+  // `config`: as MoE's (its work split fields do not apply here).
+  Linear(int64_t n_out, int64_t n_in, const uint8_t* w, int type, const Kernels& kernels, const MoEConfig& config);
   uint64_t submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, float* y, int64_t ldy) const;
   const Kernels& kernels() const { return kernels_; }
+  MoEConfig config() const { return config_.get(); }
+  void set_config(const MoEConfig& c) { config_.set(c); }
 
  private:
   int64_t n_out_, n_in_;
   const uint8_t* w_;
   int type_;
   const Kernels& kernels_;
+  SharedConfig config_;
 };
 
 // repack_x16 (quant.h) of a whole Q4_K or Q5_K matrix of `rows` (a multiple of 16) rows of k values, split across
@@ -68,14 +77,6 @@ void repack_x16(ThreadPool& pool, int type, const uint8_t* src, uint8_t* dst, in
 
 // Best GB/s over `reps` passes of every pool thread streaming its own chunks of [base, base + bytes).
 double stream_bandwidth(ThreadPool& pool, const Kernels& kernels, const uint8_t* base, size_t bytes, int reps);
-// How a MoE job splits its work (tuning): about `gate_up_tasks` and `down_tasks` tasks per pool thread, and at
-// most `down_expert_rows` rows per down task when down runs per expert (decode). Start values: KTRANS_GU_TASKS,
-// KTRANS_DN_TASKS, KTRANS_DN_ROWS, else 4, 2 and 256. Read at every submit; set_moe_split returns the old split.
-struct MoESplit {
-  int gate_up_tasks, down_tasks, down_expert_rows;
-};
-MoESplit moe_split();
-MoESplit set_moe_split(MoESplit split);
 
 // Diagnostics: seconds from submit to completion of one job whose task i streams the byte ranges tasks[i] (each
 // rounded down to 256 bytes) with the widest loads and no arithmetic: a compute step's access pattern alone.

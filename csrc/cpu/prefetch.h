@@ -1,49 +1,47 @@
 // Software prefetch of weight streams, shared by every kernel file (baseline code: prefetches need no wider ISA).
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
-#include "quant.h"
+#include "config.h"
 
 namespace ktrans {
 
-// One cache line, with the hint KTRANS_PREFETCH_HINT picked (see quant.h).
-inline void prefetch_line(const uint8_t* p) {
-  if (g_prefetch_hint == 0) __builtin_prefetch(p, 0, 3);       // prefetcht0
-  else if (g_prefetch_hint == 1) __builtin_prefetch(p, 0, 2);  // prefetcht1
-  else __builtin_prefetch(p, 0, 0);                          // prefetchnta
+// One cache line, with `hint` (MoEConfig::prefetch_hint: 0 t0, 1 t1, 2 nta).
+inline void prefetch_line(const uint8_t* p, int hint) {
+  if (hint == 0) __builtin_prefetch(p, 0, 3);       // prefetcht0
+  else if (hint == 1) __builtin_prefetch(p, 0, 2);  // prefetcht1
+  else __builtin_prefetch(p, 0, 0);                 // prefetchnta
 }
 
-// Where the weight rows of this thread's running gemm call end (each ISA's gemm sets it through set_rows_end): the
-// in-loop prefetch stops there. Otherwise every stream's last g_prefetch_bytes pull in bytes past its block: the next
-// block's rows, which another task (on another core) reads, or rows no task reads at all (the next expert's). A
-// decode step has ~220 such stream ends, ~0.9 MB of its 17.7 MB.
-inline thread_local const uint8_t* tl_rows_end = nullptr;
-extern std::atomic<bool> g_prefetch_clamp;  // false: no stop (A/B diagnostics, set_prefetch_clamp)
+// The in-loop prefetch of one gemm call, made by each ISA's gemm from the caller's MoEConfig (call_prefetch) and
+// passed to its row kernels by value. `end`: where the call's weight rows end, and the prefetch stops. Otherwise
+// every stream's last `dist` bytes pull in bytes past its block: the next block's rows, which another task (on
+// another core) reads, or rows no task reads at all (the next expert's). A decode step has ~220 such stream ends,
+// ~0.9 MB of its 17.7 MB. With MoEConfig::prefetch_clamp off (A/B diagnostics) there is no stop.
+struct Prefetch {
+  const uint8_t* end;
+  int dist;  // bytes ahead of the block being read
+  int hint;  // prefetch_line's
+};
 
-inline void set_rows_end(const uint8_t* end) {
-  tl_rows_end = g_prefetch_clamp.load(std::memory_order_relaxed) ? end : reinterpret_cast<const uint8_t*>(~uintptr_t(0));
+// The Prefetch of a call whose weight rows are [w, w + bytes), `dist` ahead (MoEConfig::prefetch_bytes for the row
+// kernels, x16_prefetch_bytes for the repacked ones).
+inline Prefetch call_prefetch(const MoEConfig& cfg, const uint8_t* w, size_t bytes, int dist) {
+  return {cfg.prefetch_clamp ? w + bytes : reinterpret_cast<const uint8_t*>(~uintptr_t(0)), dist, cfg.prefetch_hint};
 }
-// Read once per kernel call (a thread_local in a shared library costs a call to reach).
-inline const uint8_t* rows_end() { return tl_rows_end ? tl_rows_end : reinterpret_cast<const uint8_t*>(~uintptr_t(0)); }
 
-// Touch every cache line of the next Bytes bytes of the weight stream, `dist` (default g_prefetch_bytes) ahead, up
-// to `end`.
+// Touch every cache line of the next Bytes bytes of the weight stream, pf.dist ahead, up to pf.end.
 template <int Bytes>
-inline void prefetch_ahead(const uint8_t* w, const uint8_t* end, int dist) {
-  const uint8_t* p = w + dist;
+inline void prefetch_ahead(const uint8_t* w, const Prefetch& pf) {
+  const uint8_t* p = w + pf.dist;
   for (int off = 0; off < Bytes; off += 64)
-    if (p + off < end) prefetch_line(p + off);
-}
-template <int Bytes>
-inline void prefetch_ahead(const uint8_t* w, const uint8_t* end) {
-  prefetch_ahead<Bytes>(w, end, g_prefetch_bytes);
+    if (p + off < pf.end) prefetch_line(p + off, pf.hint);
 }
 
 // The opening stretch of a block of rows, which the in-loop prefetch (`dist` ahead) never covers.
-inline void prefetch_start(const uint8_t* w, size_t bytes, int dist = g_prefetch_bytes) {
+inline void prefetch_start(const uint8_t* w, size_t bytes, int dist) {
   const size_t n = bytes < static_cast<size_t>(dist) ? bytes : static_cast<size_t>(dist);
   for (size_t off = 0; off < n; off += 64) __builtin_prefetch(w + off, 0, 3);
 }

@@ -1,8 +1,6 @@
 // Type table, activation quantization and the choice of kernel path. Baseline ISA only.
 #include "quant.h"
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
@@ -15,36 +13,6 @@
 #endif
 
 namespace ktrans {
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : fallback;
-}
-
-int g_prefetch_bytes = std::max(64, env_int("KTRANS_PREFETCH_BYTES", 4096) & ~63);
-int g_prefetch_hint = [] {
-  const char* v = std::getenv("KTRANS_PREFETCH_HINT");
-  const std::string h = v ? v : "";
-  return h == "t1" ? 1 : (h == "nta" ? 2 : 0);
-}();
-int g_x16_prefetch_bytes = std::max(64, env_int("KTRANS_X16_PREFETCH_BYTES", isa().amd ? 1024 : 4096) & ~63);
-std::atomic<bool> g_prefetch_clamp{true};
-
-int set_x16_prefetch(int bytes) {
-  const int old = g_x16_prefetch_bytes;
-  g_x16_prefetch_bytes = std::max(64, bytes & ~63);
-  return old;
-}
-
-bool set_prefetch_clamp(bool on) { return g_prefetch_clamp.exchange(on); }
-
-std::pair<int, int> set_prefetch(int bytes, int hint) {
-  const std::pair<int, int> old{g_prefetch_bytes, g_prefetch_hint};
-  g_prefetch_bytes = std::max(64, bytes & ~63);
-  g_prefetch_hint = std::min(std::max(hint, 0), 2);
-  return old;
-}
-
 
 bool type_supported(int t) {
   switch (t) {
@@ -164,6 +132,7 @@ __attribute__((target("avx2"))) float quantize_block_avx2(const float* x, int n,
 // One block of n values -> int8 q (symmetric, scale amax / 127). Returns the scale.
 inline float quantize_block(const float* x, int n, int8_t* q) {
 #if defined(__x86_64__)
+  // KTRANS_QUANT_SCALAR: a test switch (the scalar loop on an AVX2 CPU), read once; not a tuning knob.
   static const bool avx2 = isa().avx2 && std::getenv("KTRANS_QUANT_SCALAR") == nullptr;
   if (avx2 && n % 32 == 0) return quantize_block_avx2(x, n, q);
 #endif
@@ -256,6 +225,7 @@ bool isa_available(Isa path, const char** why_not) {
 const Kernels& select_kernels(const char* name) {
   std::string want = name ? name : "auto";
   if (want == "auto" || want.empty()) {
+    // Process-wide on purpose: which kernel path this machine runs, not a tuning knob (those are MoEConfig's).
     const char* env = std::getenv("KTRANS_CPU_ISA");
     want = (env && *env) ? env : "auto";
   }

@@ -15,7 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <utility>
+
+#include "config.h"
 
 namespace ktrans {
 
@@ -163,28 +164,6 @@ inline const float* act_q8k_d(const uint8_t* row, int64_t k) {
   return reinterpret_cast<const float*>(row + k + 2 * (k / 16));
 }
 
-// Weight rows are streamed once from DRAM. The kernels prefetch this far ahead of the block they read (on into the
-// call's next rows, never past the last: see prefetch.h), and each call first prefetches its opening stretch.
-// 4 KiB measured best on both machines: on the dev box (Zen 4) 2 KiB left a decode step 13-18% slower, 3-6 KiB
-// within 1%, 8 KiB 3-4% slower; on the 16-core Xeon 2 and 8 KiB were slower too. KTRANS_PREFETCH_BYTES sets another
-// distance (a multiple of 64) and KTRANS_PREFETCH_HINT=t1 prefetches into L2 (prefetcht1), =nta non-temporally
-// (prefetchnta): both measured slower (nta at 0.44 of the Xeon's bandwidth instead of 0.66).
-extern int g_prefetch_bytes;
-extern int g_prefetch_hint;  // 0: t0, 1: t1, 2: nta
-// The distance of the Q4_K_X16 kernels (same hint), which compute 2-3x as fast per byte as the row kernels: on the
-// 16-core Xeon 4 KiB stays best (1 KiB 2-3% slower, none 5%, at 2, 4 and 16 threads), on the 2-core Zen 4 1 KiB
-// and none are 1.5-6% faster than 4 KiB (its hardware prefetcher keeps up; the row kernels there still lose 13-18% at
-// 2 KiB). So 1 KiB on AMD CPUs, 4 KiB elsewhere; KTRANS_X16_PREFETCH_BYTES sets another.
-extern int g_x16_prefetch_bytes;
-// The integer value of environment variable `name` (atoi), or `fallback` when it is unset or empty.
-int env_int(const char* name, int fallback);
-// Tuning: set both (only while no job runs); returns the previous (bytes, hint).
-std::pair<int, int> set_prefetch(int bytes, int hint);
-// Tuning: g_x16_prefetch_bytes (only while no job runs); returns the previous one.
-int set_x16_prefetch(int bytes);
-// Whether the in-loop prefetch stops at the end of a gemm call's rows (default; see prefetch.h); returns the old value.
-bool set_prefetch_clamp(bool on);
-
 // ---------------------------------------------------------------------------------------------------------
 // the kernel table of one ISA path
 
@@ -196,9 +175,11 @@ struct Kernels {
   // The activation format this path pairs with weight type t.
   ActFormat (*act_format)(int t);
   // c[n * ldc + m] = dot(weight row m, activation row n) for m < M, n < N. Weight row m starts at
-  // w + m * ldw (ggml blocks of type t, k elements); act[n] points at an activation row in act_format(t).
-  void (*gemm)(int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k, float* c,
-               size_t ldc);
+  // w + m * ldw (ggml blocks of type t, k elements); act[n] points at an activation row in act_format(t). `cfg`
+  // (the calling object's, checked) tunes how: prefetch, tiles, AMX; the results do not depend on it, except that
+  // the tiles sum in another order than the row kernels.
+  void (*gemm)(const MoEConfig& cfg, int t, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
+               int64_t k, float* c, size_t ldc);
   // Read n bytes (n a multiple of 256) as fast as possible; returns a value that depends on every byte.
   uint64_t (*stream_read)(const uint8_t* p, size_t n);
   // Whether gemm takes KT_Q4_K_X16 and KT_Q5_K_X16 weights (M a multiple of 16).

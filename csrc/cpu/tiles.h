@@ -31,29 +31,21 @@ inline void subblock_sums(const uint8_t* const* act, int N, int64_t k, float* ou
   }
 }
 
-// Tile kernels are used from this many activation rows per call on (below it, unpacking 16 rows costs more than
-// it saves). KTRANS_TILE_MIN_TOKENS sets the start value; set_tile_min_tokens changes it (tests, tuning) and
-// returns the previous one. A huge value turns the tile kernels off.
-int tile_min_tokens();
-int set_tile_min_tokens(int n);
-// The AVX2 tiles start at max(tile_min_tokens(), this): below 8 activation rows they lose to the AVX2 row kernels
-// (0.70-0.96x at 2-6 rows, 1.0x at 8 on Zen 4, tools/gemm_tiles_bench.py --isa avx2).
+// Tile kernels are used from MoEConfig::tile_min_tokens activation rows per call on (config.h). The AVX2 tiles
+// start at max(tile_min_tokens, this): below 8 activation rows they lose to the AVX2 row kernels (0.70-0.96x at 2-6
+// rows, 1.0x at 8 on Zen 4, tools/gemm_tiles_bench.py --isa avx2).
 constexpr int kAvx2TileMinTokens = 8;
-// How the tiles run: 1 = AMX tiles (asked for, and the CPU has AMX-INT8 and the OS granted tile data), 0 = AVX-512
-// VNNI, 2 = the AMX data flow with the tile multiply done in plain C++ (tests check it on CPUs without AMX).
-// KTRANS_AMX (default 1) sets what is asked for at start; set_amx_mode changes it and returns the previous request.
-int amx_mode();
-int set_amx_mode(int mode);
 
 // c[n * ldc + m] = dot(weight row m, activation row n) as Kernels::gemm, for Q4_K (q5 = false) or Q5_K weights
-// and ACT_Q8K_P activations. Every output element is computed the same way whichever tile, task or thread it
-// falls in: per superblock the exact integer sums, then one float multiply-add per superblock.
-void gemm_k4_tiles_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N,
-                          int64_t k, float* c, size_t ldc);
+// and ACT_Q8K_P activations, on AMX or the VNNI tiles as cfg.amx asks. Every output element is computed the same way
+// whichever tile, task or thread it falls in: per superblock the exact integer sums, then one float multiply-add per
+// superblock.
+void gemm_k4_tiles_avx512(const MoEConfig& cfg, bool q5, const uint8_t* w, size_t ldw, int M,
+                          const uint8_t* const* act, int N, int64_t k, float* c, size_t ldc);
 // The same for KT_Q4_K_X16 (q5 = false) or KT_Q5_K_X16 weights (M a multiple of 16), at any N: bitwise the tiles'
-// results on the rows the layout was repacked from.
-void gemm_k_x16_avx512(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
-                       float* c, size_t ldc);
+// results on the rows the layout was repacked from (cfg: amx, x16_tile_from, x16_prefetch_bytes and the hint).
+void gemm_k_x16_avx512(const MoEConfig& cfg, bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act,
+                       int N, int64_t k, float* c, size_t ldc);
 // The same on AVX2 with 8 rows per tile and ACT_Q8K activations (natural order); bitwise equal to the AVX-512 tiles.
 void gemm_k4_tiles_avx2(bool q5, const uint8_t* w, size_t ldw, int M, const uint8_t* const* act, int N, int64_t k,
                         float* c, size_t ldc);

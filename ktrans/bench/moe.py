@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ktrans import _cpu
 from ktrans.kernels import cpu
 from ktrans.kernels.torch.moe import moe_experts
 
@@ -111,19 +110,16 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
     if tiles not in _TILES:
         raise ValueError(f"--tiles must be one of {sorted(_TILES)}, got {tiles!r}")
     tile_min, amx = _TILES[tiles]
-    old_min = _cpu.set_tile_min_tokens(tile_min) if tile_min else None
-    old_amx = _cpu.set_amx_mode(amx) if amx is not None else None
-    try:
-        return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace,
-                    hugepages, repack)
-    finally:
-        if old_min is not None:
-            _cpu.set_tile_min_tokens(old_min)
-        if old_amx is not None:
-            _cpu.set_amx_mode(old_amx)
+    config = cpu.CPUMoEConfig()  # the defaults (KTRANS_* tuning variables), with --tiles applied
+    if tile_min:
+        config = config.replace(tile_min_tokens=tile_min)
+    if amx is not None:
+        config = config.replace(amx=amx)
+    return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace,
+                hugepages, repack, config)
 
 
-# --tiles: (tile_min_tokens to set or None, amx mode to set or None)
+# --tiles: (tile_min_tokens to set or None, amx mode to set or None) in the layer's CPUMoEConfig
 _TILES = {"auto": (None, None), "amx": (None, 1), "vnni": (None, 0), "off": (cpu.TILES_OFF, None)}
 
 
@@ -150,7 +146,7 @@ def _trace_summary(pool, moe, x, routes) -> dict:
 
 
 def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace, hugepages,
-         repack):
+         repack, config):
     shape, qtype = SHAPES[shape_name], QUANTS[quant.lower()]
     gen = torch.Generator().manual_seed(seed)
     pool = cpu.make_pool(threads or cpu.default_threads())
@@ -162,7 +158,7 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
     up = random_experts(qtype, E, I, H, gen)
     down = random_experts(qtype, E, H, I, gen)
     moe = cpu.CPUMoE(gate, up, down, n_experts=E, hidden=H, intermediate=I, types=(qtype,) * 3, pool=pool, isa=isa,
-                       hugepages=hugepages, repack=repack)
+                     hugepages=hugepages, repack=repack, config=config)
     setup_s = time.perf_counter() - t0
 
     results = []
@@ -202,10 +198,10 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
                "repack_s": round(moe.repack_s, 3), "setup_s": round(setup_s, 2)}
         if moe.layouts[0].endswith("_X16"):
             # repacked: the VNNI kernels, and AMX for experts with 16+ tokens in a call where present
-            row["tiles"] = "x16, amx from 16 tokens per expert" if _cpu.amx_mode() == 1 else "x16"
+            row["tiles"] = "x16, amx from 16 tokens per expert" if moe.config.amx_mode == 1 else "x16"
         elif qtype in ("Q4_K", "Q5_K"):
             # experts with at least that many tokens in a call run on the tiles, the others on the row kernels
-            tiles = cpu.prefill_tiles(moe.path, cpu.isa_info())
+            tiles = cpu.prefill_tiles(moe.path, cpu.isa_info(), moe.config)
             row["tiles"] = tiles["mode"]
             if "from_tokens_per_expert" in tiles:
                 row["tile_min_tokens"] = tiles["from_tokens_per_expert"]

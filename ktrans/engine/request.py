@@ -3,9 +3,10 @@
 A request is its token list (prompt, then the outputs appended one by one) and `num_computed_tokens`, how many of
 those tokens are already in its KV pages and DeltaNet state slot. There are no prefill and decode phases: every
 step the scheduler hands it `num_tokens - num_computed_tokens` tokens or fewer (a prefill chunk, or the one token
-sampled last step), and when a step brings it level with its tokens, a new token is sampled. Preemption frees the
-pages and the slot and sets num_computed_tokens back to 0: the DeltaNet state cannot be rebuilt from a prefix, so
-the whole sequence is recomputed when the request runs again.
+sampled last step), and when a step brings it level with its tokens, a new token is sampled. Preemption lets go
+of the pages (decref) and the slot and sets num_computed_tokens back to 0: the DeltaNet state cannot be rebuilt
+from the KV pages, so the whole sequence, prompt and outputs so far, is recomputed when the request runs again
+(the tokens themselves, and the prompt scores, are kept: see the scheduler's note on preemption).
 """
 from __future__ import annotations
 

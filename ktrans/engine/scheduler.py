@@ -1,46 +1,35 @@
-"""Scheduler: which requests run this step, with how many tokens each, within the memory the pools have.
+"""Scheduler: which requests run this step, with how many tokens each, within the memory the CacheManager has.
 
-Pure Python over a page allocator and a slot allocator, so it is tested without a model. One step:
+Pure Python over a CacheManager (which can be made without tensors), so it is tested without a model. One step:
 
 1. Running requests, oldest first, each get min(tokens left to compute, budget left) tokens: one for a decode,
    a chunk for a prompt. Their block tables grow to cover the new tokens. When no page is free, the newest
-   running request is preempted (pages and slot back, recomputed later from scratch) until the page is found
-   or the request itself was the newest.
+   running request is preempted until the page is found or the request itself was the newest.
 2. If nothing was preempted, waiting requests are admitted first come first served while the budget, the batch
    size, a free state slot and pages for their first chunk allow. Admission stops at the first that does not
    fit (no overtaking), and keeps one free page per running request so that their next tokens fit.
+
+Memory goes back through the CacheManager: a finished or preempted request drops its reference to each page
+(`decref`: a page another holder shares survives) and frees its state slot.
+
+Preemption keeps what can be reused. Without a prefix cache that is the request itself, not its memory: its
+tokens (prompt and every output so far, never re-sampled), its prompt scores (never recomputed: see
+Request.needs_prompt_scores), its sampling state and its place at the head of the queue. Its KV pages and
+DeltaNet state are let go: the state is one point of a recurrence that cannot be rebuilt from KV pages, nor
+the KV from the state, and keeping either alone saves nothing, while keeping both frees nothing. So it resumes
+by recomputing its tokens from 0, as one prefill (its outputs are then prompt-like tokens). The prefix cache
+hooks in at `_release`: before the decref, the tree takes its own reference to the pages (incref) and a
+snapshot of the state (copy_slot into a slot of its own), so that the resumed request recomputes only from
+the deepest snapshot.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from ktrans.engine.cache import CacheManager
 from ktrans.engine.request import Request, RequestStatus
-
-
-class PageSource(Protocol):
-    """runtime.pools.PageAllocator's interface."""
-
-    num_pages: int
-
-    @property
-    def num_free(self) -> int: ...
-    def can_allocate(self, n: int) -> bool: ...
-    def alloc(self, n: int) -> list[int]: ...
-    def free(self, pages: list[int]) -> None: ...
-
-
-class SlotSource(Protocol):
-    """runtime.pools.StatePool's allocator interface."""
-
-    num_slots: int
-
-    @property
-    def num_free(self) -> int: ...
-    def alloc(self) -> int: ...
-    def free(self, slot: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -85,19 +74,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: PageSource, slots: SlotSource):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager):
+        if cache.page_size != config.page_size:
+            raise ValueError(f"the cache has pages of {cache.page_size} tokens, the scheduler {config.page_size}")
         self.config = config
-        self.pages = pages
-        self.slots = slots
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     # ---- queue --------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if self.pages_for(req.num_prompt_tokens + req.max_tokens) > self.pages.num_pages:
+        if self.pages_for(req.num_prompt_tokens + req.max_tokens) > self.cache.num_pages:
             raise ValueError(f"request {req.request_id} needs {req.num_prompt_tokens + req.max_tokens} tokens of KV "
-                             f"cache, more than the {self.pages.num_pages * self.config.page_size} there are")
+                             f"cache, more than the {self.cache.num_pages * self.config.page_size} there are")
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -132,11 +122,11 @@ class Scheduler:
             n = min(req.num_tokens_to_compute, budget)
             need = self.pages_for(n)
             reserve = len(self.running)  # one page each for the running requests' next tokens
-            if self.slots.num_free == 0 or self.pages.num_free < need + reserve:
+            if self.cache.num_free_slots == 0 or not self.cache.can_alloc_pages(need + reserve):
                 break
             self.waiting.popleft()
-            req.slot = self.slots.alloc()
-            req.pages = self.pages.alloc(need)
+            req.slot = self.cache.alloc_slot()
+            req.pages = self.cache.alloc_pages(need)
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:  # first admission: the end of its queue time
                 req.scheduled_time = time.monotonic()
@@ -157,16 +147,17 @@ class Scheduler:
         need = self.pages_for(num_tokens) - len(req.pages)
         if need <= 0:
             return True
-        if not self.pages.can_allocate(need):
+        if not self.cache.can_alloc_pages(need):
             return False
-        req.pages.extend(self.pages.alloc(need))
+        req.pages.extend(self.cache.alloc_pages(need))
         return True
 
     def _preempt(self, req: Request) -> None:
+        """Back to the head of the queue with its tokens; its pages and slot go back (see the module's note)."""
         self.running.remove(req)
         self._release(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = 0  # no KV pages and no state: recomputed from token 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)  # it was admitted before anything still waiting
@@ -177,7 +168,8 @@ class Scheduler:
         chunk.request.num_computed_tokens = chunk.start + chunk.num_tokens
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request (finished or aborted, running or waiting) and give back every page and its slot."""
+        """End a request (finished or aborted, running, waiting or preempted): its references to its pages and
+        its slot go back."""
         assert status.is_finished, status
         if req in self.running:
             self.running.remove(req)
@@ -187,18 +179,20 @@ class Scheduler:
         req.status = status
 
     def _release(self, req: Request) -> None:
+        """Drop the request's hold on its memory: decref, not free, so that pages another holder (a prefix-cache
+        node, a request sharing the prefix) still reads stay allocated."""
         if req.pages:
-            self.pages.free(req.pages)
+            self.cache.decref(req.pages)
             req.pages = []
         if req.slot is not None:
-            self.slots.free(req.slot)
+            self.cache.free_slot(req.slot)
             req.slot = None
 
     # ---- numbers for /metrics and the startup summary -----------------------------------------------
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.pages.num_free / self.pages.num_pages
+        return self.cache.kv_usage
 
     @property
     def slot_usage(self) -> float:
-        return 1.0 - self.slots.num_free / self.slots.num_slots
+        return self.cache.slot_usage

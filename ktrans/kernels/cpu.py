@@ -9,12 +9,15 @@ the GIL released, so the caller (the GPU's attention and shared expert) runs mea
 Every tensor a job reads or writes is kept alive by its Pending until then.
 
 The kernel path is chosen once per object: "auto" takes the best this CPU runs (AVX-512 VNNI, else AVX2+FMA,
-else portable C++), and the environment variable KTRANS_CPU_ISA=avx512|avx2|scalar overrides "auto".
+else portable C++), and the environment variable KTRANS_CPU_ISA=avx512|avx2|scalar overrides "auto". The tuning
+(work split, prefetch, tiles, AMX) is a CPUMoEConfig per object; the KTRANS_* tuning variables only give its defaults.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +47,123 @@ def type_id(qtype: int | str) -> int:
 
 def row_bytes(qtype: int | str, k: int) -> int:
     return _cpu.type_row_bytes(type_id(qtype), k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tuning: one config per object
+
+_HINTS = ("t0", "t1", "nta")  # prefetch_hint names, in the order of the C++ values 0, 1, 2
+
+
+def _default(name: str):
+    """A dataclass default: field `name` of the C++ defaults, from the KTRANS_* environment variables read now."""
+    def make():
+        value = _cpu.moe_config()[name]
+        return _HINTS[value] if name == "prefetch_hint" else value
+    return field(default_factory=make)
+
+
+@dataclass(frozen=True)
+class CPUMoEConfig:
+    """The tuning of one CPUMoE (or CPULinear): how its jobs split their work and how its kernels run.
+
+    Each object holds its own, so two CPUMoEs in one process can run with different settings. A field left out takes
+    its default from its environment variable, read when the config is made (never later: a config, and the object
+    holding it, does not change when the environment does); a field given is checked instead, and a bad one raises
+    ValueError naming it. The results do not depend on the config, except that the Q4_K/Q5_K tiles sum in another
+    order than the row kernels (tile_min_tokens). csrc/cpu/config.h has the measurements behind the defaults.
+
+    - gate_up_tasks (KTRANS_GU_TASKS, 4), down_tasks (KTRANS_DN_TASKS, 2): about this many gate/up and down tasks
+      per pool thread in a MoE call (at least 1);
+    - down_expert_rows (KTRANS_DN_ROWS, 256): most rows per down task when down runs per expert (decode; >= 16);
+    - prefetch_bytes (KTRANS_PREFETCH_BYTES, 4096): the row kernels' software prefetch distance (a multiple of 64,
+      64 to 1 MiB); prefetch_hint (KTRANS_PREFETCH_HINT, "t0"): "t0", "t1" (into L2) or "nta" (non-temporal);
+    - x16_prefetch_bytes (KTRANS_X16_PREFETCH_BYTES, 1024 on AMD CPUs, else 4096): the distance of the repacked
+      Q4_K/Q5_K kernels;
+    - tile_min_tokens (KTRANS_TILE_MIN_TOKENS, 3): activation rows per gemm call from which Q4_K/Q5_K use the tile
+      kernels (TILES_OFF: never);
+    - x16_tile_from (KTRANS_X16_TILE_FROM, 24): activation rows from which the repacked kernels unpack a tile once per
+      superblock instead of fused passes of four;
+    - amx (KTRANS_AMX, 1): the Q4_K/Q5_K prefill tiles on 1 AMX where the CPU has it, 0 AVX-512 VNNI, 2 the AMX data
+      flow emulated in C++ (tests); amx_mode says what runs here;
+    - prefetch_clamp (True): whether the in-loop prefetch stops at the end of a call's weight rows (False only for
+      A/B diagnostics).
+    """
+
+    gate_up_tasks: int = _default("gate_up_tasks")
+    down_tasks: int = _default("down_tasks")
+    down_expert_rows: int = _default("down_expert_rows")
+    prefetch_bytes: int = _default("prefetch_bytes")
+    prefetch_hint: str = _default("prefetch_hint")
+    x16_prefetch_bytes: int = _default("x16_prefetch_bytes")
+    tile_min_tokens: int = _default("tile_min_tokens")
+    x16_tile_from: int = _default("x16_tile_from")
+    amx: int = _default("amx")
+    prefetch_clamp: bool = _default("prefetch_clamp")
+
+    def __post_init__(self):
+        if self.prefetch_hint not in _HINTS:
+            raise ValueError(f"CPUMoEConfig.prefetch_hint: must be one of {', '.join(_HINTS)}, "
+                             f"got {self.prefetch_hint!r}")
+        try:  # the ranges (and the integer types) are checked where they are used, in C++
+            _cpu.moe_config(self.native())
+        except ValueError as e:
+            raise ValueError(f"CPUMoEConfig.{e}") from None
+
+    def _fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def native(self) -> dict:
+        """The dict the C++ side takes (prefetch_hint as 0, 1 or 2)."""
+        return {**self._fields(), "prefetch_hint": _HINTS.index(self.prefetch_hint)}
+
+    @classmethod
+    def from_native(cls, d: dict) -> CPUMoEConfig:
+        return cls(**{**d, "prefetch_hint": _HINTS[d["prefetch_hint"]]})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CPUMoEConfig:
+        """A config from a mapping of some of its fields (a rule's cpu_config); ValueError names an unknown key."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown CPUMoEConfig field {key!r} (known: {', '.join(known)})")
+        return cls(**d)
+
+    def replace(self, **changes) -> CPUMoEConfig:
+        """A copy with `changes` applied (checked); the other fields stay as they are here."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def amx_mode(self) -> int:
+        """How the Q4_K/Q5_K prefill tiles run under this config on this CPU: 1 AMX, 0 AVX-512 VNNI, 2 emulated."""
+        return _cpu.amx_mode(self.amx)
+
+
+def _config(config: CPUMoEConfig | None) -> CPUMoEConfig:
+    if config is None:
+        return CPUMoEConfig()
+    if not isinstance(config, CPUMoEConfig):
+        raise TypeError(f"config must be a CPUMoEConfig, got {type(config).__name__}")
+    return config
+
+
+class _Tuned:
+    """`config` and `set_config` of an object whose C++ side (the attribute named _NATIVE) holds the config too."""
+
+    _NATIVE = ""
+    _config: CPUMoEConfig
+
+    @property
+    def config(self) -> CPUMoEConfig:
+        return self._config
+
+    def set_config(self, config: CPUMoEConfig) -> None:
+        """Run the jobs submitted from now on with `config`. A job already submitted (and not yet waited for) keeps
+        the config it was submitted with: each job takes a copy at submit."""
+        config = _config(config)
+        getattr(self, self._NATIVE).set_config(config.native())
+        self._config = config
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -78,35 +198,39 @@ def isa_report() -> dict:
     info = isa_info()
     path, why = best_path(info)
     status = _cpu.path_status()
+    defaults = CPUMoEConfig()
     return {"path": path, "why": why, "runnable_paths": [p for p, reason in status.items() if reason is None],
-            "prefill_tiles": prefill_tiles(path, info),
+            "prefill_tiles": prefill_tiles(path, info, defaults),
             # CPUMoE copies expert weights into huge pages only where this is "always" or "madvise"
             "transparent_hugepages": thp_mode(),
-            "prefetch_bytes": {"row_kernels": _cpu.prefetch()[0], "q4_k_x16": _cpu.x16_prefetch()},
+            # what a CPUMoE made now runs with unless given a config (the KTRANS_* tuning variables apply)
+            "prefetch_bytes": {"row_kernels": defaults.prefetch_bytes, "q4_k_x16": defaults.x16_prefetch_bytes},
+            "moe_config_defaults": dataclasses.asdict(defaults),
             "features": info}
 
 
 TILES_OFF = 1 << 30  # a tile_min_tokens that no call reaches: the tiles are off
 
 
-def prefill_tiles(path: str, info: dict[str, bool]) -> dict:
-    """How Q4_K/Q5_K experts with many tokens per call (prefill) are computed: 16 weight rows at a time on AMX or
-    AVX-512 VNNI tiles, 8 on AVX2 tiles, or by the row kernels."""
-    tmin = _cpu.tile_min_tokens()
+def prefill_tiles(path: str, info: dict[str, bool], config: CPUMoEConfig | None = None) -> dict:
+    """How Q4_K/Q5_K experts with many tokens per call (prefill) are computed under `config` (default: the
+    defaults): 16 weight rows at a time on AMX or AVX-512 VNNI tiles, 8 on AVX2 tiles, or by the row kernels."""
+    config = CPUMoEConfig() if config is None else config
+    tmin = config.tile_min_tokens
     if path not in ("avx512", "avx2"):
         return {"mode": "rows", "why": "the tiles need AVX2 or AVX-512"}
     if tmin >= TILES_OFF:
-        return {"mode": "rows", "why": "turned off (KTRANS_TILE_MIN_TOKENS)"}
+        return {"mode": "rows", "why": "turned off (tile_min_tokens; KTRANS_TILE_MIN_TOKENS by default)"}
     if path == "avx2":
         return {"mode": "avx2", "why": "AVX2 tiles of 8 rows (vpmaddubsw, int16 sums per sub-block)",
                 "from_tokens_per_expert": max(tmin, _cpu.AVX2_TILE_MIN_TOKENS)}
-    mode = {0: "avx512-vnni", 1: "amx", 2: "amx-emulated"}[_cpu.amx_mode()]
+    mode = {0: "avx512-vnni", 1: "amx", 2: "amx-emulated"}[config.amx_mode]
     if mode == "amx":
         why = "AMX-INT8 tiles (tdpbusd) for the dot products, AVX-512 for unpacking and scales"
     elif mode == "amx-emulated":
-        why = "the AMX data flow with the tile product in plain C++ (KTRANS_AMX=2: a test mode, slow)"
-    elif info.get("amx_int8") and os.environ.get("KTRANS_AMX", "1") == "0":
-        why = "AVX-512 VNNI tiles (AMX turned off by KTRANS_AMX=0)"
+        why = "the AMX data flow with the tile product in plain C++ (amx=2: a test mode, slow)"
+    elif info.get("amx_int8") and config.amx == 0:
+        why = "AVX-512 VNNI tiles (AMX turned off: amx=0; KTRANS_AMX=0 by default)"
     else:
         why = "AVX-512 VNNI tiles (vpdpbusd, one 32-bit lane per weight row); no AMX-INT8 here"
     return {"mode": mode, "why": why, "from_tokens_per_expert": tmin}
@@ -271,7 +395,7 @@ def _cpu_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to("cpu", dtype).contiguous()
 
 
-class CPUMoE:
+class CPUMoE(_Tuned):
     """The routed experts of one MoE layer on the CPU, on stacked raw blocks.
 
     gate, up: [E, intermediate, hidden] and down: [E, hidden, intermediate] expert matrices, each one buffer
@@ -286,11 +410,17 @@ class CPUMoE:
     it: one instruction stream per 16 rows and 64 bytes instead of transposing them at every call, 1.9-3.2x the
     row kernels per thread. The repack takes the place of the huge-page copy (no second buffer); without huge pages it
     is one extra buffer of the matrix's size. `layouts` names what each matrix is kept as.
+
+    `config` (a CPUMoEConfig; default: CPUMoEConfig(), from the environment now) tunes this layer's jobs; `config`
+    reads it and set_config replaces it.
     """
+
+    _NATIVE = "_moe"
 
     def __init__(self, gate, up, down, *, n_experts: int, hidden: int, intermediate: int,
                  types: tuple | None = None, pool: _cpu.ThreadPool | None = None, isa: str = "auto",
-                 hugepages: bool = True, repack: bool = True):
+                 hugepages: bool = True, repack: bool = True, config: CPUMoEConfig | None = None):
+        self._config = _config(config)
         types = types or (None, None, None)
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
         self.types = tuple(_weight_type(t, q) for t, q in zip((gate, up, down), types))
@@ -325,7 +455,7 @@ class CPUMoE:
         self.layouts = tuple(_X16_NAMES.get(k) or _TYPE_NAMES[k] for k in kinds)
         g, u, d = self.weights
         self._moe = _cpu.MoE(self.pool, n_experts, hidden, intermediate, g.data_ptr(), kinds[0],
-                             u.data_ptr(), kinds[1], d.data_ptr(), kinds[2], isa)
+                             u.data_ptr(), kinds[1], d.data_ptr(), kinds[2], isa, self._config.native())
         self._last: Pending | None = None
 
     @property
@@ -394,16 +524,21 @@ class CPUMoE:
     __call__ = forward
 
 
-class CPULinear:
-    """y = x W^T on the CPU, W [n_out, n_in] as raw ggml blocks (or a float tensor), read in place."""
+class CPULinear(_Tuned):
+    """y = x W^T on the CPU, W [n_out, n_in] as raw ggml blocks (or a float tensor), read in place. `config`: as
+    CPUMoE's (the kernel fields apply; the work split fields do not)."""
+
+    _NATIVE = "_lin"
 
     def __init__(self, weight, n_out: int, n_in: int, qtype=None, pool: _cpu.ThreadPool | None = None,
-                 isa: str = "auto"):
+                 isa: str = "auto", config: CPUMoEConfig | None = None):
+        self._config = _config(config)
         self.n_out, self.n_in = n_out, n_in
         self.type = _weight_type(weight, qtype)
         self.weight = _as_bytes(weight, "CPULinear weight", n_out * _cpu.type_row_bytes(self.type, n_in))
         self.pool = pool or get_pool()
-        self._lin = _cpu.Linear(self.pool, n_out, n_in, self.weight.data_ptr(), self.type, isa)
+        self._lin = _cpu.Linear(self.pool, n_out, n_in, self.weight.data_ptr(), self.type, isa,
+                                self._config.native())
 
     @property
     def path(self) -> str:

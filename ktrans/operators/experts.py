@@ -124,7 +124,7 @@ class KTransformersExperts(BaseOperator):
     # file's 4 KiB-page mmap (3-4% faster decode on the 16-core Xeon, 5-8% on a 2-core Zen 4; doc/benchmarks.md).
     # `repack` (default true) repacks Q4_K and Q5_K experts 16 rows at a time for the AVX-512 kernels (Q4_K_X16,
     # Q5_K_X16; see ktrans.kernels.cpu.CPUMoE).
-    EXTRA_KWARGS = {"quant": str, "hugepages": bool, "repack": bool}
+    EXTRA_KWARGS = {"quant": str, "hugepages": bool, "repack": bool, "cpu_config": dict}
 
     def __init__(self, key, orig: Qwen3NextExperts, config, **kwargs):
         super().__init__(key, orig, config, **kwargs)

@@ -13,7 +13,9 @@ Importing this module registers the op under EXPERT_OPS (ktrans.operators.expert
 
 submit() queues the layer on the CPU thread pool and returns at once, so the MoE block runs the shared expert
 meanwhile; sync() waits and returns [T, hidden] in x's dtype. The pool is ktrans.kernels.cpu.get_pool(): size it
-with --cpu_infer (KTRANS_CPU_INFER) before building the model.
+with --cpu_infer (KTRANS_CPU_INFER) before building the model. A rule's `cpu_config` (a mapping of
+ktrans.kernels.cpu.CPUMoEConfig fields, e.g. {gate_up_tasks: 8, tile_min_tokens: 4}) tunes the layer's kernels;
+the fields it leaves out take their defaults from the KTRANS_* environment variables.
 """
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ class KExpertsCPU(ExpertsOp):
         self.quant = quant
         self.hugepages = bool(getattr(operator, "options", {}).get("hugepages", True))
         self.repack = bool(getattr(operator, "options", {}).get("repack", True))
+        try:
+            self.cpu_config = cpu.CPUMoEConfig.from_dict(getattr(operator, "options", {}).get("cpu_config") or {})
+        except ValueError as e:
+            raise ValueError(f"{self.key}: KExpertsCPU cpu_config: {e}") from None
         self.moe: cpu.CPUMoE | None = None
         self.source: WeightSource | None = None  # set by the injector for a streaming op
         self.dtype = torch.float32
@@ -77,7 +83,7 @@ class KExpertsCPU(ExpertsOp):
         # or a repack would cost more per call than it saves)
         keep = not self.streaming
         moe = cpu.CPUMoE(*mats, n_experts=self.num_experts, hidden=h, intermediate=i, types=tuple(types),
-                         hugepages=self.hugepages and keep, repack=self.repack and keep)
+                         hugepages=self.hugepages and keep, repack=self.repack and keep, config=self.cpu_config)
         self.load_report = {"types": tuple(types), "bytes": moe.nbytes, "load_s": time.perf_counter() - t0,
                             "path": moe.path, "hugepages": moe.hugepages, "layouts": moe.layouts,
                             "repack_s": moe.repack_s}

@@ -2,50 +2,14 @@
 Gated DeltaNet states (conv window and recurrent matrix) for the linear-attention layers.
 
 Modules never hold per-request state; they read and write these tensors at the rows a ForwardBatch names.
-The allocators are pure Python so the scheduler can be tested without a model.
+Which pages and slots are in use, and by whom, is the engine's CacheManager (`ktrans/engine/cache.py`): these
+classes hold only the tensors.
 """
 from __future__ import annotations
 
 import torch
 
 from ktrans.config import ModelConfig
-
-
-class OutOfMemoryError(RuntimeError):
-    """A pool has no free pages or slots left for the request."""
-
-
-class PageAllocator:
-    """Free list of fixed-size KV pages. alloc() hands out the lowest free ids first (deterministic)."""
-
-    def __init__(self, num_pages: int):
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfMemoryError(f"asked for {n} KV pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._used:
-                raise ValueError(f"KV page {p} freed twice or never allocated")
-            self._used.remove(p)
-            self._free.append(p)
-        self._free.sort(reverse=True)
 
 
 class KVPool:
@@ -59,8 +23,9 @@ class KVPool:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
-        self.allocator = PageAllocator(num_pages)
         self.layer_index = {layer: i for i, layer in enumerate(config.full_attention_layers)}
         shape = (num_pages * page_size, config.num_key_value_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layer_index]
@@ -87,7 +52,7 @@ class StatePool:
     """Gated DeltaNet state slots: conv window [slots, conv_dim, kernel-1] and fp32 recurrent state
     [slots, value_heads, key_head_dim, value_head_dim] per linear-attention layer.
 
-    A new request's slot is zeroed by the model itself when its cached length is 0, so alloc() need not clear.
+    A new request's slot is zeroed by the model itself when its cached length is 0, so allocation need not clear.
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
@@ -95,8 +60,6 @@ class StatePool:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._used: set[int] = set()
         self.layer_index = {layer: i for i, layer in enumerate(config.linear_attention_layers)}
         conv_shape = (num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1)
         ssm_shape = (num_slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
@@ -106,24 +69,6 @@ class StatePool:
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.layer_index[layer_id]
         return self.conv[i], self.ssm[i]
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise OutOfMemoryError(f"all {self.num_slots} DeltaNet state slots are in use")
-        slot = self._free.pop()
-        self._used.add(slot)
-        return slot
-
-    def free(self, slot: int) -> None:
-        if slot not in self._used:
-            raise ValueError(f"state slot {slot} freed twice or never allocated")
-        self._used.remove(slot)
-        self._free.append(slot)
-        self._free.sort(reverse=True)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:

@@ -1,35 +1,19 @@
-"""The scheduler alone: pure Python over the real page allocator and a slot list, no model."""
+"""The scheduler alone: pure Python over a CacheManager made from sizes (no tensors), no model."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from ktrans.runtime.pools import PageAllocator
+from ktrans.engine.cache import CacheManager
 from ktrans.engine.request import Request, RequestStatus
 from ktrans.engine.sampler import SamplingParams
 from ktrans.engine.scheduler import Scheduler, SchedulerConfig
 
 
-class Slots:
-    def __init__(self, n: int):
-        self.num_slots, self.free_list = n, list(range(n))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_list)
-
-    def alloc(self) -> int:
-        return self.free_list.pop(0)
-
-    def free(self, slot: int) -> None:
-        assert slot not in self.free_list, "slot freed twice"
-        self.free_list.append(slot)
-
-
 def make(pages=64, slots=4, budget=16, page_size=4) -> Scheduler:
     return Scheduler(SchedulerConfig(max_batch_size=slots, token_budget=budget, page_size=page_size),
-                     PageAllocator(pages), Slots(slots))
+                     CacheManager(pages, page_size, slots))
 
 
 def req(name: str, prompt_len: int, max_tokens: int = 8, **params) -> Request:
@@ -98,7 +82,7 @@ def test_preempts_the_newest_and_frees_its_memory():
     assert new.request_id == "new" and [c.request.request_id for c in history[-1].chunks] == ["old"]
     assert new.status is RequestStatus.PREEMPTED and new.pages == [] and new.slot is None
     assert new.num_computed_tokens == 0 and new.num_preemptions == 1 and new.num_output_tokens == 5
-    assert s.waiting[0] is new and s.slots.num_free == 3 and s.pages.num_free == 2
+    assert s.waiting[0] is new and s.cache.num_free_slots == 3 and s.cache.num_free_pages == 2
     while s.running:  # no admission while the old one needs the pages... until it finishes
         run_step(s)
     out = s.schedule()  # then the preempted one is recomputed from scratch: prompt and its outputs so far
@@ -112,7 +96,7 @@ def test_request_that_preempts_itself_when_it_is_the_newest():
     run_step(s)  # a: 2 pages
     s.add(req("b", 3, max_tokens=8))
     out = run_step(s)  # b fits with one page kept free for a
-    assert [c.request.request_id for c in out.chunks] == ["a", "b"] and s.pages.num_free == 1
+    assert [c.request.request_id for c in out.chunks] == ["a", "b"] and s.cache.num_free_pages == 1
     run_step(s)  # a at position 7, b at 3: no new pages
     out = run_step(s)  # a takes the last page for position 8; b needs one for position 4 and is the newest
     assert [c.request.request_id for c in out.chunks] == ["a"] and out.preempted[0].request_id == "b"
@@ -121,7 +105,7 @@ def test_request_that_preempts_itself_when_it_is_the_newest():
         run_step(s)
         steps += 1
     assert not s.has_work() and s.num_preemptions == 1
-    assert s.pages.num_free == 4 and s.slots.num_free == 2
+    assert s.cache.num_free_pages == 4 and s.cache.num_free_slots == 2
 
 
 def test_finish_and_abort_return_everything():
@@ -133,7 +117,7 @@ def test_finish_and_abort_return_everything():
     s.finish(b, RequestStatus.FINISHED_ABORTED)  # running
     s.finish(c, RequestStatus.FINISHED_ABORTED)  # still waiting
     s.finish(a, RequestStatus.FINISHED_STOPPED)
-    assert s.pages.num_free == 16 and s.slots.num_free == 2 and not s.has_work()
+    assert s.cache.num_free_pages == 16 and s.cache.num_free_slots == 2 and not s.has_work()
     assert a.pages == [] and a.slot is None and c.status is RequestStatus.FINISHED_ABORTED
 
 
@@ -169,7 +153,7 @@ def test_random_workload_finishes_with_pools_full(seed):
     rnd = random.Random(seed)
     s = make(pages=rnd.choice([8, 12, 40]), slots=rnd.choice([1, 3, 6]), budget=rnd.choice([1, 5, 32]),
              page_size=rnd.choice([1, 4]))
-    total_tokens = s.pages.num_pages * s.config.page_size
+    total_tokens = s.cache.num_pages * s.config.page_size
     reqs = []
     for i in range(12):
         n = rnd.randint(1, total_tokens // 2)
@@ -182,15 +166,45 @@ def test_random_workload_finishes_with_pools_full(seed):
             s.finish(rnd.choice(s.running), RequestStatus.FINISHED_ABORTED)
         out = run_step(s)
         used = [p for r in s.running for p in r.pages]
-        assert len(used) == len(set(used)) == s.pages.num_pages - s.pages.num_free
+        assert len(used) == len(set(used)) == s.cache.num_pages - s.cache.num_free_pages
         assert out.num_tokens <= s.config.token_budget and len(s.running) <= s.config.max_batch_size
         for r in s.running:
             assert len(r.pages) * s.config.page_size >= r.num_computed_tokens
         if not pending and not s.has_work():
             break
     assert not s.has_work(), "the workload did not finish"
-    assert s.pages.num_free == s.pages.num_pages and s.slots.num_free == s.slots.num_slots
+    assert s.cache.num_free_pages == s.cache.num_pages and s.cache.num_free_slots == s.cache.num_slots
     for r in reqs:
         assert r.is_finished
         if r.status is RequestStatus.FINISHED_LENGTH:
             assert r.num_output_tokens == r.max_tokens
+
+
+def test_preemption_and_finish_decref_so_shared_pages_survive():
+    """A page another holder (a future prefix-cache node) shares stays allocated when its request is preempted or
+    finishes; the request keeps its tokens and recomputes them."""
+    s = make(pages=6, slots=4, budget=64, page_size=4)
+    old, new = req("old", 8, max_tokens=16), req("new", 8, max_tokens=16)
+    s.add(old)
+    s.add(new)
+    run_step(s)
+    held = list(new.pages)
+    s.cache.incref(held)  # a second holder of new's pages
+    tokens = None
+    for _ in range(10):
+        tokens = list(new.all_token_ids)
+        out = run_step(s)
+        if out.preempted:
+            break
+    assert out.preempted == [new] and new.pages == [] and new.slot is None
+    assert new.all_token_ids == tokens and new.num_computed_tokens == 0  # its tokens are kept, to be recomputed
+    assert [s.cache.refcount(p) for p in held] == [1, 1]  # dropped its reference; the other holder's survive
+    s.finish(new, RequestStatus.FINISHED_ABORTED)  # preempted, then aborted: nothing more to give back
+    s.finish(old, RequestStatus.FINISHED_ABORTED)
+    assert s.cache.num_free_pages == 4 and s.cache.num_free_slots == 4
+    assert s.cache.decref(held) == held and s.cache.all_free
+
+
+def test_scheduler_and_cache_page_sizes_agree():
+    with pytest.raises(ValueError, match="pages of 8"):
+        Scheduler(SchedulerConfig(max_batch_size=2, token_budget=8, page_size=4), CacheManager(4, 8, 2))

@@ -10,6 +10,7 @@ from ktrans.inject import RuleError, pool_devices
 from ktrans.operators.experts import EXPERT_OPS
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
+from ktrans.engine.cache import CacheManager
 
 from ..model.helpers import load, make_checkpoint
 from .helpers import injected, rules
@@ -56,8 +57,9 @@ def run(model, prompts, conts, plans=None, page_size=8):
     total = max(len(p) + len(c) for p, c in zip(prompts, conts))
     kv = KVPool(model.config, len(prompts) * -(-total // page_size), page_size, torch.float32, kv_dev)
     states = StatePool(model.config, len(prompts), torch.float32, st_dev)
-    pages = [kv.allocator.alloc(kv.pages_for(total)) for _ in prompts]
-    slots = [states.alloc() for _ in prompts]
+    cache = CacheManager.from_pools(kv, states)
+    pages = [cache.alloc_pages(kv.pages_for(total)) for _ in prompts]
+    slots = [cache.alloc_slot() for _ in prompts]
     plans = plans or [[len(p)] for p in prompts]
     done, out = [0] * len(prompts), [[] for _ in prompts]
     for step in range(max(map(len, plans))):

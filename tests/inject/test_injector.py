@@ -15,6 +15,7 @@ from ktrans.operators.linear import KTransformersLinear
 from ktrans.operators.moe import KQwen3NextSparseMoeBlock
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.model.source import build_model
+from ktrans.engine.cache import CacheManager
 
 from ..model.helpers import OTHER_SHAPE, load, make_checkpoint, pools, run_chunks
 from .helpers import CPU_RULES, cpu_variant, injected, rules
@@ -45,8 +46,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
 def _decode_logits(model, prompts, conts):
     """Prefill the prompts together, then decode their continuations in pure decode batches."""
     kv, states = pools(model, len(prompts), 40)
-    pages = [kv.allocator.alloc(kv.pages_for(40)) for _ in prompts]
-    slots = [states.alloc() for _ in prompts]
+    cache = CacheManager.from_pools(kv, states)
+    pages = [cache.alloc_pages(kv.pages_for(40)) for _ in prompts]
+    slots = [cache.alloc_slot() for _ in prompts]
     out = [model(ForwardBatch.build([SeqChunk(p, 0, s, pg) for p, s, pg in zip(prompts, slots, pages)], kv, states))]
     for step in range(len(conts[0])):
         chunks = [SeqChunk([c[step]], len(p) + step, s, pg) for p, c, s, pg in zip(prompts, conts, slots, pages)]

@@ -78,27 +78,24 @@ def _layer(e, h, i, seed, qtype="Q4_K"):
 def test_moe_on_x16_matches_reference_and_the_tiles_bitwise(qtype, pool):
     e, h, i = 8, 768, 512
     raw, deq = _layer(e, h, i, 20, qtype)
-    kw = dict(n_experts=e, hidden=h, intermediate=i, types=(qtype,) * 3, pool=pool)
+    # the tiles' arithmetic for every call (plain: the tiles from 1 row on, no AMX)
+    kw = dict(n_experts=e, hidden=h, intermediate=i, types=(qtype,) * 3, pool=pool,
+              config=cpu.CPUMoEConfig(tile_min_tokens=1, amx=0))
     x16 = cpu.CPUMoE(*raw, **kw)
     plain = cpu.CPUMoE(*raw, repack=False, **kw)
     assert x16.layouts == (X16_NAME[qtype],) * 3 and plain.layouts == (qtype,) * 3
     for w, r in zip(x16.weights, raw):  # the same number of bytes, reordered
         assert w.numel() == r.numel() and not torch.equal(w.view(torch.uint8), r.view(-1))
     gen = torch.Generator().manual_seed(21)
-    old_min, old_amx = _cpu.set_tile_min_tokens(1), _cpu.set_amx_mode(0)  # the tiles' arithmetic for every call
-    try:
-        # 1-4 activation rows per expert run fused in one pass, more in passes of four; > 256 pairs: down by rows
-        for t, k in [(1, 4), (1, 8), (2, 3), (3, 8), (5, 2), (9, 8), (40, 8), (131, 3)]:
-            x = torch.randn(t, h, generator=gen)
-            ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-            w = torch.rand(t, k, generator=gen)
-            y = x16(x, ids, w)
-            assert torch.equal(y, plain(x, ids, w)), f"{qtype}, T={t}, k={k}"
-            ref = moe_experts(x.double(), ids, w.double(), *deq)
-            assert float((y.double() - ref).norm() / ref.norm()) < 0.04
-    finally:
-        _cpu.set_tile_min_tokens(old_min)
-        _cpu.set_amx_mode(old_amx)
+    # 1-4 activation rows per expert run fused in one pass, more in passes of four; > 256 pairs: down by rows
+    for t, k in [(1, 4), (1, 8), (2, 3), (3, 8), (5, 2), (9, 8), (40, 8), (131, 3)]:
+        x = torch.randn(t, h, generator=gen)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=gen)
+        y = x16(x, ids, w)
+        assert torch.equal(y, plain(x, ids, w)), f"{qtype}, T={t}, k={k}"
+        ref = moe_experts(x.double(), ids, w.double(), *deq)
+        assert float((y.double() - ref).norm() / ref.norm()) < 0.04
 
 
 def test_only_paths_that_read_it_get_it(pool):
@@ -128,25 +125,21 @@ def test_amx_on_x16_matches_the_vnni_tiles_bitwise(qtype):
     pool1 = cpu.make_pool(1, pin=False)
     e, h, i = 4, 768, 512
     raw, deq = _layer(e, h, i, 40, qtype)
-    kw = dict(n_experts=e, hidden=h, intermediate=i, types=(qtype,) * 3, pool=pool1)
+    vnni = cpu.CPUMoEConfig(tile_min_tokens=1, amx=0)
+    kw = dict(n_experts=e, hidden=h, intermediate=i, types=(qtype,) * 3, pool=pool1, config=vnni)
     x16, plain = cpu.CPUMoE(*raw, **kw), cpu.CPUMoE(*raw, repack=False, **kw)
     gen = torch.Generator().manual_seed(41)
     x = torch.randn(40, h, generator=gen)
     ids = torch.tensor([[0, 1]] * 20 + [[1, 0]] * 20)
     w = torch.rand(40, 2, generator=gen)
-    old_min, old_amx = _cpu.set_tile_min_tokens(1), _cpu.set_amx_mode(0)
-    try:
-        want = plain(x, ids, w)
-        modes = [2] + ([1] if _cpu.isa_info().get("amx_int8") else [])
-        for mode in modes:
-            _cpu.set_amx_mode(mode)
-            assert _cpu.amx_mode() == mode
-            assert torch.equal(x16(x, ids, w), want), f"{qtype}, AMX mode {mode}"
-        ref = moe_experts(x.double(), ids, w.double(), *deq)
-        assert float((want.double() - ref).norm() / ref.norm()) < 0.04
-    finally:
-        _cpu.set_tile_min_tokens(old_min)
-        _cpu.set_amx_mode(old_amx)
+    want = plain(x, ids, w)
+    modes = [2] + ([1] if _cpu.isa_info().get("amx_int8") else [])
+    for mode in modes:
+        x16.set_config(vnni.replace(amx=mode))
+        assert x16.config.amx_mode == mode
+        assert torch.equal(x16(x, ids, w), want), f"{qtype}, AMX mode {mode}"
+    ref = moe_experts(x.double(), ids, w.double(), *deq)
+    assert float((want.double() - ref).norm() / ref.norm()) < 0.04
 
 
 @needs_x16
@@ -158,16 +151,15 @@ def test_x16_prefetch_distance_is_tunable_and_changes_no_result(pool):
     x = torch.randn(3, h, generator=gen)
     ids = torch.tensor([[0, 3], [1, 2], [3, 3]])
     w = torch.rand(3, 2, generator=gen)
-    start = _cpu.x16_prefetch()
+    start = moe.config.x16_prefetch_bytes
     assert start % 64 == 0 and start >= 64
     assert cpu.isa_report()["prefetch_bytes"]["q4_k_x16"] == start
-    try:
-        outs = []
-        for dist in (64, 1000, 8192):
-            _cpu.set_x16_prefetch(dist)
-            assert _cpu.x16_prefetch() == dist // 64 * 64
-            outs.append(moe(x, ids, w))
-        assert all(torch.equal(o, outs[0]) for o in outs)
-    finally:
-        _cpu.set_x16_prefetch(start)
-    assert _cpu.x16_prefetch() == start
+    outs = []
+    for dist in (64, 960, 8192):
+        moe.set_config(moe.config.replace(x16_prefetch_bytes=dist))
+        assert moe.config.x16_prefetch_bytes == dist and moe._moe.config["x16_prefetch_bytes"] == dist
+        outs.append(moe(x, ids, w))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with pytest.raises(ValueError, match="x16_prefetch_bytes"):  # not a multiple of 64
+        moe.set_config(moe.config.replace(x16_prefetch_bytes=1000))
+    assert moe.config.x16_prefetch_bytes == 8192  # a refused config leaves the last one

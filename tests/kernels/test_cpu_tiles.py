@@ -3,9 +3,8 @@
 The tile kernels must agree with the row kernels (same integer dot products, a different float summation order:
 relative difference ~1e-6), with the torch reference on dequantized weights, and with each other bitwise: the AMX
 path and its C++ emulation (run everywhere) use the same float operations in the same order as the VNNI tiles.
+Which kernels run is each object's CPUMoEConfig (tile_min_tokens, amx).
 """
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -23,14 +22,15 @@ needs_avx512 = pytest.mark.skipif(STATUS["avx512"] is not None, reason="the AVX-
 HW_AMX = bool(_cpu.isa_info().get("amx_int8", False))
 
 
-@contextlib.contextmanager
-def tiles(min_tokens: int, amx: int):
-    old_min, old_amx = _cpu.set_tile_min_tokens(min_tokens), _cpu.set_amx_mode(amx)
-    try:
-        yield
-    finally:
-        _cpu.set_tile_min_tokens(old_min)
-        _cpu.set_amx_mode(old_amx)
+def tiles(min_tokens: int, amx: int) -> cpu.CPUMoEConfig:
+    """The defaults with the tiles from min_tokens activation rows per call on (10**9: never), in AMX mode amx."""
+    return cpu.CPUMoEConfig(tile_min_tokens=min_tokens, amx=amx)
+
+
+def tuned(obj, min_tokens: int, amx: int):
+    """obj (a CPULinear or CPUMoE) with its config set to tiles(min_tokens, amx)."""
+    obj.set_config(tiles(min_tokens, amx))
+    return obj
 
 
 def quantized(qtype, shape, seed):
@@ -59,12 +59,10 @@ def test_linear_tiles_match_rows_and_reference(qtype, n_out, n_in, tokens, pool)
     lin = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512")
     x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(tokens))
     ref = x.double() @ deq.T
-    with tiles(10**9, 0):
-        rows = lin(x)
+    rows = tuned(lin, 10**9, 0)(x)
     outs = {}
     for mode in MODES:
-        with tiles(1, mode):
-            outs[mode] = lin(x)
+        outs[mode] = tuned(lin, 1, mode)(x)
         assert rel(outs[mode], ref) < 0.02, f"mode {mode}"
         assert rel(outs[mode], rows) < 1e-5, f"mode {mode} vs the row kernel"
     for mode in MODES[1:]:
@@ -85,23 +83,20 @@ def test_moe_prefill_tiles(qtypes, pool):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=gen)
     ref = moe_experts(x.double(), ids, w.double(), *(m[1] for m in mats))
-    with tiles(10**9, 0):
-        rows = moe(x, ids, w)
+    rows = tuned(moe, 10**9, 0)(x, ids, w)
     outs = {}
     for mode in MODES:
-        with tiles(6, mode):
-            outs[mode] = moe(x, ids, w)
+        outs[mode] = tuned(moe, 6, mode)(x, ids, w)
         assert rel(outs[mode], ref) < 0.04
         # h = silu(gate) * up is quantized to int8 for down: a 1e-7 difference in gate/up can move h across a
         # rounding step there, so the row and tile results differ by more than at the linear level
         assert rel(outs[mode], rows) < 2e-3
         assert torch.equal(outs[mode], outs[0])
     for mode in MODES:  # and the result does not depend on the thread count (blocks move between AMX and VNNI)
-        with tiles(6, mode):
-            for n in (1, 3):
-                moe_n = cpu.CPUMoE(*(m[0] for m in mats), n_experts=E, hidden=H, intermediate=I, types=qtypes,
-                                   pool=cpu.make_pool(n, pin=False), isa="avx512")
-                assert torch.equal(moe_n(x, ids, w), outs[0]), f"mode {mode}, {n} threads"
+        for n in (1, 3):
+            moe_n = cpu.CPUMoE(*(m[0] for m in mats), n_experts=E, hidden=H, intermediate=I, types=qtypes,
+                               pool=cpu.make_pool(n, pin=False), isa="avx512", config=tiles(6, mode))
+            assert torch.equal(moe_n(x, ids, w), outs[0]), f"mode {mode}, {n} threads"
 
 
 @pytest.mark.skipif(STATUS["avx2"] is not None, reason="the AVX2 tiles")
@@ -112,25 +107,26 @@ def test_avx2_tiles_match_rows_reference_and_avx512_tiles(qtype, n_out, n_in, to
     (the same float operations in the same order)."""
     raw, deq = quantized(qtype, (n_out, n_in), seed=n_out + tokens)
     x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(tokens))
-    lin2 = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx2")
-    with tiles(10**9, 0):
-        rows = lin2(x)
-    with tiles(1, 0):
-        tiled = lin2(x)
-        other = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512")(x) if STATUS["avx512"] is None else None
+    lin2 = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx2", config=tiles(10**9, 0))
+    rows = lin2(x)
+    tiled = tuned(lin2, 1, 0)(x)
+    other = None
+    if STATUS["avx512"] is None:
+        other = cpu.CPULinear(raw, n_out, n_in, qtype=qtype, pool=pool, isa="avx512", config=tiles(1, 0))(x)
     assert rel(tiled, x.double() @ deq.T) < 0.02
     assert 0 < rel(tiled, rows) < 1e-5  # > 0: the tiles really ran (another summation order)
     if other is not None:
         assert torch.equal(tiled, other)
 
 
-@needs_avx512
-def test_tile_settings_round_trip():
-    old = _cpu.set_tile_min_tokens(7)
-    assert _cpu.set_tile_min_tokens(old) == 7
-    old = _cpu.set_amx_mode(2)
-    assert _cpu.amx_mode() == 2
-    _cpu.set_amx_mode(0)
-    assert _cpu.amx_mode() == 0
-    _cpu.set_amx_mode(old)
-    assert _cpu.amx_mode() == (1 if HW_AMX and old == 1 else (2 if old == 2 else 0))
+def test_tile_settings_are_per_object(pool):
+    raw, _ = quantized("Q4_K", (16, 256), seed=1)
+    a = cpu.CPULinear(raw, 16, 256, qtype="Q4_K", pool=pool, config=tiles(7, 2))
+    b = cpu.CPULinear(raw, 16, 256, qtype="Q4_K", pool=pool, config=tiles(1, 0))
+    assert (a.config.tile_min_tokens, a.config.amx, b.config.tile_min_tokens, b.config.amx) == (7, 2, 1, 0)
+    assert cpu.CPUMoEConfig.from_native(a._lin.config) == a.config  # the C++ side holds the same
+    tuned(a, 9, 1)
+    assert a.config == tiles(9, 1) and b.config == tiles(1, 0)
+    assert cpu.CPUMoEConfig.from_native(a._lin.config) == a.config
+    # what runs: 2 and 0 as asked, 1 only where the CPU has AMX-INT8
+    assert [tiles(1, m).amx_mode for m in (0, 1, 2)] == [0, 1 if HW_AMX else 0, 2]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
+from ktrans.engine.cache import CacheManager
 
 from .helpers import OTHER_SHAPE, load, make_checkpoint, pools, run_chunks
 
@@ -70,8 +71,9 @@ def test_decode_batch_equals_prefill(model):
     full = [run_chunks(model, [p + c])[0][0] for p, c in zip(prompts, cont)]
 
     kv, states = pools(model, 3, 32)
-    pages = [kv.allocator.alloc(kv.pages_for(32)) for _ in prompts]
-    slots = [states.alloc() for _ in prompts]
+    cache = CacheManager.from_pools(kv, states)
+    pages = [cache.alloc_pages(kv.pages_for(32)) for _ in prompts]
+    slots = [cache.alloc_slot() for _ in prompts]
     model(ForwardBatch.build([SeqChunk(p, 0, s, pg) for p, s, pg in zip(prompts, slots, pages)], kv, states))
     for step in range(6):
         chunks = [SeqChunk([c[step]], len(p) + step, s, pg) for p, c, s, pg in zip(prompts, cont, slots, pages)]
@@ -87,8 +89,9 @@ def test_slot_reuse_starts_from_zero_state(model):
     a, b = _ids(20, 7), _ids(15, 8)
     (ref,), _, _ = run_chunks(model, [b])
     kv, states = pools(model, 1, 20)
-    pages = kv.allocator.alloc(kv.pages_for(20))
-    slot = states.alloc()
+    cache = CacheManager.from_pools(kv, states)
+    pages = cache.alloc_pages(kv.pages_for(20))
+    slot = cache.alloc_slot()
     model(ForwardBatch.build([SeqChunk(a, 0, slot, pages)], kv, states))
     out = model(ForwardBatch.build([SeqChunk(b, 0, slot, pages, logits="all")], kv, states))
     _close(out, ref)
