@@ -24,6 +24,7 @@ import torch
 from ktrans.inject import pool_devices
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
+from ktrans.engine.cache import CacheManager
 from ktrans.engine.output import RequestOutput, TextStream
 from ktrans.engine.request import Request, RequestStatus, TokenLogprob
 from ktrans.engine.sampler import SamplingParams, sample, token_logprob, top_logprobs
@@ -135,8 +136,9 @@ class Engine:
         self.device = next(model.parameters()).device  # where batches are built; operators copy what they need
         num_pages = -(-config.cache_lens // config.page_size)
         self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size)
+        self.cache = CacheManager.from_pools(self.kv, self.states)  # who holds which page and slot
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.chunk_size, config.page_size),
-                                   self.kv.allocator, self.states)
+                                   self.cache)
         capacity = num_pages * config.page_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(f"--max_model_len {config.max_model_len} is more than the KV cache holds ({capacity} "
@@ -193,9 +195,7 @@ class Engine:
     def stats(self) -> dict:
         s = self.scheduler
         return {"num_running": len(s.running), "num_waiting": len(s.waiting) + self._inbox.qsize(),
-                "kv_usage": s.kv_usage, "slot_usage": s.slot_usage, "num_preemptions": s.num_preemptions,
-                "kv_pages_free": self.kv.allocator.num_free, "kv_pages": self.kv.num_pages,
-                "slots_free": self.states.num_free, "slots": self.states.num_slots}
+                "num_preemptions": s.num_preemptions, **self.cache.stats()}
 
     # ---- the loop thread ----------------------------------------------------------------------------
     def start(self) -> "Engine":

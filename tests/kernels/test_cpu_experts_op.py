@@ -85,11 +85,13 @@ def rel(y, ref) -> float:
 
 def _all_logits(model, ids):
     from ktrans.runtime.batch import ForwardBatch, SeqChunk
+    from ktrans.engine.cache import CacheManager
     from ktrans.engine.engine import make_pools
 
     kv, states = make_pools(model, -(-(len(ids) + 1) // 16), 16, num_slots=1)
-    pages = kv.allocator.alloc(kv.pages_for(len(ids) + 1))
-    slot = states.alloc()
+    cache = CacheManager.from_pools(kv, states)
+    pages = cache.alloc_pages(kv.pages_for(len(ids) + 1))
+    slot = cache.alloc_slot()
     out = [model(ForwardBatch.build([SeqChunk(ids[:8], 0, slot, pages)], kv, states))]
     for t in range(8, len(ids)):  # then pure decode steps
         out.append(model(ForwardBatch.build([SeqChunk([ids[t]], t, slot, pages)], kv, states)))

@@ -11,6 +11,7 @@ from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.inject import load_model
 from ktrans.model.source import ModelSource
+from ktrans.engine.cache import CacheManager
 
 # A second shape besides the `small` preset: more key heads, a GQA ratio of 4, a dense MLP layer, attention first,
 # head_dim not a power of two, conv kernel 3, top-1 routing without renormalisation.
@@ -80,16 +81,17 @@ def run_chunks(model, prompts: list[list[int]], chunk_plans: list[list[int]] | N
     """
     longest = max(len(p) for p in prompts)
     kv, states = pools(model, len(prompts), longest, page_size)
+    cache = CacheManager.from_pools(kv, states)
     n_pages = [kv.pages_for(len(p)) for p in prompts]
     pages: list[list[int]] = [[] for _ in prompts]
     if interleave_pages:
         for r in range(max(n_pages)):
             for i in range(len(prompts)):
                 if r < n_pages[i]:
-                    pages[i].append(kv.allocator.alloc(1)[0])
+                    pages[i].append(cache.alloc_pages(1)[0])
     else:
-        pages = [kv.allocator.alloc(n) for n in n_pages]
-    slots = [states.alloc() for _ in prompts]
+        pages = [cache.alloc_pages(n) for n in n_pages]
+    slots = [cache.alloc_slot() for _ in prompts]
     plans = chunk_plans or [[len(p)] for p in prompts]
     done = [0] * len(prompts)
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
