@@ -295,7 +295,8 @@ class Engine:
             return {}
         reqs = [c.request for c in due]
         histories = [(r.prompt_ids, r.output_ids) if r.params.has_penalties else None for r in reqs]
-        tokens = sample(torch.cat([rows[id(c)][-1:] for c in due]), [r.params for r in reqs], histories)
+        tokens = sample(torch.cat([rows[id(c)][-1:] for c in due]), [r.params for r in reqs], histories,
+                        [r.num_output_tokens for r in reqs])  # the seeded noise's counter: the output index
         return {id(c): t for c, t in zip(due, tokens)}
 
     def _rows_per_chunk(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, torch.Tensor]:

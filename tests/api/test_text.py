@@ -1,12 +1,13 @@
-"""Text-side pieces without a model: stop strings over token deltas, the reasoning split, penalties and seeds."""
+"""Text-side pieces without a model: stop strings over token deltas, the reasoning split, sampling parameters.
+
+The sampler itself (penalties, seeds, filters) is tested in tests/engine/test_sampler.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ktrans.engine.output import TextStream, held_suffix
 from ktrans.api.reasoning import ReasoningParser, split_reasoning
-from ktrans.engine.sampler import SamplingParams, apply_penalties, sample
+from ktrans.engine.sampler import SamplingParams
 
 
 class PieceTokenizer:
@@ -81,38 +82,6 @@ def test_reasoning_without_tags_is_content():
     # a thinking template opened <think> in the prompt: the output starts inside the reasoning
     assert split_reasoning("hmm</think>\n\nok", starts_in_reasoning=True) == ("hmm", "ok")
     assert split_reasoning("<think>unfinished") == ("unfinished", "")
-
-
-def test_penalties_follow_vllm():
-    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
-    p = SamplingParams(repetition_penalty=2.0)
-    out = apply_penalties(logits, p, prompt_ids=[0], output_ids=[1])
-    assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
-    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    out = apply_penalties(logits, p, prompt_ids=[2], output_ids=[3, 3, 0])
-    assert out.tolist() == pytest.approx([2.0 - 0.75, -2.0, 1.0, 0.5 - 1.0])
-    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5]  # not in place
-
-
-def test_penalty_changes_greedy_choice():
-    logits = torch.tensor([[3.0, 2.9, 0.0]])
-    assert sample(logits, [SamplingParams(temperature=0)]) == [0]
-    p = SamplingParams(temperature=0, frequency_penalty=1.0)
-    assert sample(logits, [p], [([], [0])]) == [1]
-
-
-def test_seeded_sampling_ignores_the_rest_of_the_batch():
-    logits = torch.randn(3, 50)
-    alone = [sample(logits[1:2], [SamplingParams(seed=7)])[0] for _ in range(1)]
-    p_other = SamplingParams(seed=None)
-    mine = SamplingParams(seed=7)
-    together = sample(logits, [p_other, mine, SamplingParams(seed=3)])
-    assert together[1] == alone[0]
-    # and the sequence of draws continues the same way
-    seq_alone = [sample(logits[1:2], [p])[0] for p in [SamplingParams(seed=11)] * 5]
-    q = SamplingParams(seed=11)
-    seq_mixed = [sample(logits, [SamplingParams(), q, SamplingParams()])[1] for _ in range(5)]
-    assert seq_alone == seq_mixed
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(repetition_penalty=0),
