@@ -128,6 +128,29 @@ def test_hugepages_rule_kwarg(tiny):
         parse_rules(bad, "bad.yaml")
 
 
+def test_cpu_config_rule_kwarg(tiny):
+    """`cpu_config` sets fields of every layer's CPUMoEConfig (the others keep their defaults); an unknown field or a
+    bad value is refused naming it, and a value that is not a mapping by the rules."""
+    from ktrans.kernels.cpu import CPUMoEConfig
+
+    config, state = tiny
+
+    def rules(value):
+        return CPU_RULES.replace('generate_op: "KExpertsCPU"', f'generate_op: "KExpertsCPU"\n      cpu_config: {value}')
+
+    model = build(config, StateDictSource(state), rules("{gate_up_tasks: 8, prefetch_hint: t1, tile_min_tokens: 4}"))
+    want = CPUMoEConfig(gate_up_tasks=8, prefetch_hint="t1", tile_min_tokens=4)
+    for block in model.model.layers:
+        assert block.mlp.experts.op.moe.config == want
+    for value, match in [("{gate_up_task: 8}", "cpu_config: unknown CPUMoEConfig field 'gate_up_task'"),
+                         ("{down_tasks: 0}", r"cpu_config: CPUMoEConfig\.down_tasks: must be at least 1"),
+                         ("{prefetch_hint: t3}", r"cpu_config: CPUMoEConfig\.prefetch_hint")]:
+        with pytest.raises(ValueError, match=match):
+            build(config, StateDictSource(state), rules(value))
+    with pytest.raises(Exception, match="cpu_config.*must be a dict"):
+        parse_rules(rules("8"), "bad.yaml")
+
+
 @pytest.fixture(scope="module")
 def tiny256():
     """The tiny model with sizes that fill Q4_K blocks (256 values) in both directions, so Q4_K experts are repacked."""
