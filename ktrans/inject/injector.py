@@ -4,7 +4,9 @@ The walk is pre-order over HF module names. For each module the first rule (in f
 an operator replaces the module under the same name, `class: default` keeps it and only places it, and
 `recursive: false` stops rules from reaching the module's children (they stay as they are, on its device).
 A module no rule matches inherits the device of its nearest placed ancestor; the root has the default device
-(cuda:0 if any rule uses CUDA, else cpu, unless given).
+(cuda:0 if any rule uses CUDA, else cpu, unless given). The tree's layers with math (norms, RoPE, attention,
+DeltaNet, MoE block, MLPs, experts) are skeletons whose math lives only in their operators: one that no rule
+replaces (or that a `default` rule keeps) gets its operator with the default op on the device it would have had.
 
 Every placed module hands its output back on its caller's device unless its rule sets out_device, so the
 residual stream stays on the device of the plain code that adds to it. Operators move tensors themselves; kept
@@ -25,8 +27,8 @@ from torch import nn
 
 from ktrans.config import ModelConfig
 from ktrans.inject.rules import Rule, RuleError, RuleSet, check_devices, load_rules, missing_device, phase_devices
-from ktrans.model.qwen3_next import Qwen3NextAttention, Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet
-from ktrans.operators import BaseOperator, Op, OpNotBuiltError, ParamSpec
+from ktrans.model.qwen3_next import Qwen3NextAttention, Qwen3NextForCausalLM, Qwen3NextGatedDeltaNet, is_skeleton
+from ktrans.operators import OPERATORS, BaseOperator, Op, OpNotBuiltError, ParamSpec
 from ktrans.operators.attention import KQwen3NextAttention
 from ktrans.operators.base import canonical_device, move
 from ktrans.operators.gdn import KQwen3NextGatedDeltaNet
@@ -131,10 +133,31 @@ def _walk(module: nn.Module, prefix: str, parent: dict, config: ModelConfig, inj
         dev = torch.device(gen)
         out = kw.get("out_device")
         outs = {p: torch.device(canonical_device(out)) if out else parent[p] for p in PHASES}
+        stand_in = default_operator(child)
+        if stand_in is not None:
+            # A skeleton (its math is its operator's) that no rule replaced: its default operator, placed there.
+            new = stand_in(name, child, config, prefill_device=str(dev), generate_device=str(dev))
+            new.out_devices = outs
+            if replace:
+                setattr(module, cname, new)
+            inj.placed.append(Placed(name, new, orig_class, rule, dict(new.devices), dict(outs)))
+            _walk(new, name, dict(new.devices), config, inj, match=match and (rule is None or rule.recursive),
+                  replace=replace)
+            continue
         child._ktrans_device, child._ktrans_out = dev, outs
         inj.placed.append(Placed(name, child, orig_class, rule, {p: dev for p in PHASES}, outs))
         _walk(child, name, {p: dev for p in PHASES}, config, inj, match=match and (rule is None or rule.recursive),
               replace=replace)
+
+
+def default_operator(module: nn.Module) -> type[BaseOperator] | None:
+    """The operator that stands in for a skeleton module of the tree (one whose math exists only in its operator),
+    with its default op, when no rule replaces it; None for modules that run as they are (torch.nn layers, the
+    decoder layer's plumbing)."""
+    if not is_skeleton(module):
+        return None
+    found = {op for op in OPERATORS.values() if type(module) in op.REPLACES}
+    return found.pop() if len(found) == 1 else None
 
 
 def _make_operator(rule: Rule, name: str, orig: nn.Module, config: ModelConfig, parent: dict) -> BaseOperator:

@@ -1,20 +1,34 @@
 """KQwen3NextAttention: gated full attention over the paged KV cache, with a choice of attention kernels.
 
-The projections and q/k norms are the replaced module's children, placed by their own rules. The op is the part
-that touches the KV pool: write this step's keys and values, then attend. KAttentionTorch (the reference kernels)
-is built now; a FlashInfer/Triton op registers into ATTENTION_OPS the same way. The KV pool pins the operator to
-one device for both phases.
+The operator holds the layer's math: q_proj yields the query and a per-head output gate, q/k RMSNorm, partial NeoX
+RoPE, then its op, then the sigmoid gate and o_proj. The projections and q/k norms are the replaced module's
+children, placed by their own rules. The op is the part that touches the KV pool: write this step's keys and
+values, then attend. KAttentionTorch (the reference kernels) is built now; a FlashInfer/Triton op registers into
+ATTENTION_OPS the same way. The KV pool pins the operator to one device for both phases.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ktrans.kernels.torch.attention import paged_attention, write_kv
-from ktrans.model.qwen3_next import Qwen3NextAttention, apply_rope
+from ktrans.kernels.torch.attention import paged_attention, paged_attention_decode, write_kv
+from ktrans.model.qwen3_next import Qwen3NextAttention
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
+from ktrans.operators.rope import apply_rope
 from ktrans.runtime.batch import ForwardBatch
 
 ATTENTION_OPS = OpRegistry("attention")
+
+
+@dataclass
+class AttentionPlan:
+    """One step's attention metadata, from the batch's host lists."""
+
+    decode: bool          # one new token per sequence: the batched decode kernel
+    max_kv_len: int       # the longest sequence's KV length (what the decode kernel gathers up to)
+    cu_seqlens: list[int]  # varlen path: token offsets of each sequence
+    kv_lens: list[int]     # varlen path: KV length of each sequence
 
 
 @ATTENTION_OPS.register("KAttentionTorch", devices=("cpu", "cuda"))
@@ -23,14 +37,28 @@ class KAttentionTorch(Op):
         super().__init__(operator, device, streaming)
         self.layer_idx = operator.layer_idx
         self.scaling = operator.scaling
+        self.step: AttentionPlan | None = None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self.mark_planned(batch)
+        self.step = AttentionPlan(decode=all(n == 1 for n in batch.seq_lens), max_kv_len=batch.max_kv_len,
+                                  cu_seqlens=batch.cu_seqlens_host, kv_lens=batch.kv_lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]."""
+        """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned."""
+        if not self.planned_for(batch):
+            self.plan(batch)
         k_cache, v_cache = batch.kv.layer(self.layer_idx)
         check_pool_device(self.key, "KV cache", k_cache, self.device)
         write_kv(k_cache, v_cache, batch.slot_mapping, k.to(k_cache.dtype), v.to(v_cache.dtype))
-        return paged_attention(q, k_cache, v_cache, batch.cu_seqlens, batch.kv_lens, batch.block_tables,
-                               batch.kv.page_size, self.scaling)
+        step, page = self.step, batch.kv.page_size
+        if step.decode:
+            # A runner's batch carries the lengths on the device; else the one new token sits at kv_len - 1.
+            lens = batch.kv_lens_t if batch.kv_lens_t is not None else batch.positions + 1
+            return paged_attention_decode(q, k_cache, v_cache, lens, batch.block_tables, page, self.scaling,
+                                          max_len=step.max_kv_len)
+        return paged_attention(q, k_cache, v_cache, step.cu_seqlens, step.kv_lens, batch.block_tables, page,
+                               self.scaling)
 
 
 def check_pool_device(key: str, what: str, pool: torch.Tensor, device: torch.device) -> None:
@@ -59,7 +87,7 @@ class KQwen3NextAttention(BaseOperator):
         phase, dev = self.phase_device()
         x, (cos, sin), batch = move(x, dev), move(rope, dev), batch.on(dev)
         t, d = x.shape[0], self.head_dim
-        # Same steps as Qwen3NextAttention.forward; children may sit elsewhere, so their outputs come back here.
+        # Children may sit elsewhere, so their outputs come back here.
         q, gate = move(self.q_proj(x), dev).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
         gate = gate.reshape(t, -1)
         q = move(self.q_norm(q), dev)

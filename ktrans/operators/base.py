@@ -112,9 +112,25 @@ class Op(nn.Module):
         self.key = operator.key
         self.device = device
         self.streaming = streaming
+        self._planned: ForwardBatch | None = None  # the step plan() last ran for (on this op's device)
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         """Take this op's tensors from `source` onto self.device. Ops without weights need not override."""
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """Called once per step before the forward: derive from the batch's host lists (seq_lens, cached_lens,
+        slots, ...) whatever the forward needs, so that the forward reads nothing back from the device. Ops that
+        need nothing need not override. An op whose forward depends on its plan checks `planned_for(batch)` and
+        plans itself when the caller did not (a direct model call in a test)."""
+
+    def planned_for(self, batch: ForwardBatch) -> bool:
+        """True when plan() last ran for this step (`batch` or its copy on another device)."""
+        return self._planned is not None and self._planned is batch.on(self.device)
+
+    def mark_planned(self, batch: ForwardBatch) -> ForwardBatch:
+        """Record that plan() ran for this step; returns the batch on this op's device (what forward receives)."""
+        self._planned = batch.on(self.device)
+        return self._planned
 
 
 @dataclass
@@ -337,9 +353,22 @@ class BaseOperator(nn.Module):
     def leave(self, out: Any, phase: str) -> Any:
         return move(out, self.out_devices[phase])
 
+    def plan(self, batch: ForwardBatch) -> None:
+        """Plan this step's op (the one of the batch's phase); see Op.plan. Composites have nothing to plan."""
+        op = self.impl.get(batch.phase)
+        if op is not None:
+            op.plan(batch)
+
     def extra_repr(self) -> str:
         p, g = self.placement(PREFILL), self.placement(GENERATE)
         show = lambda dev, op: f"{dev} {op}" if op else str(dev)  # noqa: E731
         if p == g:
             return f"{show(*p)}"
         return f"prefill={show(*p)}, generate={show(*g)}"
+
+
+def plan_model(model: nn.Module, batch: ForwardBatch) -> None:
+    """Call plan(batch) once on every operator of `model`, before its forward of `batch`."""
+    for m in model.modules():
+        if isinstance(m, BaseOperator):
+            m.plan(batch)

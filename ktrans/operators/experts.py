@@ -28,7 +28,7 @@ from torch import nn
 
 from ktrans.model.qwen3_next import Qwen3NextExperts
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, move, register_operator
-from ktrans.runtime.batch import current_phase
+from ktrans.runtime.batch import GENERATE, current_phase
 from ktrans.weights.source import WeightSource
 
 EXPERT_OPS = OpRegistry("experts")
@@ -38,13 +38,6 @@ EXPERT_OPS.declare("KExpertsMarlin", devices=("cuda",), module="ktrans.operators
                    provided_by="the GPU kernels issue")
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-class _ExpertWeights(nn.ParameterList):
-    """One matrix per expert; printed as a count, not 512 lines."""
-
-    def extra_repr(self) -> str:
-        return f"{len(self)} x {tuple(self[0].shape)} {self[0].dtype}" if len(self) else "empty"
 
 
 class ExpertsOp(Op):
@@ -71,22 +64,30 @@ class ExpertsOp(Op):
 
 @EXPERT_OPS.register("KExpertsTorch", devices=("cpu", "cuda"))
 class KExpertsTorch(ExpertsOp):
-    """Per-expert F.linear in the model dtype, the same sequence of operations as the plain Qwen3NextExperts."""
+    """The reference expert op: float weights in the model dtype, stacked per projection like GGUF's ffn_*_exps
+    (gate, up [E, I, H]; down [E, H, I]).
+
+    Prefill groups tokens by expert (one matmul per routed expert; finding the groups reads the routing back to
+    the host). A decode step must not read the device, so it gathers each token's k experts' weights and runs
+    batched matmuls instead: w[ids] @ x, no host sync, at the cost of copying k matrices per token (fine at decode
+    batch sizes; chunked so the gathered copies stay under GATHER_BYTES).
+    """
+
+    GATHER_BYTES = 256 << 20
 
     def __init__(self, operator, device, streaming: bool = False):
         super().__init__(operator, device, streaming)
-        self.w = nn.ModuleDict()  # proj -> ParameterList over experts; views of the mmap when dtypes agree
+        self.w = nn.ParameterDict()  # proj -> [E, out, in]; w[proj][e] is expert e's matrix
         self.source: WeightSource | None = None
         self._result: torch.Tensor | None = None
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
-        by_proj = {p: [] for p in PROJS}
-        for spec in self.specs:  # ordered expert by expert, gate/up/down
-            proj = spec.name.rsplit(".", 2)[-2]
-            by_proj[proj].append(nn.Parameter(source.require(spec.name, spec.shape, dtype, self.device),
-                                              requires_grad=False))
-        for p in PROJS:
-            self.w[p] = _ExpertWeights(by_proj[p])
+        by_proj = {p: [s for s in self.specs if s.name.rsplit(".", 2)[-2] == p] for p in PROJS}
+        for p, specs in by_proj.items():  # expert by expert, in order
+            stacked = torch.empty(len(specs), *specs[0].shape, dtype=dtype, device=self.device)
+            for e, spec in enumerate(specs):
+                stacked[e].copy_(source.require(spec.name, spec.shape, dtype, self.device))
+            self.w[p] = nn.Parameter(stacked, requires_grad=False)
 
     def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.streaming:
@@ -97,6 +98,12 @@ class KExpertsTorch(ExpertsOp):
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if self._result is not None:
             raise RuntimeError(f"{self.key}: submit() called twice without sync()")
+        if current_phase() == GENERATE and not self.streaming:
+            self._result = self._gathered(x, topk_ids, topk_weights)
+        else:
+            self._result = self._grouped(x, topk_ids, topk_weights)
+
+    def _grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(topk_ids).tolist():
             tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
@@ -104,7 +111,22 @@ class KExpertsTorch(ExpertsOp):
             xe = x[tok]
             y = F.linear(F.silu(F.linear(xe, gate)) * F.linear(xe, up), down) * topk_weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
-        self._result = out
+        return out
+
+    def _gathered(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (self.w[p] for p in PROJS)
+        t, k = topk_ids.shape
+        per_token = k * sum(w[0].numel() for w in (gate, up, down)) * gate.element_size()
+        step = max(1, self.GATHER_BYTES // per_token)
+        outs = []
+        for s in range(0, t, step):  # over token counts, known on the host
+            ids = topk_ids[s: s + step].reshape(-1)
+            n = ids.shape[0] // k
+            xs = x[s: s + step, None, :].expand(n, k, x.shape[-1]).reshape(n * k, -1, 1)  # [N, H, 1]
+            h = F.silu(torch.bmm(gate[ids], xs)) * torch.bmm(up[ids], xs)                 # [N, I, 1]
+            y = torch.bmm(down[ids], h).view(n, k, -1) * topk_weights[s: s + step, :, None]
+            outs.append(y.sum(dim=1).to(x.dtype))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def sync(self) -> torch.Tensor:
         if self._result is None:

@@ -1,21 +1,97 @@
 """KQwen3NextGatedDeltaNet: the Gated DeltaNet layer with its state in the engine's slot pool.
 
-The input/output projections are children placed by their own rules. The op owns what runs on the state: the
-causal conv (conv1d.weight), the gates (A_log, dt_bias), the gated delta rule and the gated output norm.
-KGatedDeltaNetTorch uses the reference kernels; a Triton op (FLA-style chunked kernels) registers into
-GDN_OPS with the same call. The state pool pins the operator to one device for both phases.
+The operator holds the layer's math around its op: the input projections (children placed by their own rules)
+split per key head, then its op, then out_proj. The op owns what runs on the state: the causal conv
+(conv1d.weight), the gates (A_log, dt_bias), the gated delta rule with its batching policy (`deltanet_core`) and
+the gated output norm. KGatedDeltaNetTorch uses the reference kernels; a Triton op (FLA-style chunked kernels)
+registers into GDN_OPS with the same call. The state pool pins the operator to one device for both phases.
+
+Batching policy, planned from the batch's host lists before the forward (`plan_deltanet`): one-token steps of
+already-started sequences run together through the batched decode kernels, also when prefill chunks share the
+batch; every other sequence runs the chunked rule alone. A sequence whose cached length is 0 starts from zero
+state, so a reused slot never leaks its previous owner's state. A decode-only step reads nothing back from the
+device: its rows are all of the batch and its slots are the batch's state_slots tensor.
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from ktrans.model.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextRMSNormGated, deltanet_core
+import torch
+import torch.nn.functional as F
+
+from ktrans.kernels.torch.conv import causal_conv1d, causal_conv1d_update
+from ktrans.kernels.torch.gated_delta import chunk_gated_delta_rule, gated_delta_rule_decode
+from ktrans.model.qwen3_next import Qwen3NextGatedDeltaNet
 from ktrans.operators.attention import check_pool_device
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_param, move, register_operator
+from ktrans.operators.norm import rms_norm_gated
 from ktrans.runtime.batch import ForwardBatch
 from ktrans.weights.source import WeightSource
 
 GDN_OPS = OpRegistry("gated deltanet")
+
+
+@dataclass
+class DeltaNetPlan:
+    """Which tokens of a step take the batched decode kernels and which sequences the chunked rule."""
+
+    decode_rows: torch.Tensor | slice | None  # token rows of the decode sequences (slice(None): every row)
+    decode_slots: torch.Tensor | None         # [n] their state slots, on the op's device
+    prefill: list[tuple[int, int, int, bool]]  # (start, end, slot, fresh) of every other sequence
+
+
+def plan_deltanet(batch: ForwardBatch, device: torch.device) -> DeltaNetPlan:
+    """The batching policy of one step, from host lists only. `batch` is the step's batch on `device`."""
+    slots = batch.slots if len(batch.slots) == batch.num_seqs else batch.state_slots.tolist()
+    cu = batch.cu_seqlens_host
+    steps = batch.decode_seqs
+    if len(steps) == batch.num_seqs:
+        rows, slot_t = slice(None), batch.state_slots
+    elif steps:
+        rows = torch.tensor([cu[i] for i in steps], dtype=torch.int64, device=device)
+        slot_t = torch.tensor([slots[i] for i in steps], dtype=torch.int64, device=device)
+    else:
+        rows = slot_t = None
+    step_set = set(steps)
+    prefill = [(cu[i], cu[i + 1], slots[i], batch.cached_lens[i] == 0)
+               for i in range(batch.num_seqs) if i not in step_set]
+    return DeltaNetPlan(rows, slot_t, prefill)
+
+
+def deltanet_core(layout, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor, conv_weight: torch.Tensor, batch: ForwardBatch,
+                  plan: DeltaNetPlan) -> torch.Tensor:
+    """Conv + gated delta rule of one DeltaNet layer over a batch, reading and writing the batch's state slots.
+
+    mixed [T, conv_dim] is q|k|v before the conv; b, a [T, Hv]; conv_weight [conv_dim, K]. Returns the core
+    output [T, Hv, Dv] (before the gated norm). `layout` gives the head layout (layer_idx, num_k_heads, ...).
+    """
+    t = mixed.shape[0]
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    conv_pool, ssm_pool = batch.states.layer(layout.layer_idx)
+    core = mixed.new_empty(t, layout.num_v_heads, layout.head_v_dim)
+
+    def split(y: torch.Tensor):
+        n = y.shape[0]
+        q, k, v = y.split([layout.key_dim, layout.key_dim, layout.value_dim], dim=-1)
+        return (q.reshape(n, layout.num_k_heads, layout.head_k_dim),
+                k.reshape(n, layout.num_k_heads, layout.head_k_dim), v.reshape(n, layout.num_v_heads, layout.head_v_dim))
+
+    if plan.decode_rows is not None:
+        rows, slots = plan.decode_rows, plan.decode_slots
+        conv_state, ssm_state = conv_pool[slots], ssm_pool[slots]
+        qc, kc, vc = split(causal_conv1d_update(mixed[rows], conv_weight, conv_state))
+        core[rows] = gated_delta_rule_decode(qc, kc, vc, g[rows], beta[rows], ssm_state)
+        conv_pool[slots] = conv_state.to(conv_pool.dtype)
+        ssm_pool[slots] = ssm_state
+    for s, e, slot, fresh in plan.prefill:
+        y, conv_out = causal_conv1d(mixed[s:e], conv_weight, None if fresh else conv_pool[slot])
+        qc, kc, vc = split(y)
+        core[s:e], ssm_out = chunk_gated_delta_rule(qc, kc, vc, g[s:e], beta[s:e], None if fresh else ssm_pool[slot])
+        conv_pool[slot] = conv_out.to(conv_pool.dtype)
+        ssm_pool[slot] = ssm_out
+    return core
 
 
 @GDN_OPS.register("KGatedDeltaNetTorch", devices=("cpu", "cuda"))
@@ -28,34 +104,36 @@ class KGatedDeltaNetTorch(Op):
         self.key_dim, self.value_dim = operator.key_dim, operator.value_dim
         self.eps = operator.eps
         self.specs = {s.name.removeprefix(self.key + "."): s for s in operator.param_specs()}
-        self.conv_weight = self.A_log = self.dt_bias = self.norm = None
+        self.conv_weight = self.A_log = self.dt_bias = self.norm_weight = None
+        self.step: DeltaNetPlan | None = None
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         s = self.specs
         self.conv_weight = load_param(source, s["conv1d.weight"], dtype, self.device)
         self.A_log = load_param(source, s["A_log"], dtype, self.device)
         self.dt_bias = load_param(source, s["dt_bias"], dtype, self.device)
-        self.norm = Qwen3NextRMSNormGated(self.head_v_dim, self.eps)
-        self.norm.weight = load_param(source, s["norm.weight"], dtype, self.device)
+        self.norm_weight = load_param(source, s["norm.weight"], dtype, self.device)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self.step = plan_deltanet(self.mark_planned(batch), self.device)
 
     def forward(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
-        """mixed [T, conv_dim] (q|k|v before the conv), z [T, Hv, Dv], b and a [T, Hv] -> normed core [T, value_dim].
-
-        The same steps as Qwen3NextGatedDeltaNet.forward, so the injected model matches the plain one exactly.
-        """
+        """mixed [T, conv_dim] (q|k|v before the conv), z [T, Hv, Dv], b and a [T, Hv] -> normed core [T, value_dim]."""
+        if not self.planned_for(batch):
+            self.plan(batch)
         t = mixed.shape[0]
         conv_pool, _ = batch.states.layer(self.layer_idx)
         check_pool_device(self.key, "DeltaNet state", conv_pool, self.device)
-        core = deltanet_core(self, mixed, b, a, self.A_log, self.dt_bias, self.conv_weight.squeeze(1), batch)
-        core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        core = deltanet_core(self, mixed, b, a, self.A_log, self.dt_bias, self.conv_weight.squeeze(1), batch,
+                             self.step)
+        core = rms_norm_gated(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight,
+                              self.eps)
         return core.reshape(t, self.value_dim)
 
 
 @register_operator()
-class KQwen3NextGatedDeltaNet(BaseOperator, Qwen3NextGatedDeltaNet):
-    """Derives from the HF class only to reuse split_projections (the per-key-head grouping of the projections)."""
-
+class KQwen3NextGatedDeltaNet(BaseOperator):
     REPLACES = (Qwen3NextGatedDeltaNet,)
     OPS = GDN_OPS
     DEFAULT_OP = "KGatedDeltaNetTorch"
@@ -74,6 +152,15 @@ class KQwen3NextGatedDeltaNet(BaseOperator, Qwen3NextGatedDeltaNet):
         return [ParamSpec(f"{k}.conv1d.weight", (self.conv_dim, 1, self.conv_kernel_size)),
                 ParamSpec(f"{k}.A_log", (self.num_v_heads,)), ParamSpec(f"{k}.dt_bias", (self.num_v_heads,)),
                 ParamSpec(f"{k}.norm.weight", (self.head_v_dim,))]
+
+    def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """The projections are grouped per key head: [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]."""
+        t, r = qkvz.shape[0], self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        q, k, v, z = qkvz.view(t, self.num_k_heads, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = ba.view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        return (q, k, v.reshape(t, self.num_v_heads, dv), z.reshape(t, self.num_v_heads, dv),
+                b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         phase, dev = self.phase_device()

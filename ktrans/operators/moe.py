@@ -10,8 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock, route
+from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from ktrans.operators.base import BaseOperator, move, register_operator
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, keep the top k, renormalise them when norm_topk_prob. On the logits'
+    device, nothing read back: the expert op takes the ids as a tensor."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(router_logits.dtype)
 
 
 @register_operator("KQwen3NextSparseMoeBlockV2")
@@ -28,7 +38,7 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         phase, dev = self.phase_device()
         x = move(x, dev)
         ids, weights = route(move(self.gate(x), dev), self.top_k, self.norm_topk_prob)
-        asynchronous = hasattr(self.experts, "submit")  # a plain Qwen3NextExperts (no rule) runs inline
+        asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
         if asynchronous:
             self.experts.submit(x, ids, weights)
         else:
@@ -38,7 +48,6 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         shared_gate = move(self.shared_expert_gate(x), dev)
         if asynchronous:
             routed = self.experts.sync()
-        # The plain block's expression, term for term, so the injected model matches it exactly.
         return self.leave(move(routed, dev) + torch.sigmoid(shared_gate) * shared, phase)
 
 

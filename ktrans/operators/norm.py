@@ -1,13 +1,34 @@
-"""KQwen3NextRMSNorm: the zero-centred RMSNorm of Qwen3-Next (x / rms(x) * (1 + w), in fp32) as an operator."""
+"""KQwen3NextRMSNorm: the zero-centred RMSNorm of Qwen3-Next (x / rms(x) * (1 + w), in fp32) as an operator.
+
+The two RMSNorm expressions of the network live here, once: `rms_norm` (every layer norm, q/k norms) and
+`rms_norm_gated` (the DeltaNet output norm, which the DeltaNet op applies).
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ktrans.model.qwen3_next import Qwen3NextRMSNorm
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_param, move, register_operator
 from ktrans.weights.source import WeightSource
 
 NORM_OPS = OpRegistry("rmsnorm")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * (1 + weight), computed in fp32, returned in x's dtype (HF's Qwen3NextRMSNorm)."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeltaNet output norm: RMSNorm with a plain (not zero-centred) weight, then times SiLU(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)  # HF rounds to the input dtype before the weight; keep that for parity
+    return (out * F.silu(gate.float())).to(dtype)
 
 
 @NORM_OPS.register("KRMSNormTorch", devices=("cpu", "cuda"))
@@ -22,10 +43,7 @@ class KRMSNormTorch(Op):
         self.weight = load_param(source, self.spec, dtype, self.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The same expression as Qwen3NextRMSNorm.forward: the injected model must match the plain one bit for bit.
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        return rms_norm(x, self.weight, self.eps)
 
 
 @register_operator()

@@ -1,15 +1,40 @@
 """KQwen3NextRotaryEmbedding: cos/sin tables of the partial NeoX RoPE, computed on the operator's device.
 
-It has no checkpoint tensors: inv_freq follows from the config, so each op builds it where it runs.
+It has no checkpoint tensors: inv_freq follows from the config, so each op builds it where it runs. `apply_rope`
+(used by the attention operator) is here too: the RoPE math of the network, once.
 """
 from __future__ import annotations
 
 import torch
 
+from ktrans.config import ModelConfig
 from ktrans.model.qwen3_next import Qwen3NextRotaryEmbedding
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
 
 ROPE_OPS = OpRegistry("rotary embedding")
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[rotary_dim / 2] float32 inverse frequencies of the first head_dim * partial_rotary_factor dims."""
+    dim = config.rotary_dim
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim] in `dtype` for positions [T]."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, rotary_dim]. Rotates the first rotary_dim dims (NeoX halves), passes the rest."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    rot = rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat((rot, rest), dim=-1)
 
 
 @ROPE_OPS.register("KRoPETorch", devices=("cpu", "cuda"))
@@ -17,14 +42,14 @@ class KRoPETorch(Op):
     def __init__(self, operator: "KQwen3NextRotaryEmbedding", device: torch.device, streaming: bool = False):
         super().__init__(operator, device, streaming)
         self.config = operator.config
-        self.rope = None
+        self.inv_freq = None
 
     def load(self, source, dtype: torch.dtype) -> None:
-        # Built, not loaded: the same module the plain model uses, so the tables are identical.
-        self.rope = Qwen3NextRotaryEmbedding(self.config).to(self.device)
+        # Built, not loaded: the tables follow from the config.
+        self.inv_freq = rope_inv_freq(self.config).to(self.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope(positions, dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
 
 @register_operator("KQwen3MoeRotaryEmbedding", "RotaryEmbedding")

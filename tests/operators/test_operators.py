@@ -1,4 +1,5 @@
-"""Operators one by one against the plain modules they replace, the op registries, devices and the batch seams."""
+"""Operators one by one against the math of the modules they replace (written out here, as HF writes it), the op
+registries, devices and the batch seams."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,9 @@ import torch
 from torch import nn
 
 from ktrans.config import ModelConfig
+import torch.nn.functional as F
+
+from ktrans.kernels.torch.moe import moe_experts
 from ktrans.model.qwen3_next import (Qwen3NextExperts, Qwen3NextMLP, Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding,
                                      Qwen3NextSparseMoeBlock)
 from ktrans.model.tiny import preset_config
@@ -35,42 +39,79 @@ def ready(op_class, key, plain: nn.Module, **kwargs):
     return op
 
 
-def test_linear_norm_embedding_rope_equal_plain():
+def test_linear_norm_embedding_rope_equal_their_math():
     x = torch.randn(7, CFG.hidden_size)
     lin = nn.Linear(CFG.hidden_size, 24, bias=True)
     assert torch.equal(ready(KTransformersLinear, "l", lin)(x), lin(x))
     norm = Qwen3NextRMSNorm(CFG.hidden_size)
-    assert torch.equal(ready(KQwen3NextRMSNorm, "n", norm)(x), norm(x))
+    op = ready(KQwen3NextRMSNorm, "n", norm)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1.0 + norm.weight)
+    torch.testing.assert_close(op(x), want, rtol=1e-6, atol=1e-6)
     emb = nn.Embedding(50, 8)
     ids = torch.tensor([0, 49, 3])
     assert torch.equal(ready(KEmbedding, "e", emb)(ids), emb(ids))
-    rope = Qwen3NextRotaryEmbedding(CFG)
+    rope = ready(KQwen3NextRotaryEmbedding, "r", Qwen3NextRotaryEmbedding(CFG))
     pos = torch.arange(11)
-    for a, b in zip(ready(KQwen3NextRotaryEmbedding, "r", rope)(pos, torch.float32), rope(pos, torch.float32)):
-        assert torch.equal(a, b)
+    cos, sin = rope(pos, torch.float32)
+    dim = CFG.rotary_dim
+    inv_freq = 1.0 / CFG.rope_theta ** (torch.arange(0, dim, 2).double() / dim)
+    angles = pos.double()[:, None] * inv_freq[None, :]
+    torch.testing.assert_close(cos, torch.cat((angles, angles), -1).cos().float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin, torch.cat((angles, angles), -1).sin().float(), rtol=0, atol=1e-5)
 
 
-def test_moe_block_equals_plain_with_async_experts():
+def test_plain_modules_are_skeletons():
+    """The HF-named classes hold structure only: their math is their operator's."""
+    for module, args in ((Qwen3NextRMSNorm(8), (torch.zeros(1, 8),)), (Qwen3NextMLP(CFG, 8), (torch.zeros(1, 8),)),
+                         (Qwen3NextExperts(CFG), (torch.zeros(1, 8), None, None))):
+        with pytest.raises(RuntimeError, match="skeleton; its math is its operator's"):
+            module(*args)
+
+
+def _swiglu(x, gate, up, down):
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def test_moe_block_computes_routing_experts_and_gated_shared_expert():
     block = Qwen3NextSparseMoeBlock(CFG)
     key = "model.layers.0.mlp"
-    op = ready(KQwen3NextSparseMoeBlock, key, block)  # its children are still the plain ones
-    # Replace the experts the way a rule would: the block then submits them and syncs after the shared expert.
+    op = ready(KQwen3NextSparseMoeBlock, key, block)  # its children are the plain Linears and MLPs
     src = StateDictSource({f"{key}.{n}": p.detach() for n, p in block.named_parameters()})
-    op.experts = KTransformersExperts(f"{key}.experts", block.experts, CFG)
-    op.experts.build_ops(src)
-    op.experts.load(src, torch.float32)
+    for name, cls in (("experts", KTransformersExperts), ("shared_expert", KQwen3NextMLP)):
+        child = cls(f"{key}.{name}", getattr(block, name), CFG)  # as a rule would replace them
+        child.build_ops(src)
+        child.load(src, torch.float32)
+        setattr(op, name, child)
     x = torch.randn(9, CFG.hidden_size)
-    torch.testing.assert_close(op(x), block(x), rtol=0, atol=0)
+    probs = torch.softmax(x @ block.gate.weight.T, dim=-1)
+    w, ids = probs.topk(CFG.num_experts_per_tok, dim=-1)
+    if CFG.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    stacked = [torch.stack([getattr(e, p).weight for e in block.experts]) for p in ("gate_proj", "up_proj", "down_proj")]
+    se = block.shared_expert
+    want = (moe_experts(x, ids, w, *stacked)
+            + torch.sigmoid(x @ block.shared_expert_gate.weight.T)
+            * _swiglu(x, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight))
+    torch.testing.assert_close(op(x), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
-def test_experts_submit_sync_protocol():
+def test_experts_submit_sync_protocol_and_decode_form():
     experts = ready(KTransformersExperts, "e", Qwen3NextExperts(CFG))
     x = torch.randn(5, CFG.hidden_size)
     ids = torch.randint(0, CFG.num_experts, (5, CFG.num_experts_per_tok))
     w = torch.rand(5, CFG.num_experts_per_tok)
     experts.submit(x, ids, w)
     out = experts.sync()
-    torch.testing.assert_close(out, _plain_experts(experts)(x, ids, w), rtol=0, atol=0)
+    weights = experts.op_for("generate").w
+    ref = moe_experts(x.double(), ids, w.double(), *(weights[p].double() for p in ("gate_proj", "up_proj", "down_proj")))
+    atol = 1e-6 * ref.abs().max().item()  # fp32 against fp64 on N(0, 1) weights: large outputs
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=atol)
+    # A decode step gathers each token's experts (no host read): the same numbers as the grouped prefill form.
+    kv, states = KVPool(CFG, 5, 8), StatePool(CFG, 5)
+    decode = ForwardBatch.build([SeqChunk([1], 3, i, [i]) for i in range(5)], kv, states)
+    with decode.active():
+        experts.submit(x, ids, w)
+        torch.testing.assert_close(experts.sync(), out, rtol=1e-5, atol=atol)
     with pytest.raises(RuntimeError, match="sync\\(\\) without submit\\(\\)"):
         experts.sync()
     op = experts.op_for("prefill")
@@ -79,22 +120,11 @@ def test_experts_submit_sync_protocol():
         op.submit(x, ids, w)
 
 
-def _plain_experts(op: KTransformersExperts) -> Qwen3NextExperts:
-    plain = Qwen3NextExperts(CFG)
-    w = op.op_for("generate").w
-    with torch.no_grad():
-        for e, mlp in enumerate(plain):
-            mlp.gate_proj.weight.copy_(w["gate_proj"][e])
-            mlp.up_proj.weight.copy_(w["up_proj"][e])
-            mlp.down_proj.weight.copy_(w["down_proj"][e])
-    return plain
-
-
-def test_mlp_equals_plain():
+def test_mlp_computes_swiglu():
     mlp = Qwen3NextMLP(CFG, 40)
     op = KQwen3NextMLP("m", mlp, CFG)  # composite: its children stay plain Linears here
     x = torch.randn(3, CFG.hidden_size)
-    assert torch.equal(op(x), mlp(x))
+    assert torch.equal(op(x), _swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
 
 
 def test_phase_picks_the_op():
@@ -210,3 +240,20 @@ def test_weight_sources(tmp_path):
     assert raw.data.dtype == torch.uint8 and raw.data.shape[-1] == CFG.moe_intermediate_size * 4
     expert3 = raw.data[3].view(torch.float32)
     assert torch.equal(expert3, hf.get("model.layers.1.mlp.experts.3.down_proj.weight"))
+
+
+def test_plans_come_from_host_lists():
+    """DeltaNet's batching policy and attention's metadata, planned once per step from the batch's host lists."""
+    from ktrans.operators.gdn import plan_deltanet
+
+    kv, states = KVPool(CFG, 8, 8), StatePool(CFG, 4)
+    mixed = ForwardBatch.build([SeqChunk([1], 5, 3, [0]), SeqChunk([1, 2, 3], 0, 1, [1]), SeqChunk([4], 2, 0, [2]),
+                                SeqChunk([5, 6], 4, 2, [3])], kv, states)
+    p = plan_deltanet(mixed, torch.device("cpu"))
+    assert p.decode_rows.tolist() == [0, 4] and p.decode_slots.tolist() == [3, 0]
+    assert p.prefill == [(1, 4, 1, True), (5, 7, 2, False)]  # (start, end, slot, starts from zero state)
+    decode = ForwardBatch.build([SeqChunk([1], 5, 3, [0]), SeqChunk([4], 2, 0, [2])], kv, states)
+    p = plan_deltanet(decode, torch.device("cpu"))
+    assert p.decode_rows == slice(None) and p.decode_slots is decode.state_slots and p.prefill == []
+    assert plan_deltanet(ForwardBatch.build([SeqChunk([1, 2], 0, 1, [1])], kv, states),
+                         torch.device("cpu")).decode_rows is None

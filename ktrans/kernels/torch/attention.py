@@ -17,9 +17,10 @@ def write_kv(k_cache, v_cache, slot_mapping, k, v):
 
 
 def _rows(block_table, length, page_size):
-    """Cache rows of tokens 0..length-1 of one sequence."""
+    """Cache rows of tokens 0..length-1 of one sequence. The table's -1 padding is not checked here (that would read
+    the device): ForwardBatch.build refuses a sequence with too few pages."""
     pages = block_table[: -(-length // page_size)]
-    if pages.numel() * page_size < length or (length and int(pages.min()) < 0):
+    if pages.numel() * page_size < length:
         raise ValueError(f"block table has too few pages for {length} tokens of page size {page_size}")
     offsets = torch.arange(page_size, device=pages.device)
     return (pages[:, None] * page_size + offsets).reshape(-1)[:length]
@@ -42,13 +43,14 @@ def _attend(q, k, v, mask, scale):
 def paged_attention(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page_size, scale):
     """Causal attention of B sequences' new tokens over their cached KV (this step's tokens already written).
 
-    q [T, Hq, D] flat; cu_seqlens [B+1] offsets into q; kv_lens[i] = cached + new tokens of sequence i;
-    block_tables [B, max_pages] int64 (-1 padding). Returns o [T, Hq, D] in q.dtype.
+    q [T, Hq, D] flat; cu_seqlens [B+1] offsets into q (a list of ints, or a host tensor); kv_lens[i] = cached +
+    new tokens of sequence i (ints); block_tables [B, max_pages] int64 (-1 padding). Returns o [T, Hq, D] in
+    q.dtype. One Python iteration per sequence: the prefill path (a decode batch takes paged_attention_decode).
     """
     hq, hkv = q.shape[-2], k_cache.shape[-2]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    cu = [int(x) for x in cu_seqlens]
+    cu = cu_seqlens if isinstance(cu_seqlens, list) else [int(x) for x in cu_seqlens]
     o = torch.empty_like(q)
     for i, length in enumerate(kv_lens):
         start, end = cu[i], cu[i + 1]
@@ -65,17 +67,19 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens, kv_lens, block_tables, page
     return o
 
 
-def paged_attention_decode(q, k_cache, v_cache, kv_lens, block_tables, page_size, scale):
+def paged_attention_decode(q, k_cache, v_cache, kv_lens, block_tables, page_size, scale, max_len=None):
     """One new token per sequence, all sequences at once. q [B, Hq, D]; kv_lens list[int] or [B] tensor.
 
     Same result as paged_attention with cu_seqlens = 0..B. Keys are gathered up to the longest sequence and the
-    rest masked, so there is no Python loop over B.
+    rest masked, so there is no Python loop over B. With kv_lens a tensor on q's device and max_len (an int at
+    least the longest length, from the host) given, nothing is read back from the device.
     """
     b, hq, d = q.shape
     hkv = k_cache.shape[-2]
     group = hq // hkv
     lens = torch.as_tensor(kv_lens, dtype=torch.int64, device=q.device)
-    max_len = int(lens.max())
+    if max_len is None:
+        max_len = int(lens.max())
     pages = block_tables[:, : -(-max_len // page_size)]
     offsets = torch.arange(page_size, device=q.device)
     rows = (pages[:, :, None] * page_size + offsets).reshape(b, -1)[:, :max_len]
