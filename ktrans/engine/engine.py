@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ktrans.inject import pool_devices
-from ktrans.runtime.batch import ForwardBatch, SeqChunk
+from ktrans.engine.runner import ModelRunner
+from ktrans.runtime.batch import SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.engine.cache import CacheManager
 from ktrans.engine.output import RequestOutput, TextStream
@@ -145,6 +146,9 @@ class Engine:
                              f"tokens, --cache_lens): raise --cache_lens or lower --max_model_len")
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
+        self.runner = ModelRunner(model, self.kv, self.states, max_num_seqs=config.max_batch_size,
+                                  max_num_tokens=config.chunk_size, max_pages_per_seq=-(-capacity // config.page_size),
+                                  device=self.device)
         self._tracked: dict[str, _Tracked] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -277,9 +281,9 @@ class Engine:
         sched = self.scheduler.schedule()  # 1. which requests, how many tokens each (may preempt)
         if not sched.chunks:
             return
-        batch = ForwardBatch.build([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits)
-                                    for c in sched.chunks], self.kv, self.states, device=self.device)  # 2. batch
-        logits = self.model(batch)  # 3. forward
+        # 2. batch into the runner's buffers, 3. plan and forward
+        logits = self.runner.step([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits)
+                                   for c in sched.chunks])
         rows = self._rows_per_chunk(sched.chunks, logits)
         tokens = self._sample(sched.chunks, rows)  # 4. sample
         for c in sched.chunks:  # 5. postprocess: stop checks, text, outputs, memory back for finished ones

@@ -15,7 +15,9 @@ from ktrans.config import ModelConfig
 class KVPool:
     """Paged K and V for each full-attention layer: rows [num_pages * page_size, kv_heads, head_dim].
 
-    Row r holds token (r % page_size) of page r // page_size. A sequence's pages are its block table.
+    Row r holds token (r % page_size) of page r // page_size. A sequence's pages are its block table. One page past
+    the last usable one, `pad_page` (= num_pages), is reserved for the pad rows of a padded decode batch (a CUDA
+    graph's bucket): they write there and nobody reads it. `num_pages` counts the usable pages only.
     """
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32,
@@ -26,8 +28,9 @@ class KVPool:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
+        self.pad_page = num_pages
         self.layer_index = {layer: i for i, layer in enumerate(config.full_attention_layers)}
-        shape = (num_pages * page_size, config.num_key_value_heads, config.head_dim)
+        shape = ((num_pages + 1) * page_size, config.num_key_value_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layer_index]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layer_index]
 
@@ -53,6 +56,7 @@ class StatePool:
     [slots, value_heads, key_head_dim, value_head_dim] per linear-attention layer.
 
     A new request's slot is zeroed by the model itself when its cached length is 0, so allocation need not clear.
+    One slot past the last usable one, `pad_slot` (= num_slots), takes the pad rows of a padded decode batch.
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype = torch.float32,
@@ -60,9 +64,10 @@ class StatePool:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
+        self.pad_slot = num_slots
         self.layer_index = {layer: i for i, layer in enumerate(config.linear_attention_layers)}
-        conv_shape = (num_slots, config.conv_dim, config.linear_conv_kernel_dim - 1)
-        ssm_shape = (num_slots, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+        conv_shape = (num_slots + 1, config.conv_dim, config.linear_conv_kernel_dim - 1)
+        ssm_shape = (num_slots + 1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in self.layer_index]
         self.ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in self.layer_index]
 
