@@ -168,8 +168,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max_request_body_bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies get HTTP 413")
     s.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
-    s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=False,
-                   help="accepted for KTransformers' command lines; CUDA graph capture is not implemented yet")
+    s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps as CUDA graphs, one per batch-size bucket (default: on where the "
+                        "model's batches are on a GPU)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="interactive terminal chat with a running server")
@@ -205,6 +206,8 @@ def _add_bench_e2e_parser(bench_sub) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     b.add_argument("--profile_steps", type=int, default=8,
                    help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
+    b.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps replay CUDA graphs (default: on where the model's batches are on a GPU)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_bench_e2e)
 

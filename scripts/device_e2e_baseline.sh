@@ -18,23 +18,7 @@ SEED=${SEED:-0}
 R=optimize_rules
 T=$(nproc)
 LLB=/tmp/llb
-e2e() {  # name, then bench e2e flags
-  local name=$1
-  shift
-  echo "== $name: ktrans bench e2e --gguf_path $F $*"
-  timeout "${E2E_TIMEOUT:-420}" ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
-  echo "rc $?"
-  python3 - "$OUT/$name.json" <<'EOF'
-import json, sys
-try:
-    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-except Exception as e:
-    sys.exit(f"no JSON: {e}")
-print({k: r[k] for k in ("load_s", "prefill_tok_s", "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms",
-                         "host_rss_gib", "gpu_memory")})
-EOF
-  tail -c 600 "$OUT/$name.err"
-}
+source "$(dirname "$0")/device_common.sh"  # e2e NAME FLAGS...
 
 case "${1:-}" in
 setup)

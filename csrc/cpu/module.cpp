@@ -16,6 +16,7 @@
 #include "moe.h"
 #include "pool.h"
 #include "quant.h"
+#include "stream.h"
 
 namespace py = pybind11;
 using namespace ktrans;
@@ -210,6 +211,50 @@ PYBIND11_MODULE(_cpu, m) {
            py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("ids"), py::arg("weights"), py::arg("k"),
            py::arg("out"), py::arg("ldo"), py::call_guard<py::gil_scoped_release>(),
            "Queue out = MoE(x); returns a ticket for pool.wait. The buffers must live until then.");
+
+  m.def("stream_hooks_available",
+        []() {
+          std::string why;
+          bool ok = stream_hooks_available(&why);
+          return py::make_tuple(ok, why);
+        },
+        "(True, '') where CPU work can be enqueued on a CUDA stream (the driver's cuLaunchHostFunc was found), "
+        "else (False, why).");
+  py::class_<StreamCall>(m, "StreamCall",
+                         "One MoE layer's call on a CUDA stream: enqueue_submit and enqueue_wait put its submit and "
+                         "wait on the stream as host functions, reading and writing only the pinned host buffers "
+                         "given here; the live row count is read from the host cell `rows` when the submit runs.")
+      .def(py::init([](const PyMoE& moe, uintptr_t x, int64_t ldx, uintptr_t ids, uintptr_t weights, int k,
+                       uintptr_t out, int64_t ldo, int64_t max_rows, uintptr_t rows) {
+             if (max_rows < 0 || k <= 0 || ldx <= 0 || ldo <= 0)
+               throw std::invalid_argument("StreamCall: max_rows, k, ldx and ldo must be positive");
+             auto c = std::make_unique<StreamCall>();
+             c->moe = &moe.moe;
+             c->pool = moe.pool.get();
+             c->x = ptr<const float>(x);
+             c->ids = ptr<const int64_t>(ids);
+             c->weights = ptr<const float>(weights);
+             c->out = ptr<float>(out);
+             c->ldx = ldx;
+             c->ldo = ldo;
+             c->k = k;
+             c->max_rows = max_rows;
+             c->rows = ptr<const int64_t>(rows);
+             return c;
+           }),
+           py::arg("moe"), py::arg("x"), py::arg("ldx"), py::arg("ids"), py::arg("weights"), py::arg("k"),
+           py::arg("out"), py::arg("ldo"), py::arg("max_rows"), py::arg("rows"), py::keep_alive<1, 2>(),
+           "The buffers (Python ints: addresses) must outlive every enqueued or captured use.")
+      .def("enqueue_submit", &StreamCall::enqueue_submit, py::arg("stream"),
+           "Put the submit on `stream` (a cudaStream_t as an int). RuntimeError if the driver call fails.")
+      .def("enqueue_wait", &StreamCall::enqueue_wait, py::arg("stream"))
+      .def("run_submit", &StreamCall::run_submit, py::call_guard<py::gil_scoped_release>(),
+           "What the submit host function does, called directly (tests without CUDA).")
+      .def("run_wait", &StreamCall::run_wait, py::call_guard<py::gil_scoped_release>())
+      .def("take_error", &StreamCall::take_error,
+           "The first failure of a host function since the last call ('' if none), cleared.")
+      .def_property_readonly("calls", [](const StreamCall& c) { return c.calls.load(); },
+                             "Waits completed so far.");
 
   py::class_<PyLinear>(m, "Linear", "y = x W^T with W [n_out, n_in] in ggml blocks.")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int64_t n_out, int64_t n_in, uintptr_t w, int type,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ktrans.runtime.batch import PHASES
+from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.api.app import DEFAULT_MAX_REQUEST_BODY_BYTES, OpenAIServer
 from ktrans.engine.engine import Engine, EngineConfig
 from ktrans.engine.metrics import EngineMetrics
@@ -43,7 +44,7 @@ class ServeOptions:
     max_queued_requests: int = 1024
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     cpu_infer: int | None = None
-    use_cuda_graph: bool = False
+    use_cuda_graph: bool | None = None  # None: on where the model's batches are on a GPU
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
     device: str = "cpu"
 
@@ -100,12 +101,11 @@ def engine_config(opts: ServeOptions, model) -> EngineConfig:
         cache_lens = cache_lens_for_fraction(model, opts.cache_memory_fraction, opts.max_batch_size)
     return EngineConfig(max_batch_size=opts.max_batch_size, chunk_size=opts.chunk_size, page_size=opts.page_size,
                         cache_lens=cache_lens, max_model_len=opts.max_model_len, max_new_tokens=opts.max_new_tokens,
-                        max_queued_requests=opts.max_queued_requests)
+                        max_queued_requests=opts.max_queued_requests, use_cuda_graph=opts.use_cuda_graph)
 
 
 def cache_lens_for_fraction(model, fraction: float, num_slots: int) -> int:
     """KV tokens that fit in `fraction` of the free memory of the model's device, after the state slots."""
-    from ktrans.runtime.pools import KVPool, StatePool
 
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"--cache_memory_fraction must be in (0, 1], got {fraction}")
@@ -161,14 +161,15 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
         *placement_lines(injection),
         "  memory     " + "; ".join(f"{d}: {', '.join(parts)}" for d, parts in memory.items()),
         f"  KV cache   {kv.num_pages * kv.page_size} tokens = {kv.num_pages} pages of {kv.page_size}, "
-        f"{n_attn} attention layer(s), {kv.nbytes // (kv.num_pages * kv.page_size)} B per token",
-        f"  states     {st.num_slots} slots (--max_batch_size), {_mib(st.nbytes / st.num_slots)} each",
+        f"{n_attn} attention layer(s), {KVPool.bytes_per_token(c, kv.k[0].dtype) if kv.k else 0} B per token",
+        f"  states     {st.num_slots} slots (--max_batch_size), "
+        f"{_mib(StatePool.bytes_per_slot(c, st.conv[0].dtype) if st.conv else 0)} each",
         f"  batching   --chunk_size {engine.config.chunk_size} tokens/step, max_model_len {engine.max_model_len}, "
         f"default max_tokens {engine.config.max_new_tokens}",
     ]
-    if opts.use_cuda_graph:
-        # Accepted for KTransformers' command lines; capturing decode steps is not built yet, so say so plainly.
-        lines.append("  note       --use_cuda_graph: CUDA graph capture is not implemented yet; steps run eagerly")
+    graphs = engine.runner.graphs
+    lines.append(f"  decode     CUDA graphs for batch buckets {graphs.buckets} (captured on first use)" if graphs
+                 else "  decode     eager (no CUDA graphs: --no-use_cuda_graph, or the batches are not on a GPU)")
     return "\n".join(lines)
 
 

@@ -14,7 +14,9 @@ random prompts of `--prompt_len` tokens with greedy sampling, `ignore_eos` and `
   own busy time: the union of its jobs' posted-to-complete spans, counted in C++), and `host`: the rest of the
   step's wall time (wall - gpu - cpu_experts; where the GPU and the CPU experts overlap it is an undercount).
   `gpu_span` is the step's span on the stream between two CUDA events; `device_ops_per_token` counts the kernels,
-  copies and memsets the profiler saw on the device per batch-1 decode step (the launches per token).
+  copies and memsets the profiler saw on the device per batch-1 decode step, `host_launches_per_token` the CUDA
+  runtime calls the host made to put them there (equal without CUDA graphs; one graph launch stands for a replayed
+  step's kernels). `cuda_graphs`: graphs captured and replays (`--no-use_cuda_graph`: eager steps).
 
 Also reported: load time, host RSS (now and peak), and each GPU's memory (allocated, peak, reserved).
 """
@@ -44,6 +46,7 @@ class E2EOptions:
     dtype: str | None = None  # as ktrans serve: bfloat16 where the rules use CUDA, else float32
     seed: int = 0
     profile_steps: int = 8
+    use_cuda_graph: bool | None = None  # as ktrans serve: on where the model's batches are on a GPU
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -54,6 +57,11 @@ class E2EOptions:
             raise ValueError(f"--batch_sizes must be positive integers, got {self.batch_sizes}")
         if self.profile_steps < 0:
             raise ValueError(f"--profile_steps must be >= 0, got {self.profile_steps}")
+
+
+# CUDA runtime calls that put work on a stream, as torch.profiler names them.
+_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                           "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync", "cudaMemcpy", "cudaMemset"})
 
 
 @dataclass
@@ -133,9 +141,11 @@ class _Bench:
         run.tpot_s = [(last[i] - first[i]) / (gen_len - 1) for i in range(batch)]
         return run
 
-    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float] | None:
-        """(mean GPU busy seconds, mean device operations) of a batch-1 decode step, from the kernels' own timestamps
-        (None without CUDA). An operation is one kernel, copy or memset on the device: what the host launched."""
+    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float] | None:
+        """(mean GPU busy seconds, device operations, host launches) of a batch-1 decode step, from the profiler
+        (None without CUDA). A device operation is one kernel, copy or memset on the device; a host launch is one
+        CUDA runtime call that puts work on a stream (a kernel, copy, memset or whole graph): without CUDA graphs
+        the two counts are about equal, with them one graph launch carries the step's kernels."""
         if not self.devices or steps == 0:
             return None
         from torch.profiler import ProfilerActivity, profile
@@ -159,7 +169,8 @@ class _Bench:
         for a, b in spans:  # union of the kernel intervals, in us
             busy_us += max(0.0, b - max(a, end))
             end = max(end, b)
-        return busy_us / 1e6 / steps, len(device_ops) / steps
+        launches = [e for e in prof.events() if e.name in _LAUNCH_CALLS]
+        return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps
 
 
 def _rss() -> dict[str, float]:
@@ -221,7 +232,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     per_req = opts.prompt_len + opts.gen_len + 1
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=opts.chunk_size,
                                                    cache_lens=max_b * per_req + 16 * max_b, max_new_tokens=opts.gen_len,
-                                                   max_model_len=per_req + 16))
+                                                   max_model_len=per_req + 16, use_cuda_graph=opts.use_cuda_graph))
     pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
@@ -244,13 +255,13 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         r = bench.run(1, opts.prompt_len, opts.gen_len)
         one, prefill_tok_s = _summary(r, 1), opts.prompt_len / r.ttft_s[0]
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
-    gpu_s, launches = profiled if profiled is not None else (None, None)
+    gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
     if "step_ms" in one:
         wall, cpu_ms = one["step_ms"]["wall"], one["step_ms"]["cpu_experts"]
         gpu_ms = 1e3 * gpu_s if gpu_s is not None else 0.0
         split = {"wall": wall, "gpu": gpu_ms, "cpu_experts": cpu_ms, "host": max(0.0, wall - gpu_ms - cpu_ms),
                  "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None,
-                 "device_ops_per_token": launches}
+                 "device_ops_per_token": device_ops, "host_launches_per_token": launches}
 
     return {
         "model": name,
@@ -267,6 +278,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "ttft_ms": {str(s["batch_size"]): s["ttft_ms"] for s in results},
         "tpot_ms": {str(s["batch_size"]): s["tpot_ms"] for s in results},
         "split_ms": split,
+        "cuda_graphs": (None if engine.runner.graphs is None else
+                        {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),
         "batches": results,
         **_rss(),
         "gpu_memory": _gpu_memory(devices),
@@ -277,7 +290,8 @@ def main(args) -> int:
     opts = E2EOptions(gguf_path=args.gguf_path, model_path=args.model_path,
                       optimize_config_path=args.optimize_config_path, prompt_len=args.prompt_len,
                       gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
-                      cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps)
+                      cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
+                      use_cuda_graph=args.use_cuda_graph)
     quiet = args.json
     out = run(opts, show_progress=not quiet, log=(lambda *_: None) if quiet else print)
     if args.json:

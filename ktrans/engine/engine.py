@@ -43,6 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output; None: the model's, within the cache
     max_new_tokens: int = 1024  # default max_tokens
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (EngineOverloaded)
+    use_cuda_graph: bool | None = None  # decode steps replay CUDA graphs; None: where the model's batches are on a GPU
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "chunk_size", "page_size", "cache_lens", "max_new_tokens"):
@@ -148,7 +149,9 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.runner = ModelRunner(model, self.kv, self.states, max_num_seqs=config.max_batch_size,
                                   max_num_tokens=config.chunk_size, max_pages_per_seq=-(-capacity // config.page_size),
-                                  device=self.device)
+                                  device=self.device, cuda_graph=(self.device.type == "cuda"
+                                                                  if config.use_cuda_graph is None
+                                                                  else config.use_cuda_graph))
         self._tracked: dict[str, _Tracked] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -286,6 +289,7 @@ class Engine:
                                    for c in sched.chunks])
         rows = self._rows_per_chunk(sched.chunks, logits)
         tokens = self._sample(sched.chunks, rows)  # 4. sample
+        self.runner.check()  # what the step's stream work reported, now that its results are read
         for c in sched.chunks:  # 5. postprocess: stop checks, text, outputs, memory back for finished ones
             self._postprocess(c, rows[id(c)], tokens.get(id(c)))
         self.num_steps += 1

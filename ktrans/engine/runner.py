@@ -11,6 +11,10 @@ run on the CPU (`batch.on("cpu")`), so they never copy indices back from the GPU
 Before the forward, `plan(batch)` is called once on every operator that has one: attention metadata, DeltaNet's
 split of decode rows from prefill sequences, whatever an op derives from the batch's host lists. A decode-only
 step then does no host<->device synchronisation inside the forward.
+
+On a GPU, decode-only steps replay CUDA graphs (`ktrans.engine.graphs.DecodeGraphs`): the batch is padded to a
+bucket of sequences (1, 2, 4, 8, ...) whose pad rows write only to the pools' pad page and pad slot, and to a
+bucket of KV length, and each (sequences, KV length) bucket is captured once, the first time it is seen.
 """
 from __future__ import annotations
 
@@ -32,11 +36,26 @@ def plan_operators(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, BaseOperator) and callable(getattr(m, "plan", None))]
 
 
+def operator_ops(model: nn.Module, method: str) -> list:
+    """Every distinct op of the model's operators that has `method` (reserve: sizes fixed before capture; check:
+    failures reported from the CUDA stream)."""
+    from ktrans.operators.base import BaseOperator
+
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, BaseOperator):
+            for op in m.impl.values():
+                if id(op) not in seen and callable(getattr(op, method, None)):
+                    seen.add(id(op))
+                    out.append(op)
+    return out
+
+
 class ModelRunner:
     """Builds batches into preallocated buffers and runs the model. One per engine (and per model)."""
 
     def __init__(self, model: nn.Module, kv: KVPool, states: StatePool, max_num_seqs: int, max_num_tokens: int,
-                 max_pages_per_seq: int, device: torch.device | str | None = None):
+                 max_pages_per_seq: int, device: torch.device | str | None = None, cuda_graph: bool = False):
         if min(max_num_seqs, max_num_tokens, max_pages_per_seq) <= 0:
             raise ValueError("ModelRunner sizes must be positive")
         self.model = model
@@ -56,11 +75,33 @@ class ModelRunner:
         self.dev = torch.zeros(n, dtype=torch.int64, device=self.device) if pinned else self.host
         self._host_np = self.host.numpy()
         self._copied: torch.cuda.Event | None = None  # the last host->device copy, before the host copy is reused
+        self._ended: torch.cuda.Event | None = None   # the end of the last forward on the stream
         self._planners = plan_operators(model)
+        self._checked = operator_ops(model, "check")
+        for op in operator_ops(model, "reserve"):  # buffers an op needs per token, at their final addresses
+            op.reserve(max_num_tokens)
+        self.graphs = None
+        if cuda_graph:
+            if self.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need the model's batches on a GPU, not {self.device} "
+                                 f"(--no-use_cuda_graph)")
+            from ktrans.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
 
     # ---- building a batch -----------------------------------------------------------------------------------------
-    def prepare(self, chunks: list[SeqChunk], is_decode: bool | None = None) -> ForwardBatch:
-        """The step's ForwardBatch on the model's device, its index tensors views of the runner's buffers."""
+    def prepare(self, chunks: list[SeqChunk], is_decode: bool | None = None, pad_to: int | None = None,
+                kv_len_bucket: int = 0) -> ForwardBatch:
+        """The step's ForwardBatch on the model's device, its index tensors views of the runner's buffers.
+
+        pad_to: a decode step padded to that many sequences; each pad row is one token at position 1 of the pools'
+        pad page and pad slot, so it writes nowhere a live sequence reads. kv_len_bucket: the KV length decode
+        kernels are planned for (at least the longest sequence's)."""
+        live = len(chunks)
+        if pad_to is not None and pad_to > live:
+            pad = SeqChunk([0], 1, self.states.pad_slot, [self.kv.pad_page])
+            chunks = list(chunks) + [pad] * (pad_to - live)
+            is_decode = True
         b = len(chunks)
         if b > self.max_num_seqs:
             raise ValueError(f"{b} sequences in a step, the runner holds {self.max_num_seqs} (--max_batch_size)")
@@ -75,6 +116,10 @@ class ModelRunner:
 
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffer (it always has by now)
+        if self._ended is not None:
+            # Host cells the last forward's stream work reads (the CPU experts' live rows) are rewritten next: an
+            # engine step has sampled, so this never waits there.
+            self._ended.synchronize()
         h, o = self._host_np, self.offsets
         for name, values in (("input_ids", f.input_ids), ("positions", f.positions), ("slot_mapping", f.slot_mapping),
                              ("logits_indices", f.logits_indices), ("state_slots", f.slots),
@@ -93,7 +138,8 @@ class ModelRunner:
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "logits_indices": len(f.logits_indices),
                  "state_slots": b, "kv_lens": b, "cu_seqlens": b + 1}
         meta = dict(seq_lens=f.seq_lens, cached_lens=f.cached_lens, kv=self.kv, states=self.states,
-                    is_decode=f.is_decode, slots=f.slots)
+                    is_decode=f.is_decode, slots=f.slots, kv_len_bucket=kv_len_bucket,
+                    num_live=live if b > live else None)
 
         def views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
             out = {f: buf[o[f]: o[f] + n] for f, n in sizes.items()}
@@ -120,7 +166,24 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""
         self.plan(batch)
-        return self.model(batch)
+        logits = self.model(batch)
+        self.mark_end()
+        return logits
+
+    def mark_end(self) -> None:
+        if self.dev is not self.host:
+            self._ended = torch.cuda.Event()
+            self._ended.record()
 
     def step(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """One step's logits. A decode-only step on a GPU replays its bucket's graph (the rows of its live
+        sequences first); every other step runs eagerly."""
+        if self.graphs is not None and self.graphs.takes(chunks):
+            return self.graphs.run(chunks)
         return self.forward(self.prepare(chunks))
+
+    def check(self) -> None:
+        """Raise a failure that work on the CUDA stream reported (the CPU experts' host functions). Call it once the
+        step's results have been read (the engine does, after sampling)."""
+        for op in self._checked:
+            op.check()

@@ -51,6 +51,10 @@ class ExpertsOp(Op):
         self.intermediate_size = operator.intermediate_size
         self.specs = operator.param_specs()
 
+    def input_device(self, device: torch.device) -> torch.device:
+        """Where submit() wants its inputs when the caller has them on `device` (default: the op's own device)."""
+        return self.device
+
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -162,8 +166,8 @@ class KTransformersExperts(BaseOperator):
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         phase = current_phase()
-        dev = self.devices[phase]
         op = self.op_for(phase)
+        dev = op.input_device(x.device)
         op.submit(move(x, dev), move(topk_ids, dev), move(topk_weights, dev))
         self._pending = (phase, op)
 

@@ -26,8 +26,9 @@ import time
 import numpy as np
 import torch
 
-from ktrans.kernels import cpu
+from ktrans.kernels import cpu, cpu_stream
 from ktrans.operators.experts import EXPERT_OPS, ExpertsOp
+from ktrans.runtime.batch import current_batch
 from ktrans.weights import quants as Q
 from ktrans.weights.source import WeightSource
 
@@ -66,6 +67,9 @@ class KExpertsCPU(ExpertsOp):
         self.load_report: dict = {}
         self._pending: cpu.Pending | None = None
         self._out_dtype = torch.float32
+        self._stream: cpu_stream.StreamMoE | None = None  # the layer on a CUDA stream (inputs on a GPU)
+        self._on_stream: torch.device | None = None       # set between a stream submit and its sync
+        self._reserved = 1
 
     # ---- loading --------------------------------------------------------------------------------------------------
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
@@ -125,22 +129,62 @@ class KExpertsCPU(ExpertsOp):
         return torch.from_numpy(out), quant
 
     # ---- running --------------------------------------------------------------------------------------------------
+    # Inputs on a GPU stay there: the layer runs on the GPU's stream (ktrans.kernels.cpu_stream), its submit and
+    # wait enqueued as host functions between copies into and out of pinned buffers, so neither the Python thread
+    # nor the stream's other work waits on a blocking copy (and a CUDA graph can capture the layer).
+    def input_device(self, device: torch.device) -> torch.device:
+        if device.type == "cuda" and not self.streaming and cpu_stream.available()[0]:
+            return device
+        return self.device
+
+    def reserve(self, max_tokens: int) -> None:
+        """Size the stream path's pinned buffers for steps of up to max_tokens tokens before any graph is captured
+        (ModelRunner calls this once): they never move afterwards."""
+        self._reserved = max(self._reserved, max_tokens)
+        if self._stream is not None and self._stream.staging.max_rows < max_tokens:
+            self._stream = None  # rebuilt on the next submit, at the new size
+
+    def stream_call(self, k: int) -> cpu_stream.StreamMoE:
+        if self._stream is None or self._stream.staging.k != k:
+            if self.moe is None:
+                raise RuntimeError(f"{self.key}: KExpertsCPU has no weights; load() it first")
+            staging = cpu_stream.Staging.shared(self.hidden_size, k, self._reserved)
+            self._stream = cpu_stream.StreamMoE(self.moe, staging, self.key)
+        return self._stream
+
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        if self._pending is not None:
+        if self._pending is not None or self._on_stream is not None:
             raise RuntimeError(f"{self.key}: submit() called twice without sync()")
+        self._out_dtype = x.dtype
+        if x.is_cuda:
+            call = self.stream_call(topk_ids.shape[1])
+            if x.shape[0] > call.staging.max_rows:  # a step larger than reserved (a direct call): grow first
+                self.reserve(x.shape[0])
+                call = self.stream_call(topk_ids.shape[1])
+            batch = current_batch()
+            call.submit(x, topk_ids, topk_weights, live=batch.num_live if batch is not None else None)
+            self._on_stream = x.device
+            return
         moe = self.moe
         if moe is None:
             if not self.streaming or self.source is None:
                 raise RuntimeError(f"{self.key}: KExpertsCPU has no weights; load() it first")
             moe = self._build(self.source, self.dtype)  # streaming: GGUF blocks are views of the map, no copy
-        self._out_dtype = x.dtype
         self._pending = moe.submit(x, topk_ids, topk_weights)
 
     def sync(self) -> torch.Tensor:
+        if self._on_stream is not None:
+            device, self._on_stream = self._on_stream, None
+            return self._stream.sync(device, self._out_dtype)
         if self._pending is None:
             raise RuntimeError(f"{self.key}: sync() without submit()")
         pending, self._pending = self._pending, None
         return pending.wait().to(self._out_dtype)
+
+    def check(self) -> None:
+        """Raise a failure the stream path reported since the last check (the engine calls this after a step)."""
+        if self._stream is not None:
+            self._stream.check()
 
     def extra_repr(self) -> str:
         if not self.load_report:

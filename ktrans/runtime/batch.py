@@ -56,6 +56,8 @@ class ForwardBatch:
     slots: list[int] = field(default_factory=list)  # state_slots on the host (plan with these, never read the tensor)
     kv_lens_t: torch.Tensor | None = None      # [B] int64 kv_lens on the batch's device (ModelRunner batches)
     cu_seqlens_t: torch.Tensor | None = None   # [B + 1] int64 cu_seqlens on the batch's device (ModelRunner batches)
+    kv_len_bucket: int = 0       # decode kernels gather KV up to at least this (a CUDA graph's fixed length)
+    num_live: int | None = None  # sequences before the pad rows of a padded decode batch (None: all are live)
     _cu: torch.Tensor | None = field(default=None, repr=False)
     _on: dict | None = field(default=None, repr=False)  # device -> copy of this batch there (shared by all copies)
 
@@ -118,7 +120,8 @@ class ForwardBatch:
 
     @property
     def max_kv_len(self) -> int:
-        return max(self.kv_lens)
+        """The longest KV length, or the batch's bucket when larger: the length decode kernels are planned for."""
+        return max(max(self.kv_lens), self.kv_len_bucket)
 
     @property
     def decode_seqs(self) -> list[int]:

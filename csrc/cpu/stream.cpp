@@ -1,0 +1,114 @@
+// CPU expert work placed on a CUDA stream (stream.h): the driver's cuLaunchHostFunc, found at run time.
+#include "stream.h"
+
+#include <dlfcn.h>
+
+#include <exception>
+#include <stdexcept>
+
+namespace ktrans {
+
+namespace {
+
+// CUresult cuLaunchHostFunc(CUstream, CUhostFn, void*); CUresult and CUstream are an int and a pointer in the
+// driver's ABI, which is stable across CUDA versions (the entry point exists since CUDA 10.0).
+using LaunchHostFunc = int (*)(void* stream, void (*fn)(void*), void* user);
+using GetErrorString = int (*)(int error, const char** str);
+
+struct Driver {
+  LaunchHostFunc launch = nullptr;
+  GetErrorString error_string = nullptr;
+  std::string why;
+
+  Driver() {
+    // The process that hands us a stream has loaded the driver already; RTLD_NOLOAD first avoids loading a
+    // second copy from another path.
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    if (lib == nullptr) {
+      why = std::string("the CUDA driver (libcuda.so.1) is not available: ") + dlerror();
+      return;
+    }
+    launch = reinterpret_cast<LaunchHostFunc>(dlsym(lib, "cuLaunchHostFunc"));
+    error_string = reinterpret_cast<GetErrorString>(dlsym(lib, "cuGetErrorString"));
+    if (launch == nullptr) why = "the CUDA driver has no cuLaunchHostFunc (CUDA 10.0 or newer is needed)";
+  }
+};
+
+const Driver& driver() {
+  static const Driver d;
+  return d;
+}
+
+void launch(uintptr_t stream, void (*fn)(void*), void* user) {
+  const Driver& d = driver();
+  if (d.launch == nullptr) throw std::runtime_error(d.why);
+  int rc = d.launch(reinterpret_cast<void*>(stream), fn, user);
+  if (rc != 0) {
+    const char* msg = nullptr;
+    if (d.error_string != nullptr) d.error_string(rc, &msg);
+    throw std::runtime_error("cuLaunchHostFunc failed: " + std::string(msg ? msg : "error ") +
+                             (msg ? "" : std::to_string(rc)));
+  }
+}
+
+void host_submit(void* p) { static_cast<StreamCall*>(p)->run_submit(); }
+void host_wait(void* p) { static_cast<StreamCall*>(p)->run_wait(); }
+
+}  // namespace
+
+bool stream_hooks_available(std::string* why) {
+  const Driver& d = driver();
+  if (why != nullptr) *why = d.why;
+  return d.launch != nullptr;
+}
+
+// Host functions may not throw into the driver: a failure is kept for take_error() and the call's output is left
+// as it is (the Python side raises at its next step).
+void StreamCall::run_submit() {
+  // The stream orders one call's submit before its wait; a second submit first means two forwards share the call's
+  // buffers at once, which would mix their rows. The job already submitted stays the one the wait waits for.
+  if (in_flight.exchange(1, std::memory_order_acq_rel) != 0) {
+    std::lock_guard<std::mutex> g(error_mu);
+    if (error.empty()) error = "a MoE layer's stream call was submitted again before its wait ran";
+    return;
+  }
+  has_job = false;
+  try {
+    int64_t n = rows != nullptr ? *rows : max_rows;
+    if (n < 0 || n > max_rows)
+      throw std::out_of_range("live rows " + std::to_string(n) + " outside [0, " + std::to_string(max_rows) + "]");
+    if (n > 0) {
+      ticket = moe->submit(*pool, x, n, ldx, ids, weights, k, out, ldo);
+      has_job = true;
+    }
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> g(error_mu);
+    if (error.empty()) error = e.what();
+  }
+}
+
+void StreamCall::run_wait() {
+  try {
+    if (has_job) pool->wait(ticket);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> g(error_mu);
+    if (error.empty()) error = e.what();
+  }
+  has_job = false;
+  calls.fetch_add(1, std::memory_order_relaxed);
+  in_flight.store(0, std::memory_order_release);
+}
+
+void StreamCall::enqueue_submit(uintptr_t stream) { launch(stream, host_submit, this); }
+
+void StreamCall::enqueue_wait(uintptr_t stream) { launch(stream, host_wait, this); }
+
+std::string StreamCall::take_error() {
+  std::lock_guard<std::mutex> g(error_mu);
+  std::string e;
+  e.swap(error);
+  return e;
+}
+
+}  // namespace ktrans

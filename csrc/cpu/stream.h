@@ -1,0 +1,54 @@
+// CPU expert work placed on a CUDA stream: a MoE layer's submit and its wait are enqueued as host functions of
+// the stream (cuLaunchHostFunc of the CUDA driver), so the GPU runs them in order with its kernels and copies, the
+// Python thread never waits for them, and a captured CUDA graph replays them as host nodes.
+//
+// The driver is resolved at run time (dlopen of libcuda.so.1, which any process that uses a CUDA GPU has loaded):
+// the extension builds and runs without CUDA headers or a CUDA toolkit, and on a machine with no GPU the stream
+// path simply reports itself unavailable. A host function must not call CUDA, so every pointer a call reads or
+// writes is host memory (pinned buffers at fixed addresses, filled and drained by copies on the same stream).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "moe.h"
+#include "pool.h"
+
+namespace ktrans {
+
+// Whether host functions can be enqueued (the CUDA driver was found); `why` says what is missing when not.
+bool stream_hooks_available(std::string* why);
+
+// One MoE layer's call on a stream. Its fields are read when the host functions run, not when they are enqueued,
+// so a graph replay uses whatever `*rows` holds then: the live row count of a padded batch (pad rows cost nothing).
+struct StreamCall {
+  const MoE* moe = nullptr;
+  ThreadPool* pool = nullptr;
+  const float* x = nullptr;      // [max_rows, ldx] fp32, pinned
+  const int64_t* ids = nullptr;  // [max_rows, k] int64, pinned
+  const float* weights = nullptr;  // [max_rows, k] fp32, pinned
+  float* out = nullptr;          // [max_rows, ldo] fp32, pinned
+  int64_t ldx = 0, ldo = 0, max_rows = 0;
+  int k = 0;
+  const int64_t* rows = nullptr;  // host cell holding the live row count (<= max_rows)
+
+  // Run state, touched by the host functions (the driver's callback thread) and read by Python.
+  std::atomic<int> in_flight{0};    // between run_submit and run_wait
+  std::atomic<uint64_t> calls{0};   // completed waits (tests: a replay ran its host functions)
+  uint64_t ticket = 0;
+  bool has_job = false;
+  std::mutex error_mu;
+  std::string error;               // the first failure since the last take_error()
+
+  void enqueue_submit(uintptr_t stream);
+  void enqueue_wait(uintptr_t stream);
+  std::string take_error();
+
+  // The host functions themselves (also callable directly, for tests on machines without CUDA).
+  void run_submit();
+  void run_wait();
+};
+
+}  // namespace ktrans

@@ -1,0 +1,91 @@
+"""DecodeGraphs: the runner's decode step captured as CUDA graphs, one per (sequences, KV length) bucket.
+
+A decode step's launches (about a hundred per layer with the reference ops) cost more host time than the GPU
+spends on them, so each bucket's step is captured once and replayed: one launch per step.
+
+- **Buckets.** A step of b sequences is padded to the next of 1, 2, 4, 8, 16, ... (up to the runner's maximum);
+  its KV length to the next power of two from 128 (up to the block tables' width). Pad rows write only to the
+  pools' pad page and pad slot (ModelRunner.prepare), and the CPU experts compute only the live rows: the host cell
+  they read is set to b before each replay.
+- **Fixed addresses.** The graph reads the runner's index buffers (views at fixed offsets, refilled by one copy
+  before each replay), the pools, and the CPU experts' pinned staging; its logits are a static output, read by the
+  sampler before the next step.
+- **Capture.** The first step of a bucket runs eagerly (that is its real step: pools updated, logits returned), then
+  the same batch is captured, which executes nothing. Later steps of the bucket replay. Every graph shares one
+  memory pool: they run one at a time, and none keeps data in it across a step.
+- Eager and replayed steps of one bucket run the same kernels on the same shapes, so their tokens are identical
+  (tests/engine/test_graphs.py); against the unpadded eager step they agree within the model's tolerance.
+"""
+from __future__ import annotations
+
+import torch
+
+from ktrans.kernels import cpu_stream
+from ktrans.runtime.batch import SeqChunk
+
+MIN_KV_BUCKET = 128
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below max_num_seqs, then max_num_seqs itself."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+def kv_bucket(max_kv_len: int, cap: int) -> int:
+    """The next power of two from MIN_KV_BUCKET at or above max_kv_len, at most cap (the block tables' tokens)."""
+    b = MIN_KV_BUCKET
+    while b < max_kv_len:
+        b *= 2
+    return max(min(b, cap), max_kv_len)
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.buckets = batch_buckets(runner.max_num_seqs)
+        self.kv_cap = runner.width * runner.kv.page_size
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.num_replays = 0
+        self.num_captures = 0
+        self.capture = True  # False: pad to the buckets but run every step eagerly (the replays' oracle in tests)
+
+    def takes(self, chunks: list[SeqChunk]) -> bool:
+        """A decode-only step (one token per already-started sequence) asking for last-token logits."""
+        return all(len(c.token_ids) == 1 and c.cached_len > 0 and c.logits == "last" for c in chunks)
+
+    def bucket(self, chunks: list[SeqChunk]) -> tuple[int, int]:
+        b = next(n for n in self.buckets if n >= len(chunks))
+        return b, kv_bucket(max(c.cached_len + 1 for c in chunks), self.kv_cap)
+
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of this decode step, from its bucket's graph (captured after its first step)."""
+        runner = self.runner
+        key = self.bucket(chunks)
+        batch = runner.prepare(chunks, is_decode=True, pad_to=key[0], kv_len_bucket=key[1])
+        cpu_stream.set_live_rows(len(chunks))
+        entry = self.graphs.get(key)
+        if entry is None:
+            logits = runner.forward(batch)  # the bucket's first step, eager: its real step
+            if self.capture:
+                self._capture(key, batch)
+            return logits[: len(chunks)]
+        graph, logits = entry
+        graph.replay()
+        runner.mark_end()
+        self.num_replays += 1
+        return logits[: len(chunks)]
+
+    def _capture(self, key: tuple[int, int], batch) -> None:
+        runner = self.runner
+        torch.cuda.synchronize()  # the eager step is done with every buffer the capture reads
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            runner.plan(batch)
+            logits = runner.model(batch)
+        self.graphs[key] = (graph, logits)
+        self.num_captures += 1

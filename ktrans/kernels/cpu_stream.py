@@ -1,0 +1,122 @@
+"""CPU experts on a CUDA stream: a MoE layer's routed experts computed by the CPU pool, enqueued in GPU order.
+
+When the rest of the model runs on a GPU, a CPU expert layer used to copy its inputs to the host with a blocking
+`.to("cpu")`, wait for the pool in Python and copy the result back: two host syncs per layer, and the GPU idle
+while Python waited. Here the layer's work is put on the CUDA stream instead:
+
+    x, ids, weights  --DtoH copy-->  pinned staging  --host fn: pool.submit-->   (GPU runs the shared expert)
+    host fn: pool.wait  -->  pinned out  --HtoD copy-->  routed output on the GPU
+
+The host functions are the driver's cuLaunchHostFunc (resolved at run time by ktrans._cpu, so nothing here needs a
+CUDA toolkit); they read and write only the pinned buffers, at addresses fixed for the life of the model, so a CUDA
+graph captures the whole sequence and replays it. The live row count is read from a host cell when the submit runs:
+a padded decode batch (a graph bucket) writes its real batch size there before the replay, and pad rows cost the
+CPU nothing.
+
+`Staging` holds one set of pinned buffers for every layer of a model: layer L+1's copies follow layer L's wait on
+the stream, so they never overlap. Ordering rule: a forward must have finished (the engine's step ends by reading
+the sampled tokens) before the next one writes the row cell; ModelRunner.prepare waits for the previous forward's
+end for that reason.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ktrans import _cpu
+
+_STAGING: dict[tuple, "Staging"] = {}
+_ALL: "weakref.WeakSet[Staging]" = weakref.WeakSet()  # every staging alive, grown ones included
+
+
+def available() -> tuple[bool, str]:
+    """(True, '') where CPU expert work can be enqueued on CUDA streams here; else (False, why)."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    return _cpu.stream_hooks_available()
+
+
+class Staging:
+    """Pinned host buffers for up to `max_rows` tokens of one hidden size and top-k: x, ids, weights, out, rows."""
+
+    def __init__(self, max_rows: int, hidden: int, k: int, pinned: bool = True):
+        if max_rows <= 0:
+            raise ValueError(f"Staging: max_rows must be positive, got {max_rows}")
+        self.max_rows, self.hidden, self.k = max_rows, hidden, k
+        self.x = torch.zeros(max_rows, hidden, dtype=torch.float32, pin_memory=pinned)
+        self.ids = torch.full((max_rows, k), -1, dtype=torch.int64, pin_memory=pinned)
+        self.weights = torch.zeros(max_rows, k, dtype=torch.float32, pin_memory=pinned)
+        self.out = torch.zeros(max_rows, hidden, dtype=torch.float32, pin_memory=pinned)
+        self.rows = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self._rows_np = self.rows.numpy()
+        _ALL.add(self)
+
+    @classmethod
+    def shared(cls, hidden: int, k: int, max_rows: int) -> "Staging":
+        """The process's staging for (hidden, k), grown to hold max_rows. A grown staging is a new object: calls
+        made on the old one keep it (and its addresses) alive, so a captured graph never loses its buffers."""
+        key = (hidden, k)
+        s = _STAGING.get(key)
+        if s is None or s.max_rows < max_rows:
+            s = _STAGING[key] = cls(max(max_rows, 2 * s.max_rows if s else max_rows), hidden, k)
+        return s
+
+    def set_rows(self, n: int) -> None:
+        """The live row count the next submits read (a graph replay's real batch size)."""
+        if not 0 <= n <= self.max_rows:
+            raise ValueError(f"live rows {n} outside [0, {self.max_rows}]")
+        self._rows_np[0] = n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x, self.ids, self.weights, self.out, self.rows))
+
+
+def set_live_rows(n: int) -> None:
+    """Before a graph replay: the live rows every CPU expert layer's submit will read."""
+    for s in list(_ALL):
+        s.set_rows(min(n, s.max_rows))
+
+
+class StreamMoE:
+    """One CPU MoE layer (a ktrans.kernels.cpu.CPUMoE) called from a CUDA stream through a Staging."""
+
+    def __init__(self, moe, staging: Staging, name: str = "MoE"):
+        if staging.hidden != moe.hidden:
+            raise ValueError(f"{name}: staging hidden {staging.hidden} != the layer's {moe.hidden}")
+        self.moe, self.staging, self.name = moe, staging, name
+        s = staging
+        self.call = _cpu.StreamCall(moe._moe, s.x.data_ptr(), s.hidden, s.ids.data_ptr(), s.weights.data_ptr(), s.k,
+                                    s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())
+        self._rows = 0
+
+    def check(self) -> None:
+        """Raise what a host function of an earlier forward reported (its output was not computed)."""
+        err = self.call.take_error()
+        if err:
+            raise RuntimeError(f"{self.name}: the CPU experts failed on the CUDA stream: {err}")
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               live: int | None = None) -> None:
+        """Enqueue on the current stream: copies of the inputs into the staging, then the pool's submit of the first
+        `live` rows (default all; a padded batch's live sequences, so its eager step computes what its replays do)."""
+        self.check()
+        s, t = self.staging, x.shape[0]
+        if t > s.max_rows:
+            raise ValueError(f"{self.name}: {t} tokens, the CPU experts' staging holds {s.max_rows}")
+        if topk_ids.shape != (t, s.k):
+            raise ValueError(f"{self.name}: topk_ids {tuple(topk_ids.shape)}, expected ({t}, {s.k})")
+        s.x[:t].copy_(x.float(), non_blocking=True)
+        s.ids[:t].copy_(topk_ids, non_blocking=True)
+        s.weights[:t].copy_(topk_weights.float(), non_blocking=True)
+        if not torch.cuda.is_current_stream_capturing():
+            s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
+        self._rows = t
+        self.call.enqueue_submit(torch.cuda.current_stream(x.device).cuda_stream)
+
+    def sync(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Enqueue the pool's wait, then the copy of the output to `device`: [T, hidden] in `dtype`."""
+        self.call.enqueue_wait(torch.cuda.current_stream(device).cuda_stream)
+        out = self.staging.out[: self._rows].to(device, non_blocking=True)
+        return out if out.dtype == dtype else out.to(dtype)

@@ -1,0 +1,19 @@
+# Shared by the device_*.sh scripts (sourced): e2e NAME FLAGS... runs `ktrans bench e2e --gguf_path $F --json FLAGS`
+# under $E2E_TIMEOUT (default 420 s), keeps its JSON and log under $OUT/NAME.{json,err} and prints the short lines.
+e2e() {
+  local name=$1
+  shift
+  echo "== $name: ktrans bench e2e --gguf_path $F $*"
+  timeout "${E2E_TIMEOUT:-420}" ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  echo "rc $?"
+  python3 - "$OUT/$name.json" <<'EOF'
+import json, sys
+try:
+    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+except Exception as e:
+    sys.exit(f"no JSON: {e}")
+print({k: r.get(k) for k in ("load_s", "prefill_tok_s", "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms",
+                             "cuda_graphs", "host_rss_gib", "gpu_memory")})
+EOF
+  tail -c 800 "$OUT/$name.err"
+}

@@ -1,0 +1,114 @@
+"""CUDA-graph decode (ktrans.engine.graphs) and the CPU experts on the CUDA stream (needs CUDA; skipped without).
+
+- Replay against eager at the same padded bucket: the same kernels on the same shapes, so the greedy tokens must be
+  identical, over 64 steps at batch 1, 3 and 8 with mixed prompt lengths, a request that joins and requests that
+  leave between replays, under the gpu placement (reference ops) and the serve placement (CPU experts in the graph).
+- Against the unpadded eager step, teacher-forced (the eager step's greedy tokens fed to both for 64 steps): logits
+  within TOL and the same argmax wherever the reference's top-2 margin exceeds 2 TOL.
+- The CPU experts on the stream give bitwise the blocking path's logits (both compute fp32 from the same bf16 rows).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktrans.engine.engine import Engine, EngineConfig
+from ktrans.engine.sampler import SamplingParams
+from ktrans.kernels import cpu_stream
+from ktrans.runtime.batch import SeqChunk
+
+from tests.engine.test_no_host_sync import _model
+from tests.model.helpers import default_tokenizer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PLACEMENTS = ["Qwen3Next-gpu.yaml", "Qwen3Next-serve-cpuexperts.yaml"]
+TOL = 0.08  # bf16 logits of the `small` model (|logits| up to ~5): other matmul shapes round differently
+PROMPT_LENS = [5, 40, 17, 131, 9, 64, 23, 3]
+
+
+@pytest.fixture(scope="module", params=PLACEMENTS)
+def model(request):
+    return _model(request.param)[0]
+
+
+def _serve(model, n: int, capture: bool) -> tuple[list[list[int]], int]:
+    """n requests of mixed lengths (request 0 runs 64 steps, the others leave earlier), plus one that joins after
+    10 steps when n > 1; greedy. Returns every request's tokens and the number of graph replays."""
+    engine = Engine(model, default_tokenizer(), EngineConfig(max_batch_size=8, chunk_size=256, cache_lens=4096,
+                                                             use_cuda_graph=True))
+    engine.runner.graphs.capture = capture
+    gen = torch.Generator().manual_seed(n)
+
+    def submit(i: int, max_tokens: int):
+        prompt = torch.randint(0, 1000, (PROMPT_LENS[i % len(PROMPT_LENS)],), generator=gen).tolist()
+        return engine.submit(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+    streams = [submit(i, 64 if i == 0 else 20 + 7 * i) for i in range(n)]
+    polls = 0
+    while engine.poll():
+        polls += 1
+        if polls == 10 and n > 1:
+            streams.append(submit(n, 30))
+    outs = [[t for o in s.drain() for t in o.token_ids] for s in streams]
+    return outs, engine.runner.graphs.num_replays
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_replay_equals_eager_at_the_same_bucket(model, n):
+    replayed, replays = _serve(model, n, capture=True)
+    eager, none = _serve(model, n, capture=False)
+    assert replays > 0 and none == 0
+    assert [len(o) for o in replayed] == [len(o) for o in eager] and len(replayed[0]) == 64
+    assert replayed == eager
+
+
+def test_replay_against_unpadded_eager_teacher_forced(model):
+    """Three sequences (a 3-row batch pads to the 4 bucket), 64 steps fed the unpadded eager step's tokens."""
+    runners = [_model_runner(model, graphs) for graphs in (False, True)]
+    prompts = [list(range(3, 14)), list(range(40, 87)), list(range(7, 30))]
+    pages = [[4 * i + j for j in range(4)] for i in range(3)]
+    for r in runners:
+        for slot, (p, pg) in enumerate(zip(prompts, pages)):
+            r.step([SeqChunk(p, 0, slot, pg)])
+    lens = [len(p) for p in prompts]
+    tokens = [p[-1] for p in prompts]
+    worst, disagreements = 0.0, []
+    for step in range(64):
+        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
+        ref, got = (r.step(chunks).float() for r in runners)
+        worst = max(worst, float((got - ref).abs().max()))
+        top2 = ref.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * TOL
+        if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
+            disagreements.append(step)
+        tokens = ref.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    assert runners[1].graphs.num_replays >= 60
+    assert worst <= TOL, f"max |logits - eager| = {worst:.4f} over 64 steps"
+    assert not disagreements, f"argmax differs where the margin exceeds {2 * TOL}: steps {disagreements}"
+
+
+def _model_runner(model, graphs: bool):
+    from ktrans.engine.runner import ModelRunner
+    from ktrans.inject import pool_devices
+    from ktrans.runtime.pools import KVPool, StatePool
+
+    kv_dev, state_dev = pool_devices(model)
+    kv = KVPool(model.config, 16, 32, torch.bfloat16, kv_dev)
+    states = StatePool(model.config, 4, torch.bfloat16, state_dev)
+    return ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=64, max_pages_per_seq=4, device="cuda",
+                       cuda_graph=graphs)
+
+
+def test_cpu_experts_on_the_stream_equal_the_blocking_path(monkeypatch):
+    model = _model("Qwen3Next-serve-cpuexperts.yaml")[0]
+    outs = []
+    for stream in (True, False):
+        if not stream:
+            monkeypatch.setattr(cpu_stream, "available", lambda: (False, "disabled by the test"))
+        runner = _model_runner(model, graphs=False)
+        logits = [runner.step([SeqChunk(list(range(5, 40)), 0, 0, [0, 1])])]
+        logits.append(runner.step([SeqChunk([9], 35, 0, [0, 1])]))
+        outs.append(torch.cat(logits))
+    assert torch.equal(outs[0], outs[1])

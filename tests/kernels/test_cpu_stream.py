@@ -1,0 +1,90 @@
+"""The CPU experts' stream path (ktrans.kernels.cpu_stream, csrc/cpu/stream.cpp) without a GPU.
+
+Its host functions are called directly here (`run_submit` / `run_wait` are what the stream runs): they must give
+bitwise the result of CPUMoE.submit on the same rows, compute only the live rows the host cell names, and report
+failures instead of throwing into the driver. Enqueueing on a real stream and graph replay are gpu tests
+(tests/engine/test_graphs.py, tests/engine/test_no_host_sync.py).
+"""
+import pytest
+import torch
+
+from ktrans import _cpu
+from ktrans.kernels import cpu_stream
+
+from tests.kernels.test_cpu_moe import make_moe, routing
+
+TYPES = ("Q4_K", "Q4_K", "Q6_K")
+K = 3
+
+
+def _staged(moe, max_rows: int):
+    staging = cpu_stream.Staging(max_rows, moe.hidden, K, pinned=False)
+    return staging, cpu_stream.StreamMoE(moe, staging, "layer")
+
+
+def _fill(staging, x, ids, w):
+    t = x.shape[0]
+    staging.x[:t], staging.ids[:t], staging.weights[:t] = x, ids, w
+
+
+@pytest.mark.parametrize("t, live", [(1, 1), (7, 7), (13, 5), (6, 0)])
+def test_host_functions_equal_submit_on_the_live_rows(pool, t, live):
+    moe = make_moe(TYPES, pool)
+    staging, call = _staged(moe, 16)
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, moe.hidden, generator=gen)
+    ids, w = routing(t, K, gen)
+    _fill(staging, x, ids, w)
+    staging.out.fill_(7.0)  # rows the call must not touch keep this
+    staging.set_rows(live)
+    call.call.run_submit()
+    call.call.run_wait()
+    call.check()
+    assert call.call.calls == 1
+    if live:
+        want = moe.submit(x[:live].contiguous(), ids[:live].contiguous(), w[:live].contiguous()).wait()
+        assert torch.equal(staging.out[:live], want)
+    assert (staging.out[live:] == 7.0).all()
+
+
+def test_failures_are_reported_not_thrown(pool):
+    moe = make_moe(TYPES, pool)
+    staging, call = _staged(moe, 4)
+    staging.rows[0] = 5  # past max_rows: what a bad replay would leave
+    call.call.run_submit()
+    call.call.run_wait()
+    with pytest.raises(RuntimeError, match="layer: the CPU experts failed on the CUDA stream: live rows 5"):
+        call.check()
+    call.check()  # reported once
+    # A submit that runs again before its wait (two forwards sharing the buffers) is refused, not raced.
+    staging.set_rows(1)
+    call.call.run_submit()
+    call.call.run_submit()
+    call.call.run_wait()
+    with pytest.raises(RuntimeError, match="submitted again before its wait"):
+        call.check()
+
+
+def test_staging_checks_and_shares(pool):
+    moe = make_moe(TYPES, pool)
+    with pytest.raises(ValueError, match="live rows 9"):
+        cpu_stream.Staging(8, moe.hidden, K, pinned=False).set_rows(9)
+    with pytest.raises(ValueError, match="max_rows must be positive"):
+        cpu_stream.Staging(0, moe.hidden, K, pinned=False)
+    with pytest.raises(ValueError, match="staging hidden"):
+        cpu_stream.StreamMoE(moe, cpu_stream.Staging(2, moe.hidden + 1, K, pinned=False))
+    if torch.cuda.is_available():
+        a = cpu_stream.Staging.shared(moe.hidden, K, 8)
+        assert cpu_stream.Staging.shared(moe.hidden, K, 4) is a
+        b = cpu_stream.Staging.shared(moe.hidden, K, 9)
+        assert b is not a and b.max_rows >= 16  # grown; `a` stays valid for whoever holds it
+        cpu_stream.set_live_rows(3)
+        assert int(a.rows[0]) == int(b.rows[0]) == 3
+
+
+def test_without_cuda_the_stream_path_says_why():
+    ok, why = cpu_stream.available()
+    if not torch.cuda.is_available():
+        assert not ok and why
+    hooks, hooks_why = _cpu.stream_hooks_available()
+    assert hooks or "libcuda" in hooks_why or "cuLaunchHostFunc" in hooks_why
