@@ -135,9 +135,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
-        self.device = next(model.parameters()).device  # where batches are built; operators copy what they need
         num_pages = -(-config.cache_lens // config.page_size)
         self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size)
+        # Batches are built where the pools are (attention and DeltaNet run there): on a GPU under the serve rules
+        # even when the embedding sits on the CPU, which then reads the batch's pinned host twin.
+        self.device = next((d for d in pool_devices(model) if d.type == "cuda"), next(model.parameters()).device)
         self.cache = CacheManager.from_pools(self.kv, self.states)  # who holds which page and slot
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.chunk_size, config.page_size),
                                    self.cache)

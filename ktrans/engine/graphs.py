@@ -19,9 +19,11 @@ spends on them, so each bucket's step is captured once and replayed: one launch 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ktrans.kernels import cpu_stream
-from ktrans.runtime.batch import SeqChunk
+from ktrans.operators.base import BaseOperator
+from ktrans.runtime.batch import GENERATE, SeqChunk
 
 MIN_KV_BUCKET = 128
 
@@ -41,6 +43,24 @@ def kv_bucket(max_kv_len: int, cap: int) -> int:
     while b < max_kv_len:
         b *= 2
     return max(min(b, cap), max_kv_len)
+
+
+def graph_blockers(model: nn.Module) -> list[str]:
+    """Modules whose decode work a graph cannot hold: they compute on the CPU in the generate phase (a replay
+    would skip them) and are not ops that put their CPU work on the GPU's stream (the CPU experts are)."""
+    cuda = torch.device("cuda")
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, BaseOperator):
+            op = m.impl.get(GENERATE)
+            on_stream = op is not None and callable(getattr(op, "input_device", None)) and \
+                op.input_device(cuda).type == "cuda"
+            if op is not None and m.devices[GENERATE].type == "cpu" and not on_stream:
+                out.append(name)
+        elif getattr(m, "_ktrans_device", None) is not None and m._ktrans_device.type == "cpu" and \
+                next(m.parameters(recurse=False), None) is not None:
+            out.append(name)
+    return out
 
 
 class DecodeGraphs:

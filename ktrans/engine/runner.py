@@ -18,11 +18,15 @@ bucket of KV length, and each (sequences, KV length) bucket is captured once, th
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from ktrans.runtime.batch import ForwardBatch, SeqChunk, flatten
 from ktrans.runtime.pools import KVPool, StatePool
+
+log = logging.getLogger(__name__)
 
 # Fields of the flat index buffer, in order. T: tokens, B: sequences, W: block table width (pages per sequence).
 _FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices", "state_slots", "kv_lens", "cu_seqlens",
@@ -85,9 +89,15 @@ class ModelRunner:
             if self.device.type != "cuda":
                 raise ValueError(f"CUDA graphs need the model's batches on a GPU, not {self.device} "
                                  f"(--no-use_cuda_graph)")
-            from ktrans.engine.graphs import DecodeGraphs
+            from ktrans.engine.graphs import DecodeGraphs, graph_blockers
 
-            self.graphs = DecodeGraphs(self)
+            blockers = graph_blockers(model)
+            if blockers:
+                log.warning("decode runs without CUDA graphs: %s compute on the CPU in the generate phase, outside "
+                            "what a graph replays (place them on the GPU to capture decode)",
+                            ", ".join(blockers[:4]) + (f" and {len(blockers) - 4} more" if len(blockers) > 4 else ""))
+            else:
+                self.graphs = DecodeGraphs(self)
 
     # ---- building a batch -----------------------------------------------------------------------------------------
     def prepare(self, chunks: list[SeqChunk], is_decode: bool | None = None, pad_to: int | None = None,

@@ -83,8 +83,10 @@ def _decode_step(runner: ModelRunner):
 def _profile(runner: ModelRunner, batch):
     from torch.profiler import ProfilerActivity, profile
 
-    with host_reads() as seen, profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        logits = runner.model(batch)
+    # The profiler synchronises as it starts and stops: only the forward runs under the spies.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with host_reads() as seen:
+            logits = runner.model(batch)
     torch.cuda.synchronize()
     return logits, seen, [e.name for e in prof.events()]
 

@@ -136,3 +136,18 @@ def test_padded_decode_equals_unpadded_on_the_live_rows():
             chunks = [SeqChunk([int(o.argmax())], c.cached_len + 1, c.state_slot, c.pages) for o, c in zip(out, chunks)]
         logits.append(torch.stack(steps))
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_modules_block_graphs():
+    """A module computing on the CPU at decode would be skipped by a replay: the runner then decodes eagerly."""
+    from ktrans.config import RULES_DIR
+    from ktrans.engine.graphs import graph_blockers
+    from ktrans.inject import build_injected_model
+    from ktrans.model.tiny import random_state_dict
+    from ktrans.weights.source import StateDictSource
+
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    model, _ = build_injected_model(config, RULES_DIR / "Qwen3Next-cpu.yaml",
+                                    StateDictSource(random_state_dict(config, 0)), torch.float32)
+    blockers = graph_blockers(model)
+    assert "model.embed_tokens" in blockers and "lm_head" in blockers

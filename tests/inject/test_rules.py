@@ -9,6 +9,7 @@ from ktrans.config import RULES_DIR
 from ktrans.inject import RuleError, check_devices, load_rules
 from ktrans.inject.rules import resolve_class
 from ktrans.model.qwen3_next import Qwen3NextRMSNorm, Qwen3NextSparseMoeBlock
+from ktrans.operators.embedding import KEmbedding
 from ktrans.operators.experts import KTransformersExperts
 from ktrans.operators.linear import KTransformersLinear
 
@@ -45,7 +46,7 @@ def test_serve_file_has_the_ktransformers_rules():
     assert experts.kwargs == {"prefill_device": "cuda", "prefill_op": "KExpertsTorch", "generate_device": "cpu",
                               "generate_op": "KExpertsCPU", "out_device": "cuda"}
     assert rs.rules[2].name == r"^model\.layers\.(?!.*mlp\.shared_expert_gate).*$"
-    assert rs.rules[7].replace is None and rs.rules[7].kwargs["generate_device"] == "cpu"
+    assert rs.rules[7].replace is KEmbedding and rs.rules[7].kwargs["generate_device"] == "cuda"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
