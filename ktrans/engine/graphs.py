@@ -104,7 +104,10 @@ class DecodeGraphs:
         runner = self.runner
         torch.cuda.synchronize()  # the eager step is done with every buffer the capture reads
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: only this thread's calls are checked during the capture (another thread of the process, an
+        # API server or a finalizer, may use CUDA meanwhile without invalidating it; the engine's CUDA work is all
+        # on this thread, and the CPU experts' threads make no CUDA calls).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             runner.plan(batch)
             logits = runner.model(batch)
         self.graphs[key] = (graph, logits)
