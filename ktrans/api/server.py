@@ -160,6 +160,7 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
         f"  placement  {placement}, dtype {dtype}, {torch.get_num_threads()} CPU threads (--cpu_infer)",
         *placement_lines(injection),
         "  memory     " + "; ".join(f"{d}: {', '.join(parts)}" for d, parts in memory.items()),
+        f"  host RSS   {_rss_text()}",
         f"  KV cache   {kv.num_pages * kv.page_size} tokens = {kv.num_pages} pages of {kv.page_size}, "
         f"{n_attn} attention layer(s), {KVPool.bytes_per_token(c, kv.k[0].dtype) if kv.k else 0} B per token",
         f"  states     {st.num_slots} slots (--max_batch_size), "
@@ -171,6 +172,14 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
     lines.append(f"  decode     CUDA graphs for batch buckets {graphs.buckets} (captured on first use)" if graphs
                  else "  decode     eager (no CUDA graphs: --no-use_cuda_graph, or the batches are not on a GPU)")
     return "\n".join(lines)
+
+
+def _rss_text() -> str:
+    from ktrans.kernels.cpu import host_rss
+
+    now, peak = host_rss()
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    return "unknown (no /proc)" if now is None else f"{gib(now)} now, {gib(peak)} at peak while loading"
 
 
 def run(opts: ServeOptions) -> None:

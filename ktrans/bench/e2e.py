@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ktrans.engine.sampler import SamplingParams
+from ktrans.kernels import cpu
 
 
 @dataclass
@@ -174,16 +175,8 @@ class _Bench:
 
 
 def _rss() -> dict[str, float]:
-    fields = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM"):
-                    fields[k] = int(v.split()[0]) * 1024 / 2**30
-    except OSError:
-        pass
-    return {"host_rss_gib": fields.get("VmRSS"), "host_peak_rss_gib": fields.get("VmHWM")}
+    now, peak = cpu.host_rss()
+    return {"host_rss_gib": now and now / 2**30, "host_peak_rss_gib": peak and peak / 2**30}
 
 
 def _gpu_memory(devices: list[torch.device]) -> dict[str, dict[str, float]]:
@@ -217,7 +210,6 @@ def _summary(run: _Run, batch: int) -> dict:
 
 
 def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
-    from ktrans.kernels import cpu
     from ktrans.operators.experts_cpu import KExpertsCPU
     from ktrans.engine.engine import Engine, EngineConfig
     from ktrans.api.server import ServeOptions, load

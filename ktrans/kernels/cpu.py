@@ -345,6 +345,20 @@ def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
 _HUGEPAGE_MIN_BYTES = 4 << 20
 
 
+def host_rss() -> tuple[int | None, int | None]:
+    """(resident bytes now, peak resident bytes) of this process, from /proc (None where there is none)."""
+    fields = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM"):
+                    fields[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return fields.get("VmRSS"), fields.get("VmHWM")
+
+
 def thp_mode() -> str | None:
     """The kernel's transparent huge page mode ("always", "madvise" or "never"), None where it cannot be read."""
     try:

@@ -1,8 +1,8 @@
 """KTransformersLinear: a torch.nn.Linear replaced by a phase-aware operator with a choice of kernels.
 
-KLinearTorch (F.linear on float weights, CPU or CUDA) is built now. KLinearMarlin (quantized GPU GEMM) and
-KLinearCPUInfer (the C++ quantized dense kernel) are declared: rules may name them, and building a model with them
-fails with "not built yet" until their modules register them. KTransformers' VLinearMarlin maps to KLinearMarlin.
+KLinearTorch (F.linear on float weights, CPU or CUDA) and KLinearCPUInfer (the C++ quantized dense kernel on the
+stored GGUF blocks, ktrans.operators.linear_cpu) are built. KLinearMarlin (quantized GPU GEMM) is declared: rules may
+name it, and building a model with it fails with "not built yet" until its module registers it. KTransformers' VLinearMarlin maps to KLinearMarlin.
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ class KTransformersLinear(BaseOperator):
     REPLACES = (nn.Linear,)
     OPS = LINEAR_OPS
     DEFAULT_OP = "KLinearTorch"
+    # Read by KLinearCPUInfer: `quant` ("Q8_0", "Q4_K", "Q5_K", "Q6_K") quantizes a float checkpoint's weight at load.
+    EXTRA_KWARGS = {"quant": str}
 
     def __init__(self, key, orig: nn.Linear, config, **kwargs):
         super().__init__(key, orig, config, **kwargs)

@@ -25,7 +25,7 @@ def injected(ckpt: Path, rule_set, dtype=torch.float32, default_device: str | No
 
 
 def cpu_variant(name: str) -> str:
-    """A shipped file with every device set to cpu and the reference expert op (KExpertsCPU is compared with it
-    in its own tests, within a quantization bound): the same operators and structure, exact and runnable here."""
+    """A shipped file with every device set to cpu and the reference expert and linear ops (the C++ ops are compared
+    with them in their own tests, within a quantization bound): the same operators and structure, exact, runnable here."""
     text = (RULES_DIR / name).read_text().replace('"cuda"', '"cpu"')
-    return text.replace('"KExpertsCPU"', '"KExpertsTorch"')
+    return text.replace('"KExpertsCPU"', '"KExpertsTorch"').replace('"KLinearCPUInfer"', '"KLinearTorch"')

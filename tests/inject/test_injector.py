@@ -75,10 +75,10 @@ def test_injected_logits_equal_plain(ckpt, plain, rules_file):
 
 
 def test_shipped_cpu_rules_equal_plain(ckpt, plain):
-    """Qwen3Next-cpu.yaml exactly as shipped (C++ experts, float weights kept in fp32) against the plain model.
-
-    The C++ kernels sum in another order than torch (blocked, fused multiply-add), so fp32 rounding differs per
-    expert matmul and compounds over the layers: 1.3e-6 (small) and 1.6e-5 (other shape) of the logit scale, bounded at 5e-5.
+    """Qwen3Next-cpu.yaml exactly as shipped (C++ experts and linears, float weights kept in fp32) against the plain
+    model. The C++ kernels sum in another order than torch (blocked, fused multiply-add), so fp32 rounding differs per
+    matmul and compounds over the layers (with the C++ experts alone: 1.3e-6 (small) and 1.6e-5 (other shape) of
+    the logit scale), bounded at 5e-5.
     """
     model, inj = injected(ckpt, rules(CPU_RULES.read_text()))
     assert type(model.model.layers[0].mlp.experts.op).__name__ == "KExpertsCPU"

@@ -1,0 +1,87 @@
+"""KLinearCPUInfer: a dense projection (or lm_head) on the CPU cores through the C++ quantized linear (ktrans._cpu).
+
+Importing this module registers the op under LINEAR_OPS (ktrans.operators.linear declares it), so a rule's
+`generate_op: "KLinearCPUInfer"` picks it. What it keeps of the weight:
+
+- a GGUF checkpoint: the tensor's blocks as the file stores them, read in place from the mapped file (no copy, no
+  dequantized float copy in RAM) when the kernels read the type (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+  BF16, F16, F32); other types (Q2_K, Q3_K, IQ*) are dequantized once at load to the model dtype, with a warning;
+- float weights: as stored under a float32 model (the kernels multiply in float32, so the products are
+  KLinearTorch's), rounded to the model dtype under a narrower one; with the rule kwarg `quant` (Q8_0, Q4_K, Q5_K,
+  Q6_K), quantized at load.
+
+The kernels take float32 activations and sum in float32; the output comes back in x's dtype. A bias, where the
+module has one, is added in float32 before that.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ktrans.kernels import cpu
+from ktrans.operators.base import Op
+from ktrans.operators.linear import LINEAR_OPS
+from ktrans.weights import quants as Q
+from ktrans.weights.source import WeightSource
+
+log = logging.getLogger(__name__)
+
+NATIVE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "F32")
+QUANTS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@LINEAR_OPS.register("KLinearCPUInfer", devices=("cpu",))
+class KLinearCPUInfer(Op):
+    def __init__(self, operator, device: torch.device, streaming: bool = False):
+        super().__init__(operator, device, streaming)
+        self.specs = operator.param_specs()
+        self.n_out, self.n_in = operator.out_features, operator.in_features
+        quant = (getattr(operator, "options", {}).get("quant") or "").upper() or None
+        if quant is not None and quant not in QUANTS:
+            raise ValueError(f"{self.key}: KLinearCPUInfer quant must be one of {QUANTS}, got {quant!r}")
+        self.quant = quant
+        self.lin: cpu.CPULinear | None = None
+        self.bias: torch.Tensor | None = None
+        self.qtype = ""
+
+    def load(self, source: WeightSource, dtype: torch.dtype) -> None:
+        raw = source.get_raw(self.specs[0].name)
+        if tuple(raw.shape) != (self.n_out, self.n_in):
+            raise ValueError(f"{self.key}: {raw.name} has shape {tuple(raw.shape)}, expected {(self.n_out, self.n_in)}")
+        weight, self.qtype = self._weight(raw, dtype)
+        self.lin = cpu.CPULinear(weight, self.n_out, self.n_in, qtype=self.qtype)
+        if len(self.specs) > 1:
+            self.bias = source.require(self.specs[1].name, self.specs[1].shape, torch.float32, "cpu")
+
+    def _weight(self, raw, dtype: torch.dtype) -> tuple[torch.Tensor, str]:
+        name = raw.type_name
+        if name in _TORCH_FLOAT:  # float bytes: keep the model dtype (exact), or quantize when the rule asks
+            floats = raw.data.contiguous().view(_TORCH_FLOAT[name]).reshape(self.n_out, self.n_in)
+            if self.quant is not None and self.n_in % Q.quant_type(self.quant).block_size == 0:
+                return torch.from_numpy(Q.quantize(floats.float().numpy(), self.quant)), self.quant
+            # A float32 model computes with the stored values exactly (the kernels multiply in float32), so the
+            # stored type is kept; a narrower model dtype rounds the weights as KLinearTorch would.
+            keep = name if dtype == torch.float32 else {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+            return floats.to(_TORCH_FLOAT[keep]).contiguous(), keep
+        if name in NATIVE_TYPES:
+            return raw.data, name
+        keep = "BF16" if dtype == torch.bfloat16 else "F32"
+        log.warning("%s: %s is %s, which the CPU linear kernels do not read; dequantizing it to %s", self.key,
+                    raw.name, name, keep)
+        deq = Q.dequantize(raw.data.contiguous().numpy(), name, (self.n_out, self.n_in))
+        return torch.from_numpy(np.ascontiguousarray(deq)).to(_TORCH_FLOAT[keep]), keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lin is None:
+            raise RuntimeError(f"{self.key}: KLinearCPUInfer has no weights; load() it first")
+        shape = x.shape
+        y = self.lin(x.reshape(-1, self.n_in))
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.n_out)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype or 'not loaded'}, {self.lin.path if self.lin else ''}"

@@ -1,0 +1,138 @@
+"""KLinearCPUInfer (the C++ quantized linear as an op) against the torch reference on gguf-py's dequantized weights,
+for every GGUF type it reads and one it dequantizes at load; and the CPU-only model with it against the same rules
+with KLinearTorch, on a tiny Q4_K_M GGUF."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf.constants import GGMLQuantizationType  # noqa: E402
+
+from ktrans.config import RULES_DIR, ModelConfig  # noqa: E402
+from ktrans.inject import build_injected_model, parse_rules  # noqa: E402
+from ktrans.model.tiny import preset_config, random_state_dict  # noqa: E402
+from ktrans.operators.linear import LINEAR_OPS, KTransformersLinear  # noqa: E402
+from ktrans.weights import quants as Q  # noqa: E402
+from ktrans.weights.gguf_source import GGUFSource  # noqa: E402
+from ktrans.weights.gguf_writer import write_gguf  # noqa: E402
+from ktrans.weights.source import RawTensor, StateDictSource  # noqa: E402
+
+# relative error ||y - ref|| / ||ref||: int8 activations for the integer formats, exact products for the floats
+BOUND = {"Q8_0": 0.01, "Q4_0": 0.01, "Q4_1": 0.01, "Q5_0": 0.01, "Q5_1": 0.01, "Q4_K": 0.01, "Q5_K": 0.01,
+         "Q6_K": 0.01, "BF16": 1e-5, "F16": 1e-5, "F32": 1e-5}
+_FLOAT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+N_OUT = 37  # no row block divides it
+
+
+class RawSource(StateDictSource):
+    """A source whose one weight is stored in `qtype` (what a GGUF file hands the op)."""
+
+    def __init__(self, name: str, raw: torch.Tensor, qtype: str, shape, bias: torch.Tensor | None):
+        super().__init__({} if bias is None else {name.removesuffix("weight") + "bias": bias})
+        self.raw = RawTensor(name, Q.quant_type(qtype).id, tuple(shape), raw)
+
+    def get_raw(self, name: str) -> RawTensor:
+        return self.raw if name == self.raw.name else super().get_raw(name)
+
+
+def _weight(qtype: str, n_in: int):
+    x = np.random.default_rng(7).standard_normal((N_OUT, n_in)).astype(np.float32)
+    if qtype in _FLOAT:
+        w = torch.from_numpy(x).to(_FLOAT[qtype])
+        return w.view(torch.uint8).reshape(N_OUT, -1), w.double()
+    raw = Q.quantize(x, qtype)
+    return torch.from_numpy(raw), torch.from_numpy(gguf_quants.dequantize(raw, GGMLQuantizationType[qtype])).double()
+
+
+def _op(qtype: str, n_in: int, bias: bool, dtype=torch.float32):
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    key = "model.layers.0.mlp.shared_expert.up_proj"
+    lin = KTransformersLinear(key, nn.Linear(n_in, N_OUT, bias=bias, device="meta"), config,
+                              generate_op="KLinearCPUInfer", prefill_op="KLinearCPUInfer")
+    lin.build_ops()
+    raw, deq = _weight(qtype, n_in)
+    b = torch.randn(N_OUT) if bias else None
+    lin.load(RawSource(f"{key}.weight", raw, qtype, (N_OUT, n_in), b), dtype)
+    return lin, deq, b
+
+
+@pytest.mark.parametrize("qtype", list(BOUND))
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_type_against_the_reference(qtype, bias):
+    n_in = 512 if qtype.endswith("_K") else (50 if qtype in _FLOAT else 96)
+    lin, deq, b = _op(qtype, n_in, bias)
+    assert lin.op.qtype == qtype  # read as stored, not dequantized
+    for t in (1, 5, 33):
+        x = torch.randn(t, n_in, generator=torch.Generator().manual_seed(t))
+        ref = x.double() @ deq.T + (b.double() if b is not None else 0)
+        y = lin(x)
+        assert y.dtype == torch.float32 and y.shape == (t, N_OUT)
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err < BOUND[qtype], (qtype, t, err)
+
+
+def test_bfloat16_activations_come_back_in_their_dtype():
+    lin, deq, _ = _op("Q8_0", 96, False, torch.bfloat16)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    y = lin(x)
+    ref = x.double() @ deq.T
+    assert y.dtype == torch.bfloat16 and float((y.double() - ref).norm() / ref.norm()) < 0.015
+
+
+def test_an_unread_type_is_dequantized_at_load(caplog):
+    """Q2_K (no kernel reads it): random blocks with finite scales, dequantized once to F32, then exact."""
+    n_in = 256
+    raw = np.random.default_rng(3).integers(0, 256, (N_OUT, 84), dtype=np.uint8)
+    raw[:, 80:84] = np.frombuffer(np.array([0.01, 0.002], np.float16).tobytes(), np.uint8)  # d, dmin
+    deq = torch.from_numpy(gguf_quants.dequantize(raw, GGMLQuantizationType.Q2_K)).double()
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    key = "model.layers.0.mlp.shared_expert.up_proj"
+    lin = KTransformersLinear(key, nn.Linear(n_in, N_OUT, bias=False, device="meta"), config,
+                              generate_op="KLinearCPUInfer", prefill_op="KLinearCPUInfer")
+    lin.build_ops()
+    with caplog.at_level("WARNING"):
+        lin.load(RawSource(f"{key}.weight", torch.from_numpy(raw), "Q2_K", (N_OUT, n_in), None), torch.float32)
+    assert lin.op.qtype == "F32" and "dequantizing it to F32" in caplog.text
+    x = torch.randn(4, n_in)
+    ref = x.double() @ deq.T
+    assert float((lin(x).double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_bad_quant_kwarg_names_the_field():
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    lin = KTransformersLinear("lm_head", nn.Linear(8, 4, device="meta"), config, generate_op="KLinearCPUInfer",
+                              prefill_op="KLinearCPUInfer", quant="Q3_K")
+    with pytest.raises(ValueError, match="lm_head: KLinearCPUInfer quant must be one of"):
+        lin.build_ops()
+
+
+CPU_RULES = (RULES_DIR / "Qwen3Next-cpu.yaml").read_text()
+TORCH_RULES = CPU_RULES.replace('"KLinearCPUInfer"', '"KLinearTorch"')
+LOGIT_TOL = 0.05  # relative RMS of the tiny model's logits: every projection's int8 activations, four layers deep
+
+
+def test_shipped_cpu_rules_use_it():
+    assert LINEAR_OPS.built("KLinearCPUInfer") and CPU_RULES != TORCH_RULES
+
+
+def test_cpu_only_model_against_torch_linears_teacher_forced(tmp_path):
+    """Q4_K_M blocks: the C++ linears read them, the reference dequantizes them. The reference's greedy tokens are
+    fed to both for 64 steps (one forward over prompt + tokens, every position's logits)."""
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    source = GGUFSource(write_gguf(tmp_path / "t.gguf", config, random_state_dict(config, seed=5), "q4_k_m"))
+    models = [build_injected_model(config, parse_rules(r, "test.yaml"), source, torch.float32)[0]
+              for r in (TORCH_RULES, CPU_RULES)]
+    from tests.model.helpers import generate, run_chunks
+    from ktrans.engine.sampler import SamplingParams
+
+    prompt = list(range(11, 40))
+    tokens = generate(models[0], prompt, 64, SamplingParams(temperature=0.0, ignore_eos=True)).token_ids
+    ref, got = (run_chunks(m, [prompt + tokens])[0][0].float() for m in models)
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < LOGIT_TOL, rel
+    top2 = ref.topk(2, dim=-1).values
+    sure = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_TOL * ref.abs().max()
+    assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
