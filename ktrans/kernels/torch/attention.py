@@ -85,8 +85,9 @@ def paged_attention_decode(q, k_cache, v_cache, kv_lens, block_tables, page_size
     rows = (pages[:, :, None] * page_size + offsets).reshape(b, -1)[:, :max_len]
     valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [B, L]
     rows = rows.masked_fill(~valid, 0)  # -1 padding pages would index out of range; masked out below anyway
-    k = k_cache[rows].float()  # [B, L, Hkv, D]
-    v = v_cache[rows].float()
+    flat = rows.reshape(-1)  # index_select: advanced indexing's general path is many times slower on the CPU
+    k = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[1:]).float()  # [B, L, Hkv, D]
+    v = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[1:]).float()
     qg = q.float().reshape(b, hkv, group, d)
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -106,10 +106,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, 
 def _step(state, q, k, v, g, beta):
     """One token for a stack of heads, in place on state [..., Dk, Dv]; q, k [..., Dk]; v [..., Dv]; g, beta [...]."""
     state.mul_(g.exp()[..., None, None])
-    kv_mem = (state * k[..., :, None]).sum(dim=-2)
+    kv_mem = (k[..., None, :] @ state).squeeze(-2)  # k^T S: a batched vector-matrix product, no [Dk, Dv] temporary
     delta = beta[..., None] * (v - kv_mem)
     state.add_(k[..., :, None] * delta[..., None, :])
-    return (state * q[..., :, None]).sum(dim=-2)
+    return (q[..., None, :] @ state).squeeze(-2)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, use_qk_l2norm=True):
