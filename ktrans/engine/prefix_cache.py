@@ -121,6 +121,8 @@ class PrefixCache:
         self._snapshots: set[Snapshot] = set()
         self._holds: dict[Request, Node] = {}  # the node each running request locks
         self._cuts: dict[Request, int] = {}  # where a request's chunk must end so a snapshot covers its branch
+        self._refs: Counter[int] = Counter()  # the tree's references per page (node pages and snapshot tails)
+        self._pinned: Snapshot | None = None  # the snapshot an admission is about to copy
         self.stats = PrefixCacheStats()
 
     def _tick(self) -> int:
@@ -180,9 +182,10 @@ class PrefixCache:
             n = n.parent
 
     def pin(self, match: Match, by: int = 1) -> None:
-        """Lock (by=1) or unlock (by=-1) a match's node while the scheduler makes room for its request: eviction
-        must not take the pages it is about to share."""
+        """Lock (by=1) or unlock (by=-1) a match's node and snapshot while the scheduler makes room for its
+        request: eviction must not take the pages it is about to share nor the state it is about to copy."""
         match.node.lock += by
+        self._pinned = match.snapshot if by > 0 else None
 
     def restore(self, req: Request, match: Match) -> None:
         """After the scheduler gave the request its slot and its own pages: the snapshot into its slot, the tail's
@@ -242,7 +245,7 @@ class PrefixCache:
             child = node.children.get(tuple(tokens[i * P : (i + 1) * P]))
             if child is None:
                 pages = req.pages[i:k]
-                self.cache.incref(pages)
+                self._take(pages)
                 child = Node(tuple(tokens[i * P : k * P]), list(pages), node, k * P, next(self._seq))
                 node.children[child.key[:P]] = child
                 node, i = child, k
@@ -264,7 +267,7 @@ class PrefixCache:
                 return
             page = req.pages[k] if tail else None
             if page is not None:
-                self.cache.incref([page])
+                self._take([page])
             self.cache.copy_slot(req.slot, slot)
             snap = node.snapshots[tail] = Snapshot(node, tail, slot, page)
             self._snapshots.add(snap)
@@ -306,7 +309,7 @@ class PrefixCache:
         self._snapshots.discard(snap)
         self.cache.free_slot(snap.slot)
         if snap.page is not None:
-            self.cache.decref([snap.page])
+            self._give([snap.page])
         self._prune(snap.node)
 
     # ---- eviction -------------------------------------------------------------------------------------------------
@@ -321,9 +324,22 @@ class PrefixCache:
             self._snapshots.discard(snap)
             self.cache.free_slot(snap.slot)
             if snap.page is not None:
-                freed += self.cache.decref([snap.page])
+                freed += self._give([snap.page])
         del node.parent.children[node.key[: self.page_size]]
-        return freed + self.cache.decref(node.pages)
+        return freed + self._give(node.pages)
+
+    def _take(self, pages: list[int]) -> None:
+        self.cache.incref(pages)
+        self._refs.update(pages)
+
+    def _give(self, pages: list[int]) -> list[int]:
+        """The tree's reference on each page goes; returns the pages that are free now."""
+        freed = self.cache.decref(pages)
+        self._refs.subtract(pages)
+        for p in pages:
+            if self._refs[p] == 0:
+                del self._refs[p]
+        return freed
 
     def _prune(self, node: Node | None) -> None:
         """Remove leaves that hold no snapshot and no lock, from `node` up: no hit can use their pages."""
@@ -332,37 +348,63 @@ class PrefixCache:
             self._remove(node)
             node = parent
 
-    def reclaimable_pages(self) -> int:
-        """Pages that evicting every unlocked subtree would free (those no request also holds)."""
-        held: Counter[int] = Counter()
+    def _victims(self) -> tuple[list[Node], list[Snapshot]]:
+        """What page eviction may take: unlocked subtrees (leaf by leaf), and the snapshots holding a tail page
+        elsewhere (on the root, on inner or locked nodes: dropping a snapshot never hurts a running request, which
+        copied its state at admission), but the pinned one."""
+        nodes: list[Node] = []
 
         def walk(n: Node) -> bool:  # whether n's subtree has no lock
             free = all([walk(c) for c in n.children.values()]) and n.lock == 0
             if free and n is not self.root:
-                held.update(n.pages)
-                held.update(s.page for s in n.snapshots.values() if s.page is not None)
+                nodes.append(n)
             return free
 
         walk(self.root)
+        inside = set(nodes)
+        snaps = sorted((x for x in self._snapshots if x.page is not None and x.node not in inside
+                        and x is not self._pinned), key=lambda x: (x.node.seq, x.tail))
+        return nodes, snaps
+
+    def reclaimable_pages(self) -> int:
+        """Pages that evict_pages could free (those no request also holds)."""
+        nodes, snaps = self._victims()
+        held: Counter[int] = Counter()
+        for n in nodes:
+            held.update(n.pages)
+            held.update(x.page for x in n.snapshots.values() if x.page is not None)
+        held.update(x.page for x in snaps)
         return sum(1 for p, k in held.items() if self.cache.refcount(p) == k)
 
     def evict_pages(self, n: int) -> int:
-        """Free at least n pages by evicting least recently used unlocked leaves, or evict nothing when that
-        cannot reach n (so that a request that will not fit anyway costs the cache nothing). Returns pages freed."""
+        """Free at least n pages, least recently used first (unlocked leaves with their snapshots, and snapshots
+        holding a tail page), or evict nothing when that cannot reach n (so that a request that will not fit
+        anyway costs the cache nothing). Returns the pages freed."""
         if n <= 0 or self.reclaimable_pages() < n:
             return 0
-        heap = [(x.last_use, x.seq, x) for x in self._nodes() if self._evictable(x)]
+        nodes, snaps = self._victims()
+        order = itertools.count()
+        heap = [(x.last_use, next(order), x) for x in nodes if self._evictable(x)]
+        heap += [(x.last_use, next(order), x) for x in snaps]
         heapq.heapify(heap)
-        freed = 0
-        while freed < n and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            self.stats.evicted_snapshots += len(node.snapshots)  # a leaf's snapshots go with it
-            got = self._remove(node)
-            freed += len(got)
-            self.stats.evicted_pages += len(got)
+        before = self.cache.num_free_pages
+        while self.cache.num_free_pages - before < n and heap:
+            _, _, victim = heapq.heappop(heap)
+            if isinstance(victim, Snapshot):
+                if victim in self._snapshots:
+                    self._drop_snapshot(victim)
+                    self.stats.evicted_snapshots += 1
+                continue
+            if victim.parent is None or victim.parent.children.get(victim.key[: self.page_size]) is not victim \
+                    or not self._evictable(victim):
+                continue  # pruned meanwhile
+            parent = victim.parent
+            self.stats.evicted_snapshots += len(victim.snapshots)  # a leaf's snapshots go with it
+            self._remove(victim)
             if self._evictable(parent):
-                heapq.heappush(heap, (parent.last_use, parent.seq, parent))
+                heapq.heappush(heap, (parent.last_use, next(order), parent))
+        freed = self.cache.num_free_pages - before
+        self.stats.evicted_pages += freed
         return freed
 
     def flush(self) -> dict:
@@ -390,7 +432,5 @@ class PrefixCache:
 
     @property
     def num_pages(self) -> int:
-        """Distinct pages the tree holds a reference on."""
-        pages = {p for n in self._nodes() for p in n.pages}
-        pages.update(s.page for s in self._snapshots if s.page is not None)
-        return len(pages)
+        """Distinct pages the tree holds a reference on (read from any thread: a len, not a walk)."""
+        return len(self._refs)

@@ -92,13 +92,16 @@ def check_accounting(s: Scheduler) -> None:
         for p in r.pages:
             holders[p] += 1
     if pc is not None:
+        tree = [0] * cache.num_pages
         for n in pc._nodes():
             for p in n.pages:
-                holders[p] += 1
+                tree[p] += 1
             for snap in n.snapshots.values():
                 if snap.page is not None:
-                    holders[snap.page] += 1
+                    tree[snap.page] += 1
                 assert snap in pc._snapshots
+        assert {p: k for p, k in enumerate(tree) if k} == dict(pc._refs)
+        holders = [a + b for a, b in zip(holders, tree)]
         assert cache.num_snapshot_slots - cache.num_free_snapshot_slots == pc.num_snapshots
     assert holders == [cache.refcount(p) for p in range(cache.num_pages)]
     assert cache.num_slots - cache.num_free_slots == len(s.running)
