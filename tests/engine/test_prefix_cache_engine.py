@@ -76,10 +76,9 @@ def test_prefix_ending_mid_page_and_mid_chunk(tiny, reference, page_size, chunk_
     _, tok = tiny
     e = engine(tiny, page_size=page_size, chunk_size=chunk_size)
     shared = words(tok, "shared", 7)
-    if page_size == 16:
-        assert len(shared) % 16, "the shared prefix should end mid-page"
-    else:
-        assert len(shared) % chunk_size and len(shared) % page_size == 0 or True
+    assert len(shared) % page_size, "the shared prefix should end mid-page"
+    if chunk_size < len(shared):
+        assert len(shared) % chunk_size, "the shared prefix should end mid-chunk"
     first = shared + words(tok, "alpha", 2)
     out1 = run(e, [first], 5)[0]
     assert out1.token_ids == reference(first, 5)
@@ -91,8 +90,8 @@ def test_prefix_ending_mid_page_and_mid_chunk(tiny, reference, page_size, chunk_
     assert outs[0].num_cached_tokens == len(first) + 4  # all of the first but its last token
     if page_size == 16:
         assert outs[0].num_cached_tokens % page_size, "the hit should fall mid-page (a copied partial page)"
-    else:
-        assert outs[2].num_cached_tokens >= len(shared) - page_size  # the second branch hits the branch point
+    else:  # the first branch resumes at a chunk end and ends a chunk at the branch point; the second hits it
+        assert [outs[1].num_cached_tokens, outs[2].num_cached_tokens] == [chunk_size, len(shared) // 4 * 4]
     assert pools_full(e)
 
 
