@@ -193,7 +193,7 @@ class Scheduler:
         """Whether n pages are free, after evicting cached prefixes no request uses if that makes them so."""
         short = n - self.cache.num_free_pages
         if short > 0 and self.prefix is not None:
-            self.prefix.evict_pages(short)
+            self.prefix.evict_pages(short, slack=self.cache.num_pages // 64)  # a little ahead: fewer walks
         return self.cache.can_alloc_pages(n)
 
     def _preempt(self, req: Request) -> None:
