@@ -1,10 +1,12 @@
 """Scheduler: which requests run this step, with how many tokens each, within the memory the CacheManager has.
 
-Pure Python over a CacheManager (which can be made without tensors), so it is tested without a model. One step:
+Pure Python over a CacheManager (which can be made without tensors, unless a prefix cache copies states), so it
+is tested without a model. One step:
 
 1. Running requests, oldest first, each get min(tokens left to compute, budget left) tokens: one for a decode,
-   a chunk for a prompt. Their block tables grow to cover the new tokens. When no page is free, the newest
-   running request is preempted until the page is found or the request itself was the newest.
+   a chunk for a prompt. Their block tables grow to cover the new tokens. When no page is free, cached prefixes
+   are evicted, and if that is not enough the newest running request is preempted, until the page is found or
+   the request itself was the newest.
 2. If nothing was preempted, waiting requests are admitted first come first served while the budget, the batch
    size, a free state slot and pages for their first chunk allow. Admission stops at the first that does not
    fit (no overtaking), and keeps one free page per running request so that their next tokens fit.
