@@ -1,4 +1,4 @@
-"""The `ktrans` command: serve | chat | generate | rules | bench serve|moe|e2e|limits | make-tiny | doctor.
+"""The `ktrans` command: serve | chat | generate | rules | bench serve|moe|e2e|limits|prefix-cache | make-tiny | doctor.
 
 Flags follow KTransformers' spelling (--model_path, --gguf_path, --optimize_config_path, --max_new_tokens) so
 users' scripts carry over. Errors are one line on stderr naming the flag or file, with exit status 2.
@@ -168,6 +168,12 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max_request_body_bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies get HTTP 413")
     s.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
+    s.add_argument("--enable_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages and DeltaNet state snapshots of shared prefixes (multi-turn chat, "
+                        "system prompts)")
+    s.add_argument("--prefix_cache_max_snapshots", type=int, default=32,
+                   help="DeltaNet state snapshots the prefix cache keeps (state slots beyond --max_batch_size; "
+                        "the startup summary states their memory)")
     s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs, one per batch-size bucket (default: on where the "
                         "model's batches are on a GPU)")
@@ -194,21 +200,26 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
 
 
-def _add_bench_e2e_parser(bench_sub) -> None:
-    b = bench_sub.add_parser("e2e", help="the whole model through the engine: prefill and decode tok/s per batch "
-                                         "size, TTFT/TPOT, one decode token split into GPU / CPU experts / host")
+def _add_engine_bench_flags(b: argparse.ArgumentParser) -> None:
+    """The flags of the benchmarks that drive the engine in-process (e2e, prefix-cache)."""
     _add_model_flags(b)
-    b.add_argument("--prompt_len", type=int, default=512, help="prompt tokens per request (random ids)")
-    b.add_argument("--gen_len", type=int, default=64, help="new tokens per request (greedy, EOS ignored)")
-    b.add_argument("--batch_sizes", default="1,4,16", help="comma-separated numbers of requests run together")
     b.add_argument("--chunk_size", type=int, default=512, help="token budget of one step, as ktrans serve's")
     b.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_bench_e2e_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("e2e", help="the whole model through the engine: prefill and decode tok/s per batch "
+                                         "size, TTFT/TPOT, one decode token split into GPU / CPU experts / host")
+    _add_engine_bench_flags(b)
+    b.add_argument("--prompt_len", type=int, default=512, help="prompt tokens per request (random ids)")
+    b.add_argument("--gen_len", type=int, default=64, help="new tokens per request (greedy, EOS ignored)")
+    b.add_argument("--batch_sizes", default="1,4,16", help="comma-separated numbers of requests run together")
     b.add_argument("--profile_steps", type=int, default=8,
                    help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
     b.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps replay CUDA graphs (default: on where the model's batches are on a GPU)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=cmd_bench_e2e)
 
 
@@ -218,6 +229,27 @@ def cmd_bench_limits(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise CliError(f"--threads must be >= 1, got {args.threads}")
     return bench_limits(args)
+
+
+def cmd_bench_prefix_cache(args: argparse.Namespace) -> int:
+    from ktrans.bench.prefix_cache import main as bench_prefix_cache
+
+    try:
+        return bench_prefix_cache(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _add_bench_prefix_cache_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("prefix-cache", help="the prefix cache: hit vs miss TTFT, miss overhead, a chat's "
+                                                 "computed prefill tokens")
+    _add_engine_bench_flags(b)
+    b.add_argument("--prefix_len", type=int, default=8192, help="tokens of the shared prefix")
+    b.add_argument("--suffix_len", type=int, default=32, help="tokens after it, different per request")
+    b.add_argument("--repeats", type=int, default=3, help="measurements per number (the median is reported)")
+    b.add_argument("--turns", type=int, default=10, help="turns of the chat")
+    b.add_argument("--reply_len", type=int, default=64, help="tokens of each reply")
+    b.set_defaults(func=cmd_bench_prefix_cache)
 
 
 def _add_bench_limits_parser(bench_sub) -> None:
@@ -488,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_moe_parser(bench_sub)
     _add_bench_e2e_parser(bench_sub)
     _add_bench_limits_parser(bench_sub)
+    _add_bench_prefix_cache_parser(bench_sub)
 
     _add_rules_parser(sub)
 

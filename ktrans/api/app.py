@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics,
-/tokenize, /detokenize.
+/tokenize, /detokenize, and POST /flush_cache (drop the prefix cache, as SGLang's).
 
 Handlers turn a request into prompt ids and SamplingParams, submit one engine request per choice, and read the
 engine's per-request streams: as server-sent events (role chunk, deltas, finish chunk, usage chunk, [DONE]) or
@@ -73,6 +73,7 @@ class OpenAIServer:
         v1.post("/v1/completions")(self.completions)
         v1.post("/tokenize")(self.tokenize)
         v1.post("/detokenize")(self.detokenize)
+        v1.post("/flush_cache")(self.flush_cache)
         app.include_router(v1)
         return app
 
@@ -154,6 +155,11 @@ class OpenAIServer:
         if request.method == "HEAD":
             return Response(media_type=CONTENT_TYPE_LATEST)
         return Response(self.metrics.render(self.engine.stats()), media_type=CONTENT_TYPE_LATEST)
+
+    async def flush_cache(self) -> dict:
+        """Drop every cached prefix no running request uses (a benchmark's cold start, new weights' semantics)."""
+        freed = await run_in_threadpool(self.engine.flush_cache)
+        return {"flushed": self.engine.prefix_cache is not None, **freed}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

@@ -43,14 +43,17 @@ class Usage:
         self.per_prompt = choices_per_prompt
         self.prompt = list(prompt_tokens) if prompt_tokens is not None else [0] * num_choices
         self.completion = [0] * num_choices
+        self.cached = [0] * num_choices  # prompt tokens the prefix cache held, not computed
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt[i], self.completion[i] = out.num_prompt_tokens, out.num_output_tokens
+        self.cached[i] = out.num_cached_tokens
 
     def as_dict(self) -> dict:
         prompt = sum(self.prompt[:: self.per_prompt])
         completion = sum(self.completion)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached[:: self.per_prompt])}}
 
 
 def token_str(tokenizer, token_id: int) -> str:

@@ -45,6 +45,8 @@ class ServeOptions:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     cpu_infer: int | None = None
     use_cuda_graph: bool | None = None  # None: on where the model's batches are on a GPU
+    enable_prefix_cache: bool = True
+    prefix_cache_max_snapshots: int = 32
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
     device: str = "cpu"
 
@@ -96,12 +98,15 @@ def default_cpu_infer() -> int:
 
 
 def engine_config(opts: ServeOptions, model) -> EngineConfig:
+    snapshots = opts.prefix_cache_max_snapshots if opts.enable_prefix_cache else 0
     cache_lens = opts.cache_lens
-    if opts.cache_memory_fraction is not None:
-        cache_lens = cache_lens_for_fraction(model, opts.cache_memory_fraction, opts.max_batch_size)
+    if opts.cache_memory_fraction is not None:  # the state pool holds the snapshot slots too
+        cache_lens = cache_lens_for_fraction(model, opts.cache_memory_fraction, opts.max_batch_size + snapshots)
     return EngineConfig(max_batch_size=opts.max_batch_size, chunk_size=opts.chunk_size, page_size=opts.page_size,
                         cache_lens=cache_lens, max_model_len=opts.max_model_len, max_new_tokens=opts.max_new_tokens,
-                        max_queued_requests=opts.max_queued_requests, use_cuda_graph=opts.use_cuda_graph)
+                        max_queued_requests=opts.max_queued_requests, enable_prefix_cache=opts.enable_prefix_cache,
+                        prefix_cache_max_snapshots=opts.prefix_cache_max_snapshots,
+                        use_cuda_graph=opts.use_cuda_graph)
 
 
 def cache_lens_for_fraction(model, fraction: float, num_slots: int) -> int:
@@ -163,8 +168,8 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
         f"  host RSS   {_rss_text()}",
         f"  KV cache   {kv.num_pages * kv.page_size} tokens = {kv.num_pages} pages of {kv.page_size}, "
         f"{n_attn} attention layer(s), {KVPool.bytes_per_token(c, kv.k[0].dtype) if kv.k else 0} B per token",
-        f"  states     {st.num_slots} slots (--max_batch_size), "
-        f"{_mib(StatePool.bytes_per_slot(c, st.conv[0].dtype) if st.conv else 0)} each",
+        f"  states     {engine.config.max_batch_size} slots (--max_batch_size), {_mib(engine.snapshot_bytes)} each",
+        prefix_cache_line(engine),
         f"  batching   --chunk_size {engine.config.chunk_size} tokens/step, max_model_len {engine.max_model_len}, "
         f"default max_tokens {engine.config.max_new_tokens}",
     ]
@@ -180,6 +185,15 @@ def _rss_text() -> str:
     now, peak = host_rss()
     gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
     return "unknown (no /proc)" if now is None else f"{gib(now)} now, {gib(peak)} at peak while loading"
+
+
+def prefix_cache_line(engine: Engine) -> str:
+    """The prefix cache's budgets: snapshot slots and their memory; pages come from the KV cache, on demand."""
+    if engine.prefix_cache is None:
+        return "  prefix     off (--no-enable_prefix_cache): every prompt is computed from token 0"
+    n, each = engine.config.prefix_cache_max_snapshots, engine.snapshot_bytes
+    return (f"  prefix     cache on: {n} DeltaNet snapshots (--prefix_cache_max_snapshots) x {_mib(each)} = "
+            f"{_mib(n * each)}; KV pages: any of the {engine.kv.num_pages} no request needs, evicted LRU on demand")
 
 
 def run(opts: ServeOptions) -> None:

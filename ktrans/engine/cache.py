@@ -13,6 +13,10 @@ through it.
   recurrent state rows on the pool's device, one batched `index_copy_` per pool tensor, with no host sync.
   That is how a state snapshot (a slot the prefix cache keeps) is taken from a request's slot, and how a hit
   gives a request its own copy.
+- **Snapshot slots are a second range of the same pool**: slots [num_slots, num_slots + num_snapshot_slots) are
+  handed out only by `alloc_snapshot_slot()` (the prefix cache's), so a request never takes a snapshot's place
+  and the scheduler's `num_free_slots` counts request slots only. `copy_page_rows(src, dst, n)` copies a page's
+  first n KV rows into another page (a hit on a snapshot that falls mid-page: pages are shared only whole).
 
 Errors: a page or slot freed twice (refcount already 0), or never allocated, raises ValueError naming it; a
 call that raises changes nothing. Running out raises OutOfMemoryError; `can_alloc_pages` / `num_free_slots`
@@ -39,8 +43,8 @@ class OutOfMemoryError(RuntimeError):
 class _FreeList:
     """Free ids, lowest first (a heap): allocation order depends only on the sequence of calls."""
 
-    def __init__(self, n: int):
-        self.heap = list(range(n))  # sorted, hence a heap
+    def __init__(self, n: int, first: int = 0):
+        self.heap = list(range(first, first + n))  # sorted, hence a heap
 
     def __len__(self) -> int:
         return len(self.heap)
@@ -54,25 +58,31 @@ class _FreeList:
 
 class CacheManager:
     def __init__(self, num_pages: int, page_size: int, num_slots: int, kv: KVPool | None = None,
-                 states: StatePool | None = None):
+                 states: StatePool | None = None, num_snapshot_slots: int = 0):
         for name, v in (("num_pages", num_pages), ("page_size", page_size), ("num_slots", num_slots)):
             if v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
+        if num_snapshot_slots < 0:
+            raise ValueError(f"num_snapshot_slots must be >= 0, got {num_snapshot_slots}")
         if kv is not None and (kv.num_pages, kv.page_size) != (num_pages, page_size):
             raise ValueError(f"the KV pool has {kv.num_pages} pages of {kv.page_size}, not {num_pages} of {page_size}")
-        if states is not None and states.num_slots != num_slots:
-            raise ValueError(f"the state pool has {states.num_slots} slots, not {num_slots}")
+        total = num_slots + num_snapshot_slots
+        if states is not None and states.num_slots != total:
+            raise ValueError(f"the state pool has {states.num_slots} slots, not {num_slots} + {num_snapshot_slots} "
+                             f"for snapshots")
         self.num_pages, self.page_size, self.num_slots = num_pages, page_size, num_slots
+        self.num_snapshot_slots = num_snapshot_slots
         self.kv, self.states = kv, states
         self._refs = [0] * num_pages  # holders of each page; 0 = free
         self._free_pages = _FreeList(num_pages)
-        self._slot_used = [False] * num_slots
+        self._slot_used = [False] * total
         self._free_slots = _FreeList(num_slots)
+        self._free_snapshots = _FreeList(num_snapshot_slots, first=num_slots)
         self._index_cache: dict[tuple, torch.Tensor] = {}
 
     @classmethod
-    def from_pools(cls, kv: KVPool, states: StatePool) -> "CacheManager":
-        return cls(kv.num_pages, kv.page_size, states.num_slots, kv, states)
+    def from_pools(cls, kv: KVPool, states: StatePool, num_snapshot_slots: int = 0) -> "CacheManager":
+        return cls(kv.num_pages, kv.page_size, states.num_slots - num_snapshot_slots, kv, states, num_snapshot_slots)
 
     # ---- KV pages -----------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -128,6 +138,21 @@ class CacheManager:
         if not isinstance(p, int) or not 0 <= p < self.num_pages:
             raise ValueError(f"KV page {p!r} does not exist (the pool has {self.num_pages})")
 
+    def copy_page_rows(self, src: int, dst: int, n: int) -> None:
+        """The first n token rows of page dst := those of page src, K and V of every attention layer (on the
+        device, no sync). A prefix-cache hit mid-page gives the request its own copy of the partial page."""
+        if self.kv is None:
+            raise RuntimeError("this CacheManager has no KV pool (made from sizes alone): nothing to copy")
+        if not 0 < n <= self.page_size:
+            raise ValueError(f"copy_page_rows: {n} rows of a page of {self.page_size}")
+        for p in (src, dst):
+            self._check_page(p)
+            if self._refs[p] == 0:
+                raise ValueError(f"KV page {p} is free: copy only between allocated pages")
+        s, d = src * self.page_size, dst * self.page_size
+        for t in (*self.kv.k, *self.kv.v):
+            t[d : d + n].copy_(t[s : s + n])
+
     # ---- DeltaNet state slots -----------------------------------------------------------------------
     def alloc_slot(self) -> int:
         """The lowest free slot. Its contents are stale: the model zeroes it when a sequence starts at 0, and a
@@ -139,15 +164,25 @@ class CacheManager:
         return slot
 
     def free_slot(self, slot: int) -> None:
+        """Give back a request slot or a snapshot slot (each returns to its own range)."""
         self._check_slot(slot)
         if not self._slot_used[slot]:
             raise ValueError(f"state slot {slot} is already free (freed twice, or never allocated)")
         self._slot_used[slot] = False
-        self._free_slots.push(slot)
+        (self._free_slots if slot < self.num_slots else self._free_snapshots).push(slot)
+
+    def alloc_snapshot_slot(self) -> int:
+        """The lowest free snapshot slot (beyond the request slots), for the prefix cache to copy a state into."""
+        if not self._free_snapshots:
+            raise OutOfMemoryError(f"all {self.num_snapshot_slots} snapshot slots are in use")
+        slot = self._free_snapshots.pop()
+        self._slot_used[slot] = True
+        return slot
 
     def _check_slot(self, s: int) -> None:
-        if not isinstance(s, int) or not 0 <= s < self.num_slots:
-            raise ValueError(f"state slot {s!r} does not exist (the pool has {self.num_slots})")
+        total = self.num_slots + self.num_snapshot_slots
+        if not isinstance(s, int) or not 0 <= s < total:
+            raise ValueError(f"state slot {s!r} does not exist (the pool has {total})")
 
     def copy_slot(self, src: int, dst: int) -> None:
         """dst's conv and recurrent state := src's, in every linear-attention layer (on the device, no sync)."""
@@ -215,6 +250,10 @@ class CacheManager:
         return len(self._free_slots)
 
     @property
+    def num_free_snapshot_slots(self) -> int:
+        return len(self._free_snapshots)
+
+    @property
     def kv_usage(self) -> float:
         return self.num_used_pages / self.num_pages
 
@@ -224,9 +263,11 @@ class CacheManager:
 
     @property
     def all_free(self) -> bool:
-        return self.num_free_pages == self.num_pages and self.num_free_slots == self.num_slots
+        return (self.num_free_pages == self.num_pages and self.num_free_slots == self.num_slots
+                and self.num_free_snapshot_slots == self.num_snapshot_slots)
 
     def stats(self) -> dict:
         return {"kv_usage": self.kv_usage, "slot_usage": self.slot_usage, "kv_pages_free": self.num_free_pages,
                 "kv_pages": self.num_pages, "kv_pages_shared": self.num_shared_pages,
-                "slots_free": self.num_free_slots, "slots": self.num_slots}
+                "slots_free": self.num_free_slots, "slots": self.num_slots,
+                "snapshot_slots_free": self.num_free_snapshot_slots, "snapshot_slots": self.num_snapshot_slots}

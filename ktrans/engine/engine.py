@@ -11,6 +11,7 @@ The engine never touches HTTP; the API never touches tensors.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -26,6 +27,7 @@ from ktrans.engine.runner import ModelRunner
 from ktrans.runtime.batch import SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.engine.cache import CacheManager
+from ktrans.engine.prefix_cache import PrefixCache
 from ktrans.engine.output import RequestOutput, TextStream
 from ktrans.engine.request import Request, RequestStatus, TokenLogprob
 from ktrans.engine.sampler import SamplingParams, sample, token_logprob, top_logprobs
@@ -44,6 +46,8 @@ class EngineConfig:
     max_new_tokens: int = 1024  # default max_tokens
     max_queued_requests: int = 1024  # waiting requests beyond this are refused (EngineOverloaded)
     use_cuda_graph: bool | None = None  # decode steps replay CUDA graphs; None: where the model's batches are on a GPU
+    enable_prefix_cache: bool = True  # reuse KV pages and DeltaNet snapshots of shared prefixes
+    prefix_cache_max_snapshots: int = 32  # DeltaNet state slots the prefix cache keeps, beyond max_batch_size
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "chunk_size", "page_size", "cache_lens", "max_new_tokens"):
@@ -53,6 +57,13 @@ class EngineConfig:
             raise ValueError(f"--max_model_len must be positive, got {self.max_model_len}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.enable_prefix_cache and self.prefix_cache_max_snapshots <= 0:
+            raise ValueError(f"--prefix_cache_max_snapshots must be positive with the prefix cache on, got "
+                             f"{self.prefix_cache_max_snapshots} (or turn it off: --no-enable_prefix_cache)")
+
+    @property
+    def num_snapshot_slots(self) -> int:
+        return self.prefix_cache_max_snapshots if self.enable_prefix_cache else 0
 
 
 class InvalidRequest(ValueError):
@@ -136,13 +147,15 @@ class Engine:
         self.config = config
         self.metrics = metrics
         num_pages = -(-config.cache_lens // config.page_size)
-        self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size)
+        snaps = config.num_snapshot_slots  # state slots past the requests' ones, for the prefix cache's snapshots
+        self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size + snaps)
         # Batches are built where the pools are (attention and DeltaNet run there): on a GPU under the serve rules
         # even when the embedding sits on the CPU, which then reads the batch's pinned host twin.
         self.device = next((d for d in pool_devices(model) if d.type == "cuda"), next(model.parameters()).device)
-        self.cache = CacheManager.from_pools(self.kv, self.states)  # who holds which page and slot
+        self.cache = CacheManager.from_pools(self.kv, self.states, snaps)  # who holds which page and slot
+        self.prefix_cache = PrefixCache(self.cache) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.chunk_size, config.page_size),
-                                   self.cache)
+                                   self.cache, self.prefix_cache)
         capacity = num_pages * config.page_size
         if config.max_model_len is not None and config.max_model_len > capacity:
             raise ValueError(f"--max_model_len {config.max_model_len} is more than the KV cache holds ({capacity} "
@@ -203,8 +216,33 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"num_running": len(s.running), "num_waiting": len(s.waiting) + self._inbox.qsize(),
-                "num_preemptions": s.num_preemptions, **self.cache.stats()}
+        out = {"num_running": len(s.running), "num_waiting": len(s.waiting) + self._inbox.qsize(),
+               "num_preemptions": s.num_preemptions, **self.cache.stats()}
+        if (pc := self.prefix_cache) is not None:
+            out.update({f"prefix_cache_{k}": v for k, v in dataclasses.asdict(pc.stats).items()},
+                       prefix_cache_snapshots=pc.num_snapshots, prefix_cache_pages=pc.num_pages,
+                       prefix_cache_snapshot_bytes=pc.num_snapshots * self.snapshot_bytes)
+        return out
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Memory of one DeltaNet state snapshot (one slot of the state pool)."""
+        return self.states.nbytes // (self.states.num_slots + 1)
+
+    def flush_cache(self, timeout: float = 30.0) -> dict:
+        """Drop what the prefix cache holds that no running request uses (POST /flush_cache); returns what was
+        freed. From any thread: with the loop thread running it is done there, between steps."""
+        if self._thread is None or not self._thread.is_alive():
+            return self._flush_cache()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("flush", done))
+        self._wake.set()
+        return done.result(timeout)
+
+    def _flush_cache(self) -> dict:
+        if self.prefix_cache is None:
+            return {"pages_freed": 0, "snapshots_freed": 0}
+        return self.prefix_cache.flush()
 
     # ---- the loop thread ----------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -251,6 +289,8 @@ class Engine:
                     self.scheduler.add(item.req)
                 except ValueError as e:  # make_request checked the length already; this is a safety net
                     self._end(item, RequestStatus.FINISHED_ERROR, error=str(e))
+            elif kind == "flush":
+                item.set_result(self._flush_cache())
             elif (t := self._tracked.get(item)) is not None:
                 self._end(t, RequestStatus.FINISHED_ABORTED)
 
@@ -259,7 +299,8 @@ class Engine:
         """An engine sized for one request of `num_tokens` (prompt + output) tokens, for generate(): a prefill
         chunk of `chunk_size` tokens per step (0: the whole prompt in one)."""
         return cls(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=chunk_size or num_tokens,
-                                                  cache_lens=num_tokens, max_model_len=num_tokens))
+                                                  cache_lens=num_tokens, max_model_len=num_tokens,
+                                                  enable_prefix_cache=False))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestOutput, dict[str, float]]:
         """One request run to its end on the caller's thread, through this engine's own steps (`ktrans generate`,
@@ -370,6 +411,7 @@ class Engine:
         if req.params.prompt_logprobs is not None and not t.sent_prompt_logprobs:
             out.prompt_logprobs, t.sent_prompt_logprobs = list(req.prompt_logprobs), True
         out.num_prompt_tokens, out.num_output_tokens = req.num_prompt_tokens, req.num_output_tokens
+        out.num_cached_tokens = req.num_cached_tokens
         t.stream.put(out)
 
     def _end(self, t: _Tracked, status: RequestStatus, out: RequestOutput | None = None, error: str | None = None):
@@ -398,6 +440,7 @@ def collect(stream: RequestStream) -> RequestOutput:
         total.finished, total.finish_reason, total.stop_reason = out.finished, out.finish_reason, out.stop_reason
         total.num_prompt_tokens, total.num_output_tokens, total.error = (out.num_prompt_tokens, out.num_output_tokens,
                                                                          out.error)
+        total.num_cached_tokens = out.num_cached_tokens
     return total
 
 

@@ -2,7 +2,9 @@
 dashboards built for vLLM need only the prefix changed.
 
 Each server gets its own registry (tests run several in one process). The engine thread calls on_step, on_token
-and on_finish; gauges are read from the engine when /metrics is scraped.
+and on_finish; gauges are read from the engine when /metrics is scraped, and so are the prefix cache's counters,
+which the cache keeps itself (as vLLM, `prefix_cache_queries` and `prefix_cache_hits` count tokens, so their ratio
+is the hit rate; `_query_requests` and `_hit_requests` count admissions).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the API)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no `_created` series next to each counter, as in vLLM
 
@@ -21,6 +24,40 @@ PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                  480.0, 960.0, 1920.0, 7680.0)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+# (metric name, key in Engine.stats(), help) of the prefix cache's series
+PREFIX_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_query_tokens", "Prefix cache queries, in tokens looked up"),
+    ("prefix_cache_hits", "prefix_cache_hit_tokens", "Prefix cache hits, in tokens reused (not computed)"),
+    ("prefix_cache_query_requests", "prefix_cache_queries", "Admissions that looked the prefix cache up"),
+    ("prefix_cache_hit_requests", "prefix_cache_hits", "Admissions that reused a cached prefix"),
+    ("prefix_cache_snapshots_taken", "prefix_cache_snapshots_taken", "DeltaNet state snapshots taken"),
+    ("prefix_cache_evicted_snapshots", "prefix_cache_evicted_snapshots", "DeltaNet state snapshots evicted"),
+    ("prefix_cache_evicted_pages", "prefix_cache_evicted_pages", "KV pages the prefix cache gave back under pressure"),
+)
+PREFIX_GAUGES = (
+    ("prefix_cache_snapshots", "prefix_cache_snapshots", "DeltaNet state snapshots held"),
+    ("prefix_cache_snapshot_bytes", "prefix_cache_snapshot_bytes", "Memory of the snapshots held, in bytes"),
+    ("prefix_cache_pages", "prefix_cache_pages", "KV pages the prefix cache holds"),
+)
+
+
+class _PrefixCacheSeries:
+    """The prefix cache's series from the last scraped stats (nothing when the cache is off)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict = {}
+
+    def collect(self):
+        if "prefix_cache_queries" not in self.stats:
+            return
+        for family, table in ((CounterMetricFamily, PREFIX_COUNTERS), (GaugeMetricFamily, PREFIX_GAUGES)):
+            for name, key, doc in table:
+                m = family(P + name, doc, labels=["model_name"])
+                m.add_metric([self.model_name], self.stats[key])
+                yield m
 
 
 class EngineMetrics:
@@ -65,6 +102,8 @@ class EngineMetrics:
         self.gen_len = Histogram(P + "request_generation_tokens", "Output length of finished requests", labels,
                                  buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000),
                                  registry=r).labels(model_name)
+        self.prefix_cache = _PrefixCacheSeries(model_name)
+        r.register(self.prefix_cache)
 
     # ---- engine thread --------------------------------------------------------------------------------
     def on_step(self, sched, num_sampled: int) -> None:
@@ -106,4 +145,5 @@ class EngineMetrics:
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_usage"])
         self.slot_usage.set(stats["slot_usage"])
+        self.prefix_cache.stats = stats
         return generate_latest(self.registry)

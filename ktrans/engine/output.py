@@ -26,6 +26,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed
     error: str | None = None
 
 

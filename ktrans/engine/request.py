@@ -5,8 +5,9 @@ those tokens are already in its KV pages and DeltaNet state slot. There are no p
 step the scheduler hands it `num_tokens - num_computed_tokens` tokens or fewer (a prefill chunk, or the one token
 sampled last step), and when a step brings it level with its tokens, a new token is sampled. Preemption lets go
 of the pages (decref) and the slot and sets num_computed_tokens back to 0: the DeltaNet state cannot be rebuilt
-from the KV pages, so the whole sequence, prompt and outputs so far, is recomputed when the request runs again
-(the tokens themselves, and the prompt scores, are kept: see the scheduler's note on preemption).
+from the KV pages, so the whole sequence, prompt and outputs so far, is recomputed when the request runs again, from the
+deepest snapshot the prefix cache holds of it (the tokens themselves, and the prompt scores, are kept: see the
+scheduler's note on preemption).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache (usage.cached_tokens)
     pages: list[int] = field(default_factory=list)
     slot: int | None = None
     num_preemptions: int = 0

@@ -42,5 +42,7 @@ def make_server(tiny, api_key: str | None = None, **engine_kwargs) -> Background
 
 
 def pools_full(engine: Engine) -> bool:
+    """Every page and slot free once the prefix cache has let go of what it keeps (a flush)."""
+    engine.flush_cache()
     s = engine.stats()
     return s["kv_pages_free"] == s["kv_pages"] and s["slots_free"] == s["slots"] and s["num_running"] == 0

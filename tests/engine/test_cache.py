@@ -170,3 +170,58 @@ def test_copy_slot_on_cuda_without_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     _check_copy(c, before, [a], [b])  # a := b (= a) , swap, b := a: every row is the original a
+
+
+def _snapshot_and_page_rows(device: str) -> None:
+    kv = KVPool(CONFIG, 4, 4, device=device)
+    c = CacheManager.from_pools(kv, StatePool(CONFIG, 2 + 3, device=device), num_snapshot_slots=3)
+    assert (c.num_slots, c.num_snapshot_slots, c.num_free_slots, c.num_free_snapshot_slots) == (2, 3, 2, 3)
+    a, b = c.alloc_slot(), c.alloc_slot()
+    with pytest.raises(OutOfMemoryError, match="state slots"):
+        c.alloc_slot()  # the snapshot range is not for requests
+    snaps = [c.alloc_snapshot_slot() for _ in range(3)]
+    assert snaps == [2, 3, 4] and c.num_free_slots == 0 and kv.pad_page == 4
+    with pytest.raises(OutOfMemoryError, match="snapshot slots"):
+        c.alloc_snapshot_slot()
+    c.copy_slot(a, snaps[1])  # a snapshot is taken like any copy
+    c.free_slot(snaps[1])
+    assert c.num_free_snapshot_slots == 1 and c.num_free_slots == 0 and c.alloc_snapshot_slot() == 3
+    src, dst = c.alloc_pages(2)
+    g = torch.Generator().manual_seed(2)
+    for t in (*kv.k, *kv.v):
+        t.copy_(torch.randn(t.shape, generator=g).to(t.device))
+    before = [t.clone() for t in (*kv.k, *kv.v)]
+    c.copy_page_rows(src, dst, 3)  # rows 0..2 of the page; row 3 and every other page untouched
+    for b0, t in zip(before, (*kv.k, *kv.v)):
+        want = b0.clone()
+        want[dst * 4 : dst * 4 + 3] = b0[src * 4 : src * 4 + 3]
+        assert torch.equal(t.cpu(), want.cpu())
+    with pytest.raises(ValueError, match="KV page 3 is free"):
+        c.copy_page_rows(src, 3, 1)
+    with pytest.raises(ValueError, match="5 rows"):
+        c.copy_page_rows(src, dst, 5)
+    for s in (a, b, *snaps):
+        c.free_slot(s)
+    c.decref([src, dst])
+    assert c.all_free
+
+
+def test_snapshot_slots_and_page_rows():
+    _snapshot_and_page_rows("cpu")
+
+
+@pytest.mark.gpu
+def test_page_rows_on_cuda_without_host_sync():
+    _snapshot_and_page_rows("cuda")
+    kv = KVPool(CONFIG, 4, 4, device="cuda")
+    c = CacheManager.from_pools(kv, StatePool(CONFIG, 3, device="cuda"), num_snapshot_slots=1)
+    src, dst = c.alloc_pages(2)
+    slot, snap = c.alloc_slot(), c.alloc_snapshot_slot()
+    c.copy_slot(slot, snap)  # builds the index once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a hit's copies: the state, then a partial page
+    try:
+        c.copy_slot(snap, slot)
+        c.copy_page_rows(src, dst, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

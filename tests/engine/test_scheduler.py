@@ -20,14 +20,16 @@ def req(name: str, prompt_len: int, max_tokens: int = 8, **params) -> Request:
     return Request(name, list(range(1, prompt_len + 1)), SamplingParams(temperature=0, **params), max_tokens)
 
 
-def run_step(s: Scheduler, token: int = 7):
-    """schedule, then what the engine does after the forward: advance, append a token when a chunk completes."""
+def run_step(s: Scheduler, token: int = 7, forward=None):
+    """schedule, then what the engine does after the forward: advance, append a token when a chunk completes.
+    `forward(chunk)`, when given, runs each chunk and returns its token."""
     out = s.schedule()
     for c in out.chunks:
+        t = forward(c) if forward is not None else token
         s.advance(c)
         r = c.request
         if c.completes:
-            r.append_token(token)
+            r.append_token(t)
             if r.num_output_tokens >= r.max_tokens:
                 s.finish(r, RequestStatus.FINISHED_LENGTH)
     return out
