@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ktrans import _cpu  # ImportError here means the package was installed without its build
+from ktrans.kernels.host_memory import (_HUGEPAGE_MIN_BYTES, host_rss, hugepage_buffer,  # noqa: F401 (re-exported)
+                                        in_hugepages, thp_mode)
 
 # ggml type ids of the formats the kernels read (ktrans.weights.quants has the full table).
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
@@ -340,51 +342,6 @@ def _cpu_weights(t, what: str, nbytes: int) -> torch.Tensor:
 def _as_bytes(t, what: str, nbytes: int) -> torch.Tensor:
     """A contiguous CPU tensor holding exactly nbytes (the caller keeps it alive)."""
     return _cpu_weights(t, what, nbytes).contiguous()
-
-
-_HUGEPAGE_MIN_BYTES = 4 << 20
-
-
-def host_rss() -> tuple[int | None, int | None]:
-    """(resident bytes now, peak resident bytes) of this process, from /proc (None where there is none)."""
-    fields = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM"):
-                    fields[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return fields.get("VmRSS"), fields.get("VmHWM")
-
-
-def thp_mode() -> str | None:
-    """The kernel's transparent huge page mode ("always", "madvise" or "never"), None where it cannot be read."""
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
-
-
-def hugepage_buffer(n: int) -> tuple[torch.Tensor, bool]:
-    """n fresh bytes advised into transparent huge pages before first touch (2 MiB: a decode step's scattered expert
-    rows then miss the TLB ~500x less often than in 4 KiB pages, such as those of a GGUF file's mmap), and whether
-    the advice took."""
-    h = 1 << 21
-    buf = torch.empty(n + h, dtype=torch.uint8)  # large: mmap'd by the allocator, untouched until written
-    off = (-buf.data_ptr()) % h
-    view = buf[off:off + n]
-    return view, _cpu.advise_hugepages(view.data_ptr(), n)
-
-
-def in_hugepages(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A copy of t's bytes in a hugepage_buffer, and whether the advice took."""
-    view, ok = hugepage_buffer(t.numel() * t.element_size())
-    view.view(t.dtype).view(t.shape).copy_(t)  # one copy, also from a non-contiguous t
-    return view, ok
 
 
 def _weight_type(t, qtype) -> int:
