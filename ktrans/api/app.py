@@ -8,6 +8,7 @@ joined into one response. A client that goes away aborts its engine requests. Er
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -28,7 +29,8 @@ from ktrans.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ktrans.engine.output import RequestOutput
 from ktrans.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    error_body)
-from ktrans.api.reasoning import THINK_START, ReasoningParser
+from ktrans.api.reasoning import THINK_END, THINK_START, ReasoningParser
+from ktrans.engine.grammar import GrammarError
 from ktrans.engine.sampler import SamplingParams
 from ktrans.api.tools import ToolCallParser
 
@@ -206,6 +208,22 @@ class OpenAIServer:
         text = self._render_chat(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
         return text, self.tokenizer.encode(text)
 
+    async def _compile_grammar(self, params: SamplingParams, starts_in_reasoning: bool = False) -> SamplingParams:
+        """The structured output constraint compiled off the event loop (a 400 naming the field when it does not
+        compile), so submit() finds it in the cache. After a prompt that opened `<think>`, it starts after
+        `</think>`: the reasoning is free."""
+        spec = params.structured
+        if spec is None:
+            return params
+        if starts_in_reasoning:
+            spec = dataclasses.replace(spec, start_after=THINK_END)
+            params = dataclasses.replace(params, structured=spec, _generator=None)
+        try:
+            await run_in_threadpool(self.engine.grammars.compile, spec)
+        except GrammarError as e:
+            raise bad_request(e) from None
+        return params
+
     async def chat_completions(self, request: Request):
         created = int(time.time())
         body = await self._body(request, ChatCompletionRequest)
@@ -213,6 +231,7 @@ class OpenAIServer:
         text, prompt_ids = await run_in_threadpool(self._chat_prompt, body)
         thinking = body.enable_thinking
         starts_in = thinking and text.rstrip().endswith(THINK_START)  # a thinking template opened it already
+        params = await self._compile_grammar(params, starts_in)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._submit([prompt_ids] * body.n, params, rid)
         parsers = [ReasoningParser(starts_in) if thinking else None for _ in streams]
@@ -265,7 +284,7 @@ class OpenAIServer:
     async def completions(self, request: Request):
         created = int(time.time())
         body = await self._body(request, CompletionRequest)
-        params = self._sampling_params(body)
+        params = await self._compile_grammar(self._sampling_params(body))
         prompts = await run_in_threadpool(
             lambda: [p if isinstance(p, list) else self.tokenizer.encode(p) for p in body.prompts()])
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -404,8 +423,6 @@ def _lone_surrogate(obj, path: tuple = ()) -> tuple | None:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, seed=seed, _generator=None)
 
 
