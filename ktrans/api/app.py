@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics,
-/tokenize, /detokenize.
+/tokenize, /detokenize, /tokenizer_info.
 
 Handlers turn a request into prompt ids and SamplingParams, submit one engine request per choice, and read the
 engine's per-request streams: as server-sent events (role chunk, deltas, finish chunk, usage chunk, [DONE]) or
@@ -75,6 +75,7 @@ class OpenAIServer:
         v1.post("/v1/completions")(self.completions)
         v1.post("/tokenize")(self.tokenize)
         v1.post("/detokenize")(self.detokenize)
+        v1.get("/tokenizer_info")(self.tokenizer_info)
         app.include_router(v1)
         return app
 
@@ -186,6 +187,15 @@ class OpenAIServer:
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
+
+    async def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration as tokenizer_config.json holds it, with
+        tokenizer_class and chat_template (lm-eval's remote tokenizer reads eos_token and chat_template)."""
+        info = await run_in_threadpool(self.tokenizer.tokenizer_config)
+        for path_field in ("vocab_file", "merges_file", "tokenizer_file"):  # as vLLM: no server file paths
+            info.pop(path_field, None)
+        info.setdefault("model_max_length", self.engine.max_model_len)
+        return info
 
     # ---- chat ---------------------------------------------------------------------------------------
     def _render_chat(self, messages, add_generation_prompt, tools, template_kwargs) -> str:

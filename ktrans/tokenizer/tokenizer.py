@@ -137,6 +137,11 @@ class Tokenizer:
 
     def write_hf_files(self, out_dir: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json (with the chat template) into a model directory."""
+        _write_files(Path(out_dir), self.backend.to_str(), self.tokenizer_config())
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """tokenizer_config.json as it would be written: what the tokenizer came with, its special tokens, chat
+        template and added tokens (also the body of the API's GET /tokenizer_info)."""
         config = dict(self._config)
         config.update(
             chat_template=self.chat_template,
@@ -149,7 +154,7 @@ class Tokenizer:
             },
         )
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-        _write_files(Path(out_dir), self.backend.to_str(), config)
+        return config
 
     # ----------------------------------------------------------------------------------- text <-> ids
 

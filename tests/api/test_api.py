@@ -314,3 +314,22 @@ def test_bench_serve(server, capsys):
 
         print(report(res[0]), table(res))
     assert "Mean TTFT (ms):" in text.getvalue() and "Output token throughput" in text.getvalue()
+
+
+def test_tokenizer_info_serves_lm_evals_remote_tokenizer(server, tiny):
+    """What lm-eval's tokenizer_backend=remote reads: eos_token (its check for the endpoint), bos/pad tokens and
+    the chat template it renders itself, which must give what the server's /tokenize renders."""
+    import jinja2
+
+    _, tok = tiny
+    r = httpx.get(server.url + "/tokenizer_info")
+    assert r.status_code == 200
+    info = r.json()
+    assert info["eos_token"] == "<|im_end|>" and tok.token_to_id(info["eos_token"]) in tok.eos_token_ids
+    assert info["tokenizer_class"] and "bos_token" in info and info["pad_token"] == tok.pad_token
+    assert str(tok.token_to_id("<think>")) in info["added_tokens_decoder"]
+    messages = [{"role": "user", "content": "x"}]
+    rendered = jinja2.Environment().from_string(info["chat_template"]).render(messages=messages,
+                                                                               add_generation_prompt=True)
+    served = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tok.encode(rendered) == served
