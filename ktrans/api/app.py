@@ -37,6 +37,8 @@ from ktrans.api.tools import ToolCallParser
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 64  # JSON schemas and tool parameters nest a few levels; Python's json recursion limit is ~1000
+_TOO_DEEP = object()
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
 M = TypeVar("M", bound=BaseModel)
 
@@ -397,6 +399,11 @@ def _parse_body(raw: bytes, model: type[M]) -> M:
         msg, pos = (e.msg, e.pos) if isinstance(e, json.JSONDecodeError) else (str(e), 0)
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": msg}}]) from None
+    except RecursionError:  # nested past the decoder's own limit
+        obj = _TOO_DEEP
+    if obj is _TOO_DEEP or _too_deep(obj):
+        # deeper than any request needs; the recursive steps after this (validation, templates) stay safe
+        raise APIError(400, f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep")
     if _SURROGATE_ESCAPE.search(raw):
         path = _lone_surrogate(obj)
         if path is not None:
@@ -407,6 +414,19 @@ def _parse_body(raw: bytes, model: type[M]) -> M:
         return model.model_validate(obj)
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+def _too_deep(obj, limit: int | None = None) -> bool:
+    """Whether a decoded JSON value nests lists and dicts deeper than `limit` (iterative: no recursion here)."""
+    limit = MAX_JSON_DEPTH if limit is None else limit
+    stack = [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _lone_surrogate(obj, path: tuple = ()) -> tuple | None:
