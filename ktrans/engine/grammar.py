@@ -74,7 +74,7 @@ class StructuredOutputs:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}", param) from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema is an object (or true/false)", param)
-        return cls(json=json.dumps(schema, sort_keys=True), param=param, **kw)
+        return cls(json=json.dumps(schema), param=param, **kw)  # key order kept: properties come out in it
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar (JSON text); GrammarError if it cannot be one."""

@@ -187,3 +187,11 @@ def test_without_an_open_think_the_grammar_starts_at_once(thinking):
         response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}})
     msg = r.choices[0].message
     assert not msg.model_extra.get("reasoning_content") and matches(json.loads(msg.content)), msg
+
+
+def test_properties_come_in_the_schemas_order(client):
+    schema = {"type": "object", "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=20, temperature=0,
+                                  extra_body={"guided_json": schema})
+    assert r.choices[0].text == '{"zeta":1,"alpha":2}'
