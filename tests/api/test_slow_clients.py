@@ -63,8 +63,30 @@ def others_meanwhile(url: str, started: threading.Event, big_done: threading.Eve
     return out
 
 
+def big_beside_others(url: str, started: threading.Event, after=lambda: None, **post) -> tuple[dict, dict]:
+    """POST the big request from a thread and, once `started`, the others; (their latencies, the big result).
+    `after` runs when the others are done (or failed), before waiting for the big request."""
+    big_done, result = threading.Event(), {}
+
+    def big():
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, **post)
+        result["status"], result["big_s"], result["body"] = r.status_code, time.monotonic() - t0, r.text
+        big_done.set()
+
+    t = threading.Thread(target=big)
+    t.start()
+    try:
+        lat = others_meanwhile(url, started, big_done)
+    finally:
+        after()
+        t.join(120)
+    assert big_done.is_set()
+    return lat, result
+
+
 def test_slow_sender_delays_nobody(server):
-    started, others_done, big_done = threading.Event(), threading.Event(), threading.Event()
+    started, others_done = threading.Event(), threading.Event()
 
     def trickle():
         yield b'{"messages": [{"role": "user", "content": "'
@@ -78,47 +100,20 @@ def test_slow_sender_delays_nobody(server):
             time.sleep(0.05)
         yield b'"}], "max_tokens": 1}'
 
-    result = {}
-
-    def big():
-        t0 = time.monotonic()
-        r = httpx.post(server.url + "/v1/chat/completions", content=trickle(), timeout=60,
-                       headers={"Content-Type": "application/json"})
-        result["status"], result["big_s"] = r.status_code, time.monotonic() - t0
-        big_done.set()
-
-    t = threading.Thread(target=big)
-    t.start()
-    try:
-        lat = others_meanwhile(server.url, started, big_done)
-    finally:
-        others_done.set()
-        t.join(60)
-    assert big_done.is_set() and result["status"] in (200, 400)
+    lat, result = big_beside_others(server.url, started, others_done.set, content=trickle(),
+                                    headers={"Content-Type": "application/json"})
+    assert result["status"] in (200, 400)
     print(f"\nslow sender: health {lat['health_s'] * 1e3:.1f} ms, short chat {lat['short_chat_s'] * 1e3:.1f} ms "
           f"while the body was still arriving; the slow request took {result['big_s']:.2f} s")
 
 
 def test_huge_prompt_delays_nobody(server):
-    started, big_done = server.signalling.big, threading.Event()
+    started = server.signalling.big
     started.clear()
     body = {"messages": [{"role": "user", "content": "hello world " * (HUGE_WORDS // 2)}], "max_tokens": 1}
-    result = {}
-
-    def big():
-        t0 = time.monotonic()
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
-        result["status"], result["big_s"], result["body"] = r.status_code, time.monotonic() - t0, r.json()
-        big_done.set()
-
-    t = threading.Thread(target=big)
-    t.start()
-    try:
-        lat = others_meanwhile(server.url, started, big_done)
-    finally:
-        t.join(120)
+    lat, result = big_beside_others(server.url, started, json=body)
     # it is refused, but only once it is tokenized: its length is not known before
-    assert result["status"] == 400 and "maximum context length" in result["body"]["error"]["message"]
+    assert result["status"] == 400 and "maximum context length" in result["body"]
     print(f"\nhuge prompt ({len(body['messages'][0]['content']) / 1e6:.1f} MB): health {lat['health_s'] * 1e3:.1f} ms, "
           f"short chat {lat['short_chat_s'] * 1e3:.1f} ms while it was tokenized; it took {result['big_s']:.2f} s "
           f"to its 400")
