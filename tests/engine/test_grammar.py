@@ -80,3 +80,29 @@ def test_bad_constraints_raise_grammar_errors(compiler):
         StructuredOutputs(regex="a", choice=("a",))
     with pytest.raises(GrammarError):
         StructuredOutputs.from_schema("[1, 2]")
+
+
+@pytest.mark.gpu
+def test_masks_on_cuda_copy_in_once_and_only_the_tokens_back():
+    """At full vocabulary on the GPU: the masks go in with one host-to-device copy and are unpacked there; the
+    only copy back is the token ids; the draws respect the masks as on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab, n = 151_936, 16
+    g = torch.Generator().manual_seed(0)
+    allowed = torch.rand(n, vocab, generator=g) < 0.01
+    bits = allowed.view(n, -1, 32).long() << torch.arange(32)
+    words = bits.sum(-1)
+    masks = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).pin_memory()
+    names = sorted(MIXES)
+    params = [SamplingParams(seed=i, **MIXES[names[i % len(names)]]) for i in range(n)]
+    logits = (torch.randn(n, vocab, generator=g) * 3).cuda()
+    tokens = sample(logits, params, None, list(range(n)), masks)  # warm up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        again = sample(logits, params, None, list(range(n)), masks)
+        torch.cuda.synchronize()
+    assert again == tokens and all(allowed[i, t] for i, t in enumerate(tokens))
+    events = [e.name for e in prof.events()]
+    assert len([x for x in events if "Memcpy DtoH" in x or "Memcpy D2H" in x]) == 1
+    assert torch.equal(apply_token_masks(logits, masks).isinf().cpu(), ~allowed)
