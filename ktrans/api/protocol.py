@@ -110,15 +110,15 @@ class SamplingFields(OpenAIModel):
     def structured(self) -> StructuredOutputs | None:
         """The request's structured output constraint, or None. A ValueError (GrammarError) names the field when
         there are several or one is malformed; whether it compiles is checked later, against the tokenizer."""
-        found = [c for c in self._constraints() if c is not None]
+        found = self._constraints()
         if len(found) > 1:
-            raise GrammarError(f"give one structured output constraint, not several: {', '.join(c.param for c in found)}",
-                               found[1].param)
+            names = ", ".join(c.param or "?" for c in found)
+            raise GrammarError(f"give one structured output constraint, not several: {names}", found[1].param)
         return found[0] if found else None
 
-    def _constraints(self) -> list[StructuredOutputs | None]:
+    def _constraints(self) -> list[StructuredOutputs]:
         rf, so = self.response_format, self.structured_outputs
-        out: list[StructuredOutputs | None] = []
+        out: list[StructuredOutputs] = []
         if rf is not None and rf.type == "json_object":
             out.append(StructuredOutputs(json_object=True, param="response_format"))
         elif rf is not None and rf.type == "json_schema":
@@ -132,7 +132,8 @@ class SamplingFields(OpenAIModel):
             if len(given) != 1:
                 raise GrammarError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
                                    "structured_outputs")
-            out.append(_constraint(given[0].rstrip("_"), getattr(so, given[0]), f"structured_outputs.{given[0].rstrip('_')}"))
+            kind = given[0].rstrip("_")
+            out.append(_constraint(kind, getattr(so, given[0]), f"structured_outputs.{kind}"))
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:
@@ -206,7 +207,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
         return v
 
-    def _constraints(self) -> list[StructuredOutputs | None]:
+    def _constraints(self) -> list[StructuredOutputs]:
         """Beside the output constraints, tool_choice "required" or a named function: a grammar of tool calls."""
         out = super()._constraints()
         choice = self.tool_choice

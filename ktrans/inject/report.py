@@ -4,8 +4,8 @@ It injects a meta-device model (no weights read, no device required: a GPU rule 
 box), then groups modules that differ only in layer index (`model.layers.{0..47}.mlp.experts`). Weight bytes are
 GGUF-like: matrices at --weight_dtype (bf16, or a GGUF quant such as q4_k), while what llama.cpp keeps in F32
 (norms, routers, the DeltaNet conv and gates) counts 4 bytes. With a GGUF file (`tensor_type`), each tensor counts
-at the type the file stores it in (Q4_K_M mixes Q4_K, Q6_K and F32), unless --weight_dtype is given. KV memory counts only the full-attention layers;
-DeltaNet state is per slot, one slot per running request (--max_batch_size).
+at the type the file stores it in (Q4_K_M mixes Q4_K, Q6_K and F32), unless --weight_dtype is given. KV memory
+counts only the full-attention layers; DeltaNet state is per slot, one slot per running request (--max_batch_size).
 """
 from __future__ import annotations
 
