@@ -273,7 +273,8 @@ def _add_bench_serve_parser(bench_sub) -> None:
 
 
 def _rules_config(args: argparse.Namespace):
-    """The model shape a rules report is for: --model_path, --gguf_path, --config, or the real 80B model."""
+    """(config, its name, the stored tensor types or None) a rules report is for: --model_path, --gguf_path (whose
+    types it reports), --config, or the real 80B model."""
     from pathlib import Path
 
     from ktrans.config import CONFIGS_DIR, ModelConfig
@@ -284,15 +285,18 @@ def _rules_config(args: argparse.Namespace):
         raise CliError(f"give at most one of --model_path, --gguf_path, --config (got {', '.join(given)})")
     if args.model_path or args.gguf_path:
         source = ModelSource(args.model_path, args.gguf_path)
-        return source.config(), args.model_path or args.gguf_path
+        if args.gguf_path:  # the tensors' stored types too (the header only: nothing is read)
+            weights = source.open().weights
+            return weights.config, args.gguf_path, weights.tensor_type
+        return source.config(), args.model_path, None
     path = Path(args.config or CONFIGS_DIR / "qwen3-next-80b-a3b.json")
     if not path.exists() and (CONFIGS_DIR / f"{path.stem}.json").is_file():
         path = CONFIGS_DIR / f"{path.stem}.json"  # a shipped config by name: --config qwen3-next-80b-a3b
-    return ModelConfig.from_json(path), str(path)
+    return ModelConfig.from_json(path), str(path), None
 
 
 def cmd_rules_show(args: argparse.Namespace) -> int:
-    from ktrans.inject.report import placement_report
+    from ktrans.inject.report import FROM_FILE, placement_report
     from ktrans.inject.rules import check_devices, load_rules
 
     if args.cache_lens < 0 or args.max_batch_size < 1:
@@ -300,10 +304,11 @@ def cmd_rules_show(args: argparse.Namespace) -> int:
     rules = load_rules(args.optimize_config_path)
     if args.check_devices:
         check_devices(rules)
-    config, config_name = _rules_config(args)
+    config, config_name, tensor_type = _rules_config(args)
+    weight_dtype = args.weight_dtype or (FROM_FILE if tensor_type is not None else "bf16")
     try:
         report = placement_report(config, rules, config_name, args.cache_lens, args.max_batch_size,
-                                  args.weight_dtype, args.kv_dtype, args.default_device)
+                                  weight_dtype, args.kv_dtype, args.default_device, tensor_type)
     except ValueError as e:
         if "dtype" in str(e):
             raise CliError(f"--weight_dtype/--kv_dtype: {e}") from None
@@ -336,7 +341,8 @@ def _add_rules_parser(sub) -> None:
     s.add_argument("--cache_lens", type=int, default=32768, help="KV cache tokens (full-attention layers)")
     s.add_argument("--max_batch_size", type=int, default=16,
                    help="DeltaNet state slots (running requests; ktrans serve's default)")
-    s.add_argument("--weight_dtype", default="bf16", help="bytes of matrices: bf16, f16, f32 or a GGUF type (q4_k)")
+    s.add_argument("--weight_dtype", help="bytes of matrices: bf16, f16, f32 or a GGUF type (q4_k); default: the "
+                                          "types in --gguf_path's file, else bf16")
     s.add_argument("--kv_dtype", default="bf16", help="KV cache and conv state dtype")
     s.add_argument("--default_device", help="device of modules no rule places (default: cuda:0 if a rule uses "
                                             "CUDA, else cpu)")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics,
-/tokenize, /detokenize, and POST /flush_cache (drop the prefix cache, as SGLang's).
+/tokenize, /detokenize, /tokenizer_info, and POST /flush_cache (drop the prefix cache, as SGLang's).
 
 Handlers turn a request into prompt ids and SamplingParams, submit one engine request per choice, and read the
 engine's per-request streams: as server-sent events (role chunk, deltas, finish chunk, usage chunk, [DONE]) or
@@ -8,6 +8,7 @@ joined into one response. A client that goes away aborts its engine requests. Er
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -28,13 +29,16 @@ from ktrans.engine.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from ktrans.engine.output import RequestOutput
 from ktrans.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    error_body)
-from ktrans.api.reasoning import THINK_START, ReasoningParser
+from ktrans.api.reasoning import THINK_END, THINK_START, ReasoningParser
+from ktrans.engine.grammar import GrammarError
 from ktrans.engine.sampler import SamplingParams
 from ktrans.api.tools import ToolCallParser
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 64  # JSON schemas and tool parameters nest a few levels; Python's json recursion limit is ~1000
+_TOO_DEEP = object()
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate, paired or not
 M = TypeVar("M", bound=BaseModel)
 
@@ -74,6 +78,7 @@ class OpenAIServer:
         v1.post("/tokenize")(self.tokenize)
         v1.post("/detokenize")(self.detokenize)
         v1.post("/flush_cache")(self.flush_cache)
+        v1.get("/tokenizer_info")(self.tokenizer_info)
         app.include_router(v1)
         return app
 
@@ -191,6 +196,15 @@ class OpenAIServer:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens)}
 
+    async def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's configuration as tokenizer_config.json holds it, with
+        tokenizer_class and chat_template (lm-eval's remote tokenizer reads eos_token and chat_template)."""
+        info = await run_in_threadpool(self.tokenizer.tokenizer_config)
+        for path_field in ("vocab_file", "merges_file", "tokenizer_file"):  # as vLLM: no server file paths
+            info.pop(path_field, None)
+        info.setdefault("model_max_length", self.engine.max_model_len)
+        return info
+
     # ---- chat ---------------------------------------------------------------------------------------
     def _render_chat(self, messages, add_generation_prompt, tools, template_kwargs) -> str:
         try:
@@ -212,6 +226,22 @@ class OpenAIServer:
         text = self._render_chat(body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
         return text, self.tokenizer.encode(text)
 
+    async def _compile_grammar(self, params: SamplingParams, starts_in_reasoning: bool = False) -> SamplingParams:
+        """The structured output constraint compiled off the event loop (a 400 naming the field when it does not
+        compile), so submit() finds it in the cache. After a prompt that opened `<think>`, it starts after
+        `</think>`: the reasoning is free."""
+        spec = params.structured
+        if spec is None:
+            return params
+        if starts_in_reasoning:
+            spec = dataclasses.replace(spec, start_after=THINK_END)
+            params = dataclasses.replace(params, structured=spec, _generator=None)
+        try:
+            await run_in_threadpool(self.engine.grammars.compile, spec)
+        except GrammarError as e:
+            raise bad_request(e) from None
+        return params
+
     async def chat_completions(self, request: Request):
         created = int(time.time())
         body = await self._body(request, ChatCompletionRequest)
@@ -219,6 +249,7 @@ class OpenAIServer:
         text, prompt_ids = await run_in_threadpool(self._chat_prompt, body)
         thinking = body.enable_thinking
         starts_in = thinking and text.rstrip().endswith(THINK_START)  # a thinking template opened it already
+        params = await self._compile_grammar(params, starts_in)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._submit([prompt_ids] * body.n, params, rid)
         parsers = [ReasoningParser(starts_in) if thinking else None for _ in streams]
@@ -271,7 +302,7 @@ class OpenAIServer:
     async def completions(self, request: Request):
         created = int(time.time())
         body = await self._body(request, CompletionRequest)
-        params = self._sampling_params(body)
+        params = await self._compile_grammar(self._sampling_params(body))
         prompts = await run_in_threadpool(
             lambda: [p if isinstance(p, list) else self.tokenizer.encode(p) for p in body.prompts()])
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -374,6 +405,11 @@ def _parse_body(raw: bytes, model: type[M]) -> M:
         msg, pos = (e.msg, e.pos) if isinstance(e, json.JSONDecodeError) else (str(e), 0)
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": msg}}]) from None
+    except RecursionError:  # nested past the decoder's own limit
+        obj = _TOO_DEEP
+    if obj is _TOO_DEEP or _too_deep(obj):
+        # deeper than any request needs; the recursive steps after this (validation, templates) stay safe
+        raise APIError(400, f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep")
     if _SURROGATE_ESCAPE.search(raw):
         path = _lone_surrogate(obj)
         if path is not None:
@@ -384,6 +420,19 @@ def _parse_body(raw: bytes, model: type[M]) -> M:
         return model.model_validate(obj)
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)) from None
+
+
+def _too_deep(obj, limit: int | None = None) -> bool:
+    """Whether a decoded JSON value nests lists and dicts deeper than `limit` (iterative: no recursion here)."""
+    limit = MAX_JSON_DEPTH if limit is None else limit
+    stack = [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _lone_surrogate(obj, path: tuple = ()) -> tuple | None:
@@ -410,8 +459,6 @@ def _lone_surrogate(obj, path: tuple = ()) -> tuple | None:
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, seed=seed, _generator=None)
 
 

@@ -3,8 +3,11 @@
 Field checks here become HTTP 400 errors in the OpenAI shape, naming the field. Unknown fields are accepted and
 ignored, as OpenAI clients send fields a server may not know. Beyond OpenAI's fields, the vLLM extensions users
 rely on are accepted: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs.
-`tool_choice` is accepted in all its forms; only "none" changes anything (tool calls are not parsed): "required"
-and a named function are not enforced.
+
+Structured outputs come from OpenAI's `response_format` (json_object, json_schema), vLLM's older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and its newer `structured_outputs` object; at most one constraint
+per request, else a 400. `tool_choice` "required" or a named function is a constraint too: a grammar of Hermes
+tool-call blocks (api/tools.py); "none" turns tool-call parsing off.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from ktrans.api.tools import tool_call_grammar
+from ktrans.engine.grammar import GrammarError, StructuredOutputs
 from ktrans.engine.sampler import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -52,6 +57,28 @@ class ChatMessage(OpenAIModel):
         return d
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` request object (StructuredOutputsParams): exactly one constraint."""
+
+    json_: Union[str, dict[str, Any], bool, None] = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -72,6 +99,46 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: Union[str, dict[str, Any], bool, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; llguidance serves every kind
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's structured output constraint, or None. A ValueError (GrammarError) names the field when
+        there are several or one is malformed; whether it compiles is checked later, against the tokenizer."""
+        found = self._constraints()
+        if len(found) > 1:
+            names = ", ".join(c.param or "?" for c in found)
+            raise GrammarError(f"give one structured output constraint, not several: {names}", found[1].param)
+        return found[0] if found else None
+
+    def _constraints(self) -> list[StructuredOutputs]:
+        rf, so = self.response_format, self.structured_outputs
+        out: list[StructuredOutputs] = []
+        if rf is not None and rf.type == "json_object":
+            out.append(StructuredOutputs(json_object=True, param="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise GrammarError('response_format {"type": "json_schema"} needs json_schema.schema',
+                                   "response_format.json_schema")
+            out.append(StructuredOutputs.from_schema(rf.json_schema.schema_, "response_format.json_schema.schema"))
+        if so is not None:
+            given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(so, k) is not None]
+            given += ["json_object"] if so.json_object else []
+            if len(given) != 1:
+                raise GrammarError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                                   "structured_outputs")
+            kind = given[0].rstrip("_")
+            out.append(_constraint(kind, getattr(so, given[0]), f"structured_outputs.{kind}"))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                out.append(_constraint(name, value, f"guided_{name}"))
+        return out
 
     @field_validator("stop")
     @classmethod
@@ -101,6 +168,7 @@ class SamplingFields(OpenAIModel):
             stop=tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            structured=self.structured(),
         )
 
     @property
@@ -138,6 +206,16 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(v, dict) and (v.get("type") != "function" or not isinstance(v.get("function"), dict)):
             raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
         return v
+
+    def _constraints(self) -> list[StructuredOutputs]:
+        """Beside the output constraints, tool_choice "required" or a named function: a grammar of tool calls."""
+        out = super()._constraints()
+        choice = self.tool_choice
+        if choice == "required" or isinstance(choice, dict):
+            name = choice["function"].get("name") if isinstance(choice, dict) else None
+            grammar = tool_call_grammar(self.tools or [], name, self.parallel_tool_calls is not False)
+            out.append(StructuredOutputs(grammar=grammar, param="tool_choice"))
+        return out
 
     @property
     def parse_tools(self) -> bool:
@@ -197,6 +275,20 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+def _constraint(kind: str, value: Any, param: str) -> StructuredOutputs:
+    if kind == "json":
+        return StructuredOutputs.from_schema(value, param)
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True, param=param)
+    if kind == "choice":
+        if not value:
+            raise GrammarError("the choice list is empty", param)
+        return StructuredOutputs(choice=tuple(value), param=param)
+    if not value:
+        raise GrammarError(f"{param} is empty", param)
+    return StructuredOutputs(**{kind: value}, param=param)
 
 
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Any
 
+from ktrans.engine.grammar import GrammarError
 from ktrans.engine.output import held_suffix
 
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
@@ -91,3 +93,33 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     c1, _ = p.feed(text)
     c2, _ = p.finish()
     return (c1 + c2) or None, p.calls
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+    """A Lark grammar whose sentences are Hermes tool-call blocks calling `name` (or any of the tools when None),
+    one block, or several separated by newlines when `parallel`. ValueError (naming tool_choice or tools) when
+    the tools do not allow it."""
+    functions = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise GrammarError(f"tools[{i}] is not {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                               f"tools.{i}")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, (dict, bool)):
+            raise GrammarError(f"tools[{i}].function.parameters is not a JSON schema", f"tools.{i}")
+        functions[fn["name"]] = params
+    if not functions:
+        raise GrammarError("tool_choice \"required\" or a named function needs tools", "tool_choice")
+    if name is not None and name not in functions:
+        raise GrammarError(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+    chosen = {name: functions[name]} if name is not None else functions
+    # name first, then the arguments, written compactly (see engine/grammar.py's JSON_OPTIONS)
+    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                         "required": ["name", "arguments"], "additionalProperties": False}
+                        for n, p in chosen.items()],
+              "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+    start = 'call ("\\n" call)*' if parallel else "call"
+    return (f"start: {start}\n"
+            f'call: {TOOL_START} "\\n" body "\\n" {TOOL_END}\n'
+            f"body: %json {json.dumps(schema)}\n")

@@ -28,6 +28,7 @@ from ktrans.runtime.batch import SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.engine.cache import CacheManager
 from ktrans.engine.prefix_cache import PrefixCache
+from ktrans.engine.grammar import GrammarCompiler, GrammarError, grammar_masks
 from ktrans.engine.output import RequestOutput, TextStream
 from ktrans.engine.request import Request, RequestStatus, TokenLogprob
 from ktrans.engine.sampler import SamplingParams, sample, token_logprob, top_logprobs
@@ -162,6 +163,7 @@ class Engine:
                              f"tokens, --cache_lens): raise --cache_lens or lower --max_model_len")
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, capacity)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
+        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size)  # structured outputs (the API compiles ahead)
         self.runner = ModelRunner(model, self.kv, self.states, max_num_seqs=config.max_batch_size,
                                   max_num_tokens=config.chunk_size, max_pages_per_seq=-(-capacity // config.page_size),
                                   device=self.device, cuda_graph=(self.device.type == "cuda"
@@ -208,7 +210,11 @@ class Engine:
                                      f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
                                      f"Please reduce the prompt or max_tokens.", "max_tokens")
         params = dataclasses.replace(params, max_tokens=max_tokens, _generator=None)  # its own RNG
-        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, max_tokens)
+        try:  # each request its own grammar state; compiled once per constraint
+            grammar = self.grammars.state(params.structured) if params.structured is not None else None
+        except GrammarError as e:
+            raise InvalidRequest(str(e), e.param) from None
+        return Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, max_tokens, grammar=grammar)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -346,8 +352,13 @@ class Engine:
             return {}
         reqs = [c.request for c in due]
         histories = [(r.prompt_ids, r.output_ids) if r.params.has_penalties else None for r in reqs]
-        tokens = sample(torch.cat([rows[id(c)][-1:] for c in due]), [r.params for r in reqs], histories,
-                        [r.num_output_tokens for r in reqs])  # the seeded noise's counter: the output index
+        logits = torch.cat([rows[id(c)][-1:] for c in due])
+        masks = grammar_masks([r.grammar for r in reqs], logits.shape[-1], pin=logits.is_cuda)  # structured outputs
+        tokens = sample(logits, [r.params for r in reqs], histories,
+                        [r.num_output_tokens for r in reqs], masks)  # the seeded noise's counter: the output index
+        for r, t in zip(reqs, tokens):
+            if r.grammar is not None:
+                r.grammar.accept(t)
         return {id(c): t for c, t in zip(due, tokens)}
 
     def _rows_per_chunk(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -386,6 +397,8 @@ class Engine:
             out.text = t.text.add(token)
             if t.text.stopped_by is not None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, t.text.stopped_by
+            elif req.grammar is not None and req.grammar.done:  # the structured output is complete
+                status = RequestStatus.FINISHED_STOPPED
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
         if status is None:

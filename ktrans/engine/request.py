@@ -15,6 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from ktrans.engine.grammar import GrammarState
 from ktrans.engine.sampler import SamplingParams
 
 
@@ -59,6 +60,7 @@ class Request:
     scheduled_time: float | None = None  # first admitted to the running batch (time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    grammar: GrammarState | None = None  # its structured output constraint, advanced by every sampled token
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)

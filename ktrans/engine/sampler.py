@@ -14,7 +14,9 @@ A request without a seed gets a random one when its SamplingParams is made (the 
 request). Logprobs are always of the raw model distribution.
 
 SamplingParams also carries what the engine needs to end a request (max_tokens, stop strings, stop token ids,
-ignore_eos) and what it reports (logprobs, prompt_logprobs), like vLLM's class of the same name.
+ignore_eos), what it reports (logprobs, prompt_logprobs) and the structured output constraint, like vLLM's class of
+the same name. The constraint's token masks come to `sample` from the engine, which keeps each request's grammar
+state (engine/grammar.py).
 """
 from __future__ import annotations
 
@@ -22,8 +24,12 @@ import array
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ktrans.engine.grammar import StructuredOutputs
 
 
 @dataclass
@@ -43,6 +49,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()      # stop strings, matched across token boundaries and left out of the text
     stop_token_ids: tuple[int, ...] = ()  # always stop, ignore_eos or not
     ignore_eos: bool = False
+    structured: StructuredOutputs | None = None  # a grammar the output must follow (engine/grammar.py)
     # accepted and ignored: callers still pass _generator=None to dataclasses.replace (there is no RNG object now)
     _generator: None = field(default=None, repr=False, compare=False)
     # drawn anew by every construction and dataclasses.replace: the seed of a request that gives none
@@ -239,16 +246,30 @@ def _filtered(logits: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, torch.Tens
     return x, ids
 
 
+def apply_token_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] with -inf where a row's bitmask [N, ceil(V / 32)] int32 (bit j of word w: token 32 w + j,
+    llguidance's layout) forbids the token. The masks go to the logits' device in one copy and are unpacked there.
+    Not in place."""
+    n, vocab = logits.shape
+    m = masks.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((m[:, :, None] >> shifts) & 1).view(n, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None] | None = None,
-           steps: list[int] | None = None) -> list[int]:
+           steps: list[int] | None = None, masks: torch.Tensor | None = None) -> list[int]:
     """One token per row of logits [N, V], on their device; only the N token ids come back to the host.
 
     histories[i] = (prompt ids, output ids) for the penalties (None where a row has none). steps[i] is the index
     of the output token being sampled, the counter of the seeded noise (the engine passes the request's output
     count); without it each SamplingParams counts its own draws, so a loop that reuses one params object draws
-    a new token each call, as from a generator."""
+    a new token each call, as from a generator. masks: the structured-output bitmasks (`apply_token_masks`), applied
+    before anything else, so penalties, filters and greedy choose among allowed tokens only."""
     if not params:
         return []
+    if masks is not None:
+        logits = apply_token_masks(logits, masks)
     if all(p.greedy and not p.has_penalties for p in params):  # the common case in one call
         return logits.argmax(dim=-1).tolist()
     if steps is None:

@@ -3,14 +3,16 @@
 It injects a meta-device model (no weights read, no device required: a GPU rule file can be inspected on a CPU
 box), then groups modules that differ only in layer index (`model.layers.{0..47}.mlp.experts`). Weight bytes are
 GGUF-like: matrices at --weight_dtype (bf16, or a GGUF quant such as q4_k), while what llama.cpp keeps in F32
-(norms, routers, the DeltaNet conv and gates) counts 4 bytes. KV memory counts only the full-attention layers;
-DeltaNet state is per slot, one slot per running request (--max_batch_size).
+(norms, routers, the DeltaNet conv and gates) counts 4 bytes. With a GGUF file (`tensor_type`), each tensor counts
+at the type the file stores it in (Q4_K_M mixes Q4_K, Q6_K and F32), unless --weight_dtype is given. KV memory
+counts only the full-attention layers; DeltaNet state is per slot, one slot per running request (--max_batch_size).
 """
 from __future__ import annotations
 
 import functools
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 from ktrans.config import ModelConfig
@@ -22,6 +24,7 @@ from ktrans.operators.base import ParamSpec
 from ktrans.operators.gdn import KQwen3NextGatedDeltaNet
 from ktrans.runtime.batch import GENERATE, PREFILL
 
+FROM_FILE = "gguf"  # weight_dtype: each tensor at its type in the GGUF file
 FLOAT_BYTES = {"f32": 4.0, "float32": 4.0, "f16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0}
 
 
@@ -39,7 +42,13 @@ def bytes_per_element(dtype: str) -> float:
     return qt.type_size / qt.block_size
 
 
-def spec_bytes(spec: ParamSpec, weight_bpe: float) -> int:
+def spec_bytes(spec: ParamSpec, weight_bpe: float, tensor_type: Callable[[str], str] | None = None) -> int:
+    """Bytes of one tensor: at the type its file stores it in when `tensor_type` knows it, else GGUF-like."""
+    if tensor_type is not None:
+        try:
+            return int(spec.numel * bytes_per_element(tensor_type(spec.name)))
+        except ValueError:  # not in the file (GGUFError), or a type without a size here: the rule below
+            pass
     return int(spec.numel * (4.0 if spec.gguf_float else weight_bpe))
 
 
@@ -126,7 +135,9 @@ class Report:
         fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
         lines = [f"rules: {self.rules}", f"model: {self.config}", f"default device: {self.default_device}", "",
                  fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body), ""]
-        lines.append(f"memory (weights: matrices {self.weight_dtype}, norms/routers/conv f32; KV cache "
+        weights = (f"as stored in {self.config}" if self.weight_dtype == FROM_FILE else
+                   f"matrices {self.weight_dtype}, norms/routers/conv f32")
+        lines.append(f"memory (weights: {weights}; KV cache "
                      f"{self.kv_dtype} for --cache_lens {self.cache_lens}; DeltaNet state for --max_batch_size "
                      f"{self.max_batch_size}):")
         for dev, m in self.memory.items():
@@ -160,8 +171,12 @@ def meta_model(config: ModelConfig):
 
 def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "", cache_lens: int = 4096,
                      max_batch_size: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                     default_device: str | None = None) -> Report:
-    bpe = bytes_per_element(weight_dtype)  # flag errors before the slow part
+                     default_device: str | None = None, tensor_type: Callable[[str], str] | None = None) -> Report:
+    """The report; `tensor_type(hf_name)` gives a tensor's stored type (a GGUF file's) when weight_dtype is
+    FROM_FILE."""
+    bpe = bytes_per_element("bf16" if weight_dtype == FROM_FILE else weight_dtype)  # flag errors before the slow part
+    if weight_dtype != FROM_FILE:
+        tensor_type = None
     kv_bpe = bytes_per_element(kv_dtype)
     inj = inject(meta_model(config), rules, default_device, dry_run=True)
     report = Report(rules.source, config_name, str(inj.default_device), weight_dtype, kv_dtype, cache_lens,
@@ -184,7 +199,7 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
             devices = [p.module._ktrans_device]
             if p.rule is None and not specs and not p.module._buffers:
                 continue  # a container (decoder layer, ModuleList): nothing of its own to place
-        nbytes = sum(spec_bytes(s, bpe) for s in specs)
+        nbytes = sum(spec_bytes(s, bpe, tensor_type) for s in specs)
         for dev in devices:
             add(dev, "weights", nbytes)
         kind = type(op).__name__ if op is not None else f"kept {p.orig_class}"

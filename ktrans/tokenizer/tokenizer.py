@@ -137,6 +137,11 @@ class Tokenizer:
 
     def write_hf_files(self, out_dir: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json (with the chat template) into a model directory."""
+        _write_files(Path(out_dir), self.backend.to_str(), self.tokenizer_config())
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """tokenizer_config.json as it would be written: what the tokenizer came with, its special tokens, chat
+        template and added tokens (also the body of the API's GET /tokenizer_info)."""
         config = dict(self._config)
         config.update(
             chat_template=self.chat_template,
@@ -149,16 +154,18 @@ class Tokenizer:
             },
         )
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-        _write_files(Path(out_dir), self.backend.to_str(), config)
+        return config
 
     # ----------------------------------------------------------------------------------- text <-> ids
 
+    # The batch calls, with one item: tokenizers' encode and decode hold the GIL for the whole call, the batch ones
+    # release it, so a server thread tokenizing a 1 MB prompt (about a second) no longer stalls the event loop.
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text. Special tokens written in the text (`<|im_start|>`) become their ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     @property
     def vocab_size(self) -> int:

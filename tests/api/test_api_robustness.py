@@ -194,3 +194,15 @@ def test_continuous_usage_stats_on_every_chunk(srv, path, body):
 
     plain = events(srv, path, {**body, "stream": True})
     assert not any("usage" in c for c in plain)
+
+
+@pytest.mark.parametrize("depth", [65, 1500])  # the body stays under this server's 4 KiB limit
+def test_deep_nesting_is_a_400(srv, depth):
+    """Past Python's JSON recursion limit (a RecursionError, once a 500) or past MAX_JSON_DEPTH (64): a 400."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "tools": ' + b"[" * depth + b"]" * depth + b"}"
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = assert_error(post(srv, path, content=body, headers=JSON), 400, "deep")
+        assert err["code"] == 400
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1]}}}}
+    ok = post(srv, "/v1/chat/completions", json={**CHAT, "guided_json": nested})
+    assert ok.status_code == 200, ok.text

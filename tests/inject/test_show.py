@@ -123,3 +123,28 @@ def test_compress():
     assert compress(list(range(3, 48, 4))) == "3,7,..,47"
     assert compress([i for i in range(48) if i % 4 != 3]) == "0..2,4..6,..,44..46"
     assert compress([1, 2, 5]) == "1..2,5" and compress([4]) == "4"
+
+
+def test_show_takes_the_tensor_types_of_a_gguf_file(capsys, tmp_path):
+    """A Q4_K_M file mixes types (here, at the tiny model's widths, Q5_0 and Q8_0 experts beside F32 norms): each
+    tensor counts at its stored type, not at bf16."""
+    from ktrans.weights.gguf_source import GGUFSource
+
+    out = tmp_path / "tiny.gguf"
+    assert main(["make-tiny", "--gguf", "--out", str(out), "--quant", "q4_k_m"]) == 0
+    capsys.readouterr()
+    file = GGUFSource(out).file
+    stored = {n: i.nbytes for n, i in file.tensors.items()}
+    experts = sum(b for n, b in stored.items() if "_exps." in n)
+    assert len({file.info(n).type_name for n in stored if "_exps." in n}) >= 2  # a real mix
+    rep = show(capsys, "Qwen3Next-cpu.yaml", "--gguf_path", str(out))
+    assert rep["weight_dtype"] == "gguf"
+    n_layers = file.metadata["qwen3next.block_count"]
+    assert rows(rep)[f"model.layers.{{0..{n_layers - 1}}}.mlp.experts"]["bytes"] == experts
+    total = sum(m["weights"] for m in rep["memory"].values())
+    assert abs(total - sum(stored.values())) < 0.02 * sum(stored.values())  # every tensor, at its own type
+    bf16 = show(capsys, "Qwen3Next-cpu.yaml", "--gguf_path", str(out), "--weight_dtype", "bf16")
+    assert rows(bf16)[f"model.layers.{{0..{n_layers - 1}}}.mlp.experts"]["bytes"] > 2 * experts  # the flag wins
+    assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-cpu.yaml"),
+                 "--gguf_path", str(out)]) == 0
+    assert f"weights: as stored in {out}" in capsys.readouterr().out
