@@ -45,8 +45,9 @@ class KTransformersLinear(BaseOperator):
     REPLACES = (nn.Linear,)
     OPS = LINEAR_OPS
     DEFAULT_OP = "KLinearTorch"
-    # Read by KLinearCPUInfer: `quant` ("Q8_0", "Q4_K", "Q5_K", "Q6_K") quantizes a float checkpoint's weight at load.
-    EXTRA_KWARGS = {"quant": str}
+    # Read by KLinearCPUInfer: `quant` ("Q8_0", "Q4_K", "Q5_K", "Q6_K") quantizes a float checkpoint's weight at load;
+    # `repack` (default true) repacks Q4_K / Q5_K weights 16 rows at a time for the AVX-512 kernels.
+    EXTRA_KWARGS = {"quant": str, "repack": bool}
 
     def __init__(self, key, orig: nn.Linear, config, **kwargs):
         super().__init__(key, orig, config, **kwargs)

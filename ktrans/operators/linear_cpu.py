@@ -10,6 +10,9 @@ Importing this module registers the op under LINEAR_OPS (ktrans.operators.linear
   KLinearTorch's), rounded to the model dtype under a narrower one; with the rule kwarg `quant` (Q8_0, Q4_K, Q5_K,
   Q6_K), quantized at load.
 
+Q4_K and Q5_K weights are repacked 16 rows at a time at load (rule kwarg `repack`, default true), the layout the
+expert kernels read: one extra buffer of the matrix's size, the file's pages left cold.
+
 The kernels take float32 activations and sum in float32; the output comes back in x's dtype. A bias, where the
 module has one, is added in float32 before that.
 """
@@ -43,6 +46,7 @@ class KLinearCPUInfer(Op):
         if quant is not None and quant not in QUANTS:
             raise ValueError(f"{self.key}: KLinearCPUInfer quant must be one of {QUANTS}, got {quant!r}")
         self.quant = quant
+        self.repack = bool(getattr(operator, "options", {}).get("repack", True))
         self.lin: cpu.CPULinear | None = None
         self.bias: torch.Tensor | None = None
         self.qtype = ""
@@ -52,7 +56,7 @@ class KLinearCPUInfer(Op):
         if tuple(raw.shape) != (self.n_out, self.n_in):
             raise ValueError(f"{self.key}: {raw.name} has shape {tuple(raw.shape)}, expected {(self.n_out, self.n_in)}")
         weight, self.qtype = self._weight(raw, dtype)
-        self.lin = cpu.CPULinear(weight, self.n_out, self.n_in, qtype=self.qtype)
+        self.lin = cpu.CPULinear(weight, self.n_out, self.n_in, qtype=self.qtype, repack=self.repack)
         if len(self.specs) > 1:
             self.bias = source.require(self.specs[1].name, self.specs[1].shape, torch.float32, "cpu")
 
@@ -84,4 +88,4 @@ class KLinearCPUInfer(Op):
         return y.to(x.dtype).reshape(*shape[:-1], self.n_out)
 
     def extra_repr(self) -> str:
-        return f"{self.qtype or 'not loaded'}, {self.lin.path if self.lin else ''}"
+        return f"{self.lin.layout}, {self.lin.path}" if self.lin else "not loaded"

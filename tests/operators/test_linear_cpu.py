@@ -136,3 +136,33 @@ def test_cpu_only_model_against_torch_linears_teacher_forced(tmp_path):
     top2 = ref.topk(2, dim=-1).values
     sure = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_TOL * ref.abs().max()
     assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+def test_repacked_rows_equal_the_blocks_as_stored(qtype):
+    """The 16-row layout (default where the AVX-512 kernels read it) against the row kernels on the stored blocks:
+    bitwise from 3 tokens, within 1e-5 at one (the fused pass folds the sub-block sums in another order)."""
+    from ktrans import _cpu
+
+    n_in = 512
+    n_out = 48  # repacking needs whole groups of 16 rows
+    raw, _ = _weight(qtype, n_in)
+    raw = torch.cat([raw, raw[:11]])  # 48 rows
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    key = "model.layers.0.mlp.shared_expert.up_proj"
+    ops = []
+    for repack in (False, True):
+        lin = KTransformersLinear(key, nn.Linear(n_in, n_out, bias=False, device="meta"), config,
+                                  generate_op="KLinearCPUInfer", prefill_op="KLinearCPUInfer", repack=repack)
+        lin.build_ops()
+        lin.load(RawSource(f"{key}.weight", raw, qtype, (n_out, n_in), None), torch.float32)
+        ops.append(lin)
+    assert ops[0].op.lin.layout == qtype
+    assert ops[1].op.lin.layout == (f"{qtype}_X16" if _cpu.reads_x16("auto") else qtype)
+    for t in (1, 3, 20):
+        x = torch.randn(t, n_in, generator=torch.Generator().manual_seed(t))
+        a, b = ops[0](x), ops[1](x)
+        if t >= 3:
+            assert torch.equal(a, b)
+        else:
+            assert float((a - b).abs().max() / a.abs().max()) < 1e-5
