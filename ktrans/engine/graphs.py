@@ -87,7 +87,6 @@ class DecodeGraphs:
         runner = self.runner
         key = self.bucket(chunks)
         batch = runner.prepare(chunks, is_decode=True, pad_to=key[0], kv_len_bucket=key[1])
-        cpu_stream.set_live_rows(len(chunks))
         entry = self.graphs.get(key)
         if entry is None:
             logits = runner.forward(batch)  # the bucket's first step, eager: its real step
@@ -95,6 +94,7 @@ class DecodeGraphs:
                 self._capture(key, batch)
             return logits[: len(chunks)]
         graph, logits = entry
+        cpu_stream.set_live_rows(len(chunks))  # an eager step's experts set it themselves (batch.num_live)
         graph.replay()
         runner.mark_end()
         self.num_replays += 1

@@ -33,6 +33,9 @@ _TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
 _X16 = {GGML_TYPES["Q4_K"]: (_cpu.Q4_K_X16, "Q4_K_X16"), GGML_TYPES["Q5_K"]: (_cpu.Q5_K_X16, "Q5_K_X16")}
 _X16_NAMES = dict(_X16.values())
 _FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# What the ops hand the kernels: the ggml types they read as stored, and the torch dtype of each float one.
+KERNEL_TYPES = tuple(GGML_TYPES)
+TORCH_FLOAT = {name: dtype for dtype, name in _FLOAT_TYPES.items()}
 _F32, _I64 = torch.float32, torch.int64
 
 

@@ -31,9 +31,9 @@ from ktrans.weights.source import WeightSource
 
 log = logging.getLogger(__name__)
 
-NATIVE_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16", "F32")
+NATIVE_TYPES = cpu.KERNEL_TYPES
 QUANTS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
-_TORCH_FLOAT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_TORCH_FLOAT = cpu.TORCH_FLOAT
 
 
 @LINEAR_OPS.register("KLinearCPUInfer", devices=("cpu",))
