@@ -1,6 +1,13 @@
 """Shared pytest fixtures."""
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels' tests (marked `triton`) run under Triton's interpreter. Triton reads the flag
+# when a kernel is decorated, so it is set before any test module imports ktrans.kernels.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -11,10 +18,24 @@ def seed_torch():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA; without it they are skipped, not failed (CI has no GPU)."""
+    """Tests marked `gpu` need CUDA; without it they are skipped, not failed (CI has no GPU). Tests marked `triton`
+    need triton to import (a test dependency); with it they run compiled on CUDA, interpreted without."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        no_triton = pytest.mark.skip(reason="triton does not import (pip install -e '.[test]')")
+        for item in items:
+            if "triton" in item.keywords:
+                item.add_marker(no_triton)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def triton_device() -> torch.device:
+    """Where a `triton` test's tensors live: the GPU when there is one, else the CPU (interpreted)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,30 @@
+"""The GPU layer kernels, in Triton. Each has its oracle in `ktrans/kernels/torch/` and sits behind an op that
+rules select by name (the operators' registries), so a placement without Triton still builds with the reference ops.
+
+Triton's interpreter (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors: CI has no GPU and tests them that
+way at small shapes (tests marked `triton`). The device image has Triton 3.6, a CPU-only machine installs 3.9; the
+kernels use only what both have.
+"""
+from __future__ import annotations
+
+import os
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unavailable_reason() -> str | None:
+    """Why the Triton ops cannot run here, or None when they can (a GPU that Triton compiles for, or the
+    interpreter)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - triton is a dependency of the GPU placements and the tests
+        return f"triton does not import ({exc}); `pip install triton`"
+    if interpreting():
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU, slowly, for tests)"
+    return None
