@@ -453,6 +453,27 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from ktrans.bench.kernels import run
+
+    if args.reps < 1:
+        raise CliError(f"--reps must be >= 1, got {args.reps}")
+    families = [f for f in (args.family or "").split(",") if f] or None
+    run(families, args.match, args.reps, args.json, device=args.device)
+    return 0
+
+
+def _add_bench_kernels_parser(bench_sub) -> None:
+    b = bench_sub.add_parser("kernels", help="device time of the GPU layer kernels (CUDA-graph replay, cold L2) "
+                                             "against the bytes they move and this GPU's HBM bandwidth")
+    b.add_argument("--family", help="comma-separated families (gdn, attention, quant); default all")
+    b.add_argument("--match", help="only cases whose name contains this")
+    b.add_argument("--reps", type=int, default=50, help="timed replays per case")
+    b.add_argument("--device", help="default: cuda when present, else cpu (a smoke run: the timings mean nothing)")
+    b.add_argument("--json", action="store_true", help="one JSON line per case")
+    b.set_defaults(func=cmd_bench_kernels)
+
+
 def _add_bench_moe_parser(bench_sub) -> None:
     bm = bench_sub.add_parser("moe", help="C++ CPU experts of one MoE layer vs the machine's read bandwidth")
     bm.add_argument("--shape", default="qwen3-next", choices=["qwen3-next", "tiny"])
@@ -524,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = next(a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
     _add_bench_serve_parser(bench_sub)
     _add_bench_moe_parser(bench_sub)
+    _add_bench_kernels_parser(bench_sub)
     _add_bench_e2e_parser(bench_sub)
     _add_bench_limits_parser(bench_sub)
     _add_bench_prefix_cache_parser(bench_sub)
