@@ -336,6 +336,7 @@ class Engine:
         # 2. batch into the runner's buffers, 3. plan and forward
         logits = self.runner.step([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits)
                                    for c in sched.chunks])
+        self.runner.wait_end()
         rows = self._rows_per_chunk(sched.chunks, logits)
         tokens = self._sample(sched.chunks, rows)  # 4. sample
         self.runner.check()  # what the step's stream work reported, now that its results are read

@@ -19,6 +19,7 @@ bucket of KV length, and each (sequences, KV length) bucket is captured once, th
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -53,6 +54,10 @@ def operator_ops(model: nn.Module, method: str) -> list:
                     seen.add(id(op))
                     out.append(op)
     return out
+
+
+# KTRANS_SPIN_WAIT=1: wait for a forward's end by polling, as a bare CUDA copy back does (for comparison)
+_SPIN_WAIT = os.environ.get("KTRANS_SPIN_WAIT", "0") not in ("", "0")
 
 
 class ModelRunner:
@@ -182,8 +187,15 @@ class ModelRunner:
 
     def mark_end(self) -> None:
         if self.dev is not self.host:
-            self._ended = torch.cuda.Event()
+            # blocking: a host thread that waits for it sleeps instead of polling a core the CPU experts use
+            self._ended = torch.cuda.Event(blocking=True)
             self._ended.record()
+
+    def wait_end(self) -> None:
+        """Sleep until the last forward has ended on the GPU (a no-op where the model runs on the CPU). The engine
+        calls it before sampling: otherwise the sampler's copy back polls a core for the whole forward."""
+        if self._ended is not None and not _SPIN_WAIT:
+            self._ended.synchronize()
 
     def step(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """One step's logits. A decode-only step on a GPU replays its bucket's graph (the rows of its live

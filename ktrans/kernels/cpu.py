@@ -258,13 +258,24 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+def spin_us() -> int:
+    """How long the process pool's idle workers poll for the next job before sleeping: KTRANS_CPU_SPIN_US, else
+    DEFAULT_SPIN_US. A decode step posts a job per MoE layer with the GPU's share of the layer between; a worker
+    that has gone to sleep meanwhile wakes through a futex, tens of microseconds a layer."""
+    env = os.environ.get("KTRANS_CPU_SPIN_US")
+    return max(0, int(env)) if env else DEFAULT_SPIN_US
+
+
+DEFAULT_SPIN_US = 200
+
+
 def get_pool(n_threads: int | None = None) -> _cpu.ThreadPool:
     """The process-wide pool (created on first use); a different n_threads replaces it (--cpu_infer). n_threads
     counts the caller, which joins the work in wait(): see make_pool."""
     global _default_pool
     want = n_threads or (_default_pool.size if _default_pool else default_threads())
     if _default_pool is None or _default_pool.size != want:
-        _default_pool = _cpu.ThreadPool(want)
+        _default_pool = _cpu.ThreadPool(want, True, spin_us())
     return _default_pool
 
 
