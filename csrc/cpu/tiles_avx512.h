@@ -149,7 +149,10 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_begin() {
     cfg.rows[2 + i] = 8, cfg.colsb[2 + i] = 64;
     cfg.rows[4 + i] = 16, cfg.colsb[4 + i] = 64;
   }
-  _tile_loadconfig(&cfg);
+  // Not _tile_loadconfig: GCC 12's (amxtileintrin.h) tells the compiler the instruction reads 8 bytes of the
+  // config, so at -O2 the stores to rows and colsb above were dropped as dead and every tile stayed unconfigured
+  // (tilezero then raised #UD). The operand here is the whole 64-byte struct.
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 __attribute__((target("amx-tile,amx-int8"))) void amx_end() { _tile_release(); }
 
