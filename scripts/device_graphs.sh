@@ -31,7 +31,7 @@ start)
       > /tmp/llb.log 2>&1 < /dev/null &
   fi
   echo "== gpu tests"
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-tests} 2>&1 \
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-tests/engine tests/kernels tests/inject tests/model tests/operators tests/bench} 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -40
   echo "== background: $(tail -c 300 /tmp/write.log 2>/dev/null | tr '\r' '\n' | tail -2)"
   echo "== llama build: $(tail -2 /tmp/llb.log 2>/dev/null)"
@@ -40,10 +40,19 @@ bench)
   for i in $(seq 60); do grep -q done /tmp/write.log 2>/dev/null && break; sleep 5; done
   tail -c 300 /tmp/write.log | tr '\r' '\n' | tail -2
   ls -la "$F"
-  e2e eager --optimize_config_path $R/Qwen3Next-serve-cpuexperts.yaml --prompt_len 64 --gen_len 64 \
-    --batch_sizes 1,4,16 --no-use_cuda_graph
+  if [ -n "${EAGER:-}" ]; then
+    e2e eager --optimize_config_path $R/Qwen3Next-serve-cpuexperts.yaml --prompt_len 64 --gen_len 64 \
+      --batch_sizes 1,4,16 --no-use_cuda_graph
+  fi
   e2e graphs --optimize_config_path $R/Qwen3Next-serve-cpuexperts.yaml --prompt_len 64 --gen_len 64 \
     --batch_sizes 1,4,16 --use_cuda_graph
+  # VARIANTS="NAME:ENV=VALUE[,ENV=VALUE] ...": batch 1 again with those environment variables (A/B of a knob)
+  for v in ${VARIANTS:-}; do
+    name=${v%%:*}
+    env $(echo "${v#*:}" | tr , " ") bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+      e2e $name --optimize_config_path $R/Qwen3Next-serve-cpuexperts.yaml --prompt_len 64 --gen_len 64 \
+      --batch_sizes 1 --use_cuda_graph"
+  done
   for i in $(seq 60); do [ -x $LLB/bin/llama-bench ] && break; pgrep -f "ninja -C $LLB" > /dev/null || break; sleep 5; done
   if [ -x $LLB/bin/llama-bench ]; then
     echo "== llama-bench -ngl 99 -ot exps=CPU"
