@@ -100,7 +100,8 @@ def test_gpu_placements_match_the_cpu_model(ckpt, plain, which):
     if which == "serve":
         experts = model.model.layers[0].mlp.experts
         assert experts.impl["generate"].device == torch.device("cpu") and experts.impl["prefill"].streaming
-        assert model.model.embed_tokens.weight.device.type == "cpu"
+        # the shipped serve rules keep the embedding on the GPU (0.6 GB at 80B), so a decode step is one graph
+        assert model.model.embed_tokens.devices["generate"].type == "cuda"
     if which == "split":
         assert model.model.layers[0].mlp.experts.devices["generate"].type == "cuda"
         assert model.model.layers[7].mlp.experts.devices["generate"].type == "cpu"
