@@ -147,6 +147,8 @@ PYBIND11_MODULE(_cpu, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("size", &ThreadPool::size)
       .def_property_readonly("pinned", &ThreadPool::pinned)
+      .def_property("spin_us", &ThreadPool::spin_us, &ThreadPool::set_spin_us,
+                    "how long idle workers poll for the next job before sleeping (0 where they share cores)")
       .def("wait", &ThreadPool::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),
            "Block until the job with this ticket is done; raises its error, if any.")
       .def("done", &ThreadPool::done, py::arg("ticket"))

@@ -30,6 +30,7 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
       if (CPU_ISSET(c, &set)) cpus.push_back(c);
   // Every thread (the workers and the caller) has a core of its own: pin the workers to all but the first.
   const bool own_cores = static_cast<int>(cpus.size()) >= n_workers_ + 1;
+  own_cores_ = own_cores;
   pinned_ = pin && own_cores;
   if (!own_cores) spin_us_ = 0;
   scratch_.resize(n_workers_ + 1);
@@ -133,7 +134,7 @@ void ThreadPool::wait(uint64_t ticket) {
     }
   }
   // Not helping (or another thread helps): poll for a while, as idle workers do, then sleep.
-  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
   for (int i = 0; completed_.load(std::memory_order_acquire) <= ticket; ++i) {
     if ((i & 255) == 255 && Clock::now() > deadline) break;
     cpu_pause();
@@ -180,7 +181,7 @@ std::array<int64_t, 2> ThreadPool::last_job_times() {
 }
 
 bool ThreadPool::wait_for_job(uint64_t seq) {
-  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_);
+  const auto deadline = Clock::now() + std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
   for (int i = 0; posted_.load(std::memory_order_acquire) <= seq; ++i) {
     if ((i & 255) == 255 && Clock::now() > deadline) {
       std::unique_lock<std::mutex> lock(mu_);

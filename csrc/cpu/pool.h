@@ -10,6 +10,7 @@
 // and while the caller is busy elsewhere (the GPU's share of a layer) the workers already run.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -111,6 +112,10 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return n_threads_; }
+  // The polling window, changeable while the pool runs (the CPU experts widen it once a GPU stream drives them:
+  // their jobs then come with the GPU's work between). Stays 0 where the threads have no cores of their own.
+  void set_spin_us(int us) { spin_us_.store(own_cores_ ? std::max(us, 0) : 0); }
+  int spin_us() const { return spin_us_.load(); }
   bool pinned() const { return pinned_; }
   // Whether wait() works on the jobs (the default) or only waits, polling for spin_us and then sleeping: the
   // workers alone then stream the weights, and the caller's caches keep what it runs next (tuning).
@@ -145,7 +150,8 @@ class ThreadPool {
   std::atomic<bool> caller_helps_{true};
   std::vector<std::thread> threads_;
   bool pinned_ = false;
-  int spin_us_;
+  std::atomic<int> spin_us_;
+  bool own_cores_ = false;
   std::mutex mu_;       // sleeping and waking (cv_work_, cv_done_), errors_, stop_
   SpinLock q_mu_;       // queue_ and base_
   std::mutex help_mu_;  // one helping caller at a time: it uses the last scratch slot

@@ -260,17 +260,25 @@ def default_threads() -> int:
 
 def spin_us() -> int:
     """How long the process pool's idle workers poll for the next job before sleeping: KTRANS_CPU_SPIN_US, else
-    DEFAULT_SPIN_US. A decode step posts a job per MoE layer with the GPU's share of the layer between; a worker
-    that has gone to sleep meanwhile wakes through a futex, tens of microseconds a layer."""
+    DEFAULT_SPIN_US (STREAM_SPIN_US once the experts run on a GPU stream: `stream_spin_us`)."""
     env = os.environ.get("KTRANS_CPU_SPIN_US")
     return max(0, int(env)) if env else DEFAULT_SPIN_US
 
 
-# Measured at full size on the H200 machine (doc/benchmarks.md, "How long the CPU experts' workers poll"): with 200 us
-# the 15 workers slept between most layers (the GPU's share of a layer is ~250 us) and each layer's job waited for
-# them to wake, 63.6 ms of experts a token; with 20 ms they never sleep during decode, 8.3-10.2 ms. Idle, they sleep
-# 20 ms after the last job.
-DEFAULT_SPIN_US = 20_000
+def stream_spin_us() -> int:
+    """The polling window while a GPU stream drives the experts: KTRANS_CPU_SPIN_US, else STREAM_SPIN_US."""
+    env = os.environ.get("KTRANS_CPU_SPIN_US")
+    return max(0, int(env)) if env else STREAM_SPIN_US
+
+
+# The caller's own work between jobs (the CPU-only placement's dense layers, in torch's threads) needs the cores, so
+# idle workers poll briefly.
+DEFAULT_SPIN_US = 200
+# A GPU stream drives the experts: a job per MoE layer with the GPU's ~250 us share of the layer between, the CPU
+# otherwise idle. Measured at full size on the H200 machine (doc/benchmarks.md, "How long the CPU experts' workers
+# poll"): with 200 us the workers slept between most layers and each job waited for their wake-ups, 63.6 ms of
+# experts a token; with 20 ms they never sleep during decode, 8.3-10.2 ms. Idle, they sleep 20 ms after the last job.
+STREAM_SPIN_US = 20_000
 
 
 def get_pool(n_threads: int | None = None) -> _cpu.ThreadPool:

@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from ktrans import _cpu
+from ktrans.kernels import cpu
 
 _STAGING: dict[tuple, "Staging"] = {}
 _ALL: "weakref.WeakSet[Staging]" = weakref.WeakSet()  # every staging alive, grown ones included
@@ -86,6 +87,7 @@ class StreamMoE:
         if staging.hidden != moe.hidden:
             raise ValueError(f"{name}: staging hidden {staging.hidden} != the layer's {moe.hidden}")
         self.moe, self.staging, self.name = moe, staging, name
+        moe.pool.spin_us = max(moe.pool.spin_us, cpu.stream_spin_us())  # see cpu.STREAM_SPIN_US
         s = staging
         self.call = _cpu.StreamCall(moe._moe, s.x.data_ptr(), s.hidden, s.ids.data_ptr(), s.weights.data_ptr(), s.k,
                                     s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())

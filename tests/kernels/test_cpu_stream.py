@@ -88,3 +88,24 @@ def test_without_cuda_the_stream_path_says_why():
         assert not ok and why
     hooks, hooks_why = _cpu.stream_hooks_available()
     assert hooks or "libcuda" in hooks_why or "cuLaunchHostFunc" in hooks_why
+
+
+def test_stream_path_widens_the_polling_window(monkeypatch):
+    """Driven from a GPU stream, a job comes per layer with the GPU's work between: the workers poll through it
+    (cpu.STREAM_SPIN_US) instead of sleeping; a pool whose threads share cores keeps 0 (polling would steal them)."""
+    from ktrans.kernels import cpu
+
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores for a pool whose threads have cores of their own")
+    monkeypatch.delenv("KTRANS_CPU_SPIN_US", raising=False)
+    own = cpu.make_pool(2, pin=False, spin_us=200)  # the dev box and CI have 2 cores: 1 worker + the caller
+    assert own.spin_us == 200
+    _staged(make_moe(TYPES, own), 4)
+    assert own.spin_us == cpu.STREAM_SPIN_US
+    monkeypatch.setenv("KTRANS_CPU_SPIN_US", "1500")
+    assert cpu.stream_spin_us() == 1500 and cpu.spin_us() == 1500
+    shared = cpu.make_pool(64, pin=False, spin_us=200)  # more threads than this machine's cores
+    _staged(make_moe(TYPES, shared), 4)
+    assert shared.spin_us == 0
