@@ -251,3 +251,20 @@ def test_real_shapes_on_the_gpu(dtype):
     decode_tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else TOL  # bf16: the output's rounding
     torch.testing.assert_close(out.float(), want, **decode_tol)
     torch.testing.assert_close(ssm_pool[slots_t], ssm_ref, **TOL)
+
+
+def test_bf16_inputs(triton_device):
+    """bf16 activations (the real model's): the kernels keep w, u and the chunk's q.k matrix in bf16 and the output
+    is rounded to bf16, so the bound is 2e-2 of the largest value (bf16 keeps 8 bits), against the fp32 reference
+    on the same rounded inputs."""
+    hk, hv, dk, dv = SHAPES[0]
+    q, k, v, a, b, A_log, dt_bias, pool = rule_inputs(70, hk, hv, dk, dv, triton_device, slots=2)
+    q, k, v, a, b = (x.to(torch.bfloat16) for x in (q, k, v, a, b))
+    before = pool.clone()
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks([(0, 70, 1, False)],
+                                                                                       triton_device))
+    g, beta = gates(a, b, A_log, dt_bias)
+    ref_o, ref_state = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta, before[1])
+    assert o.dtype == torch.bfloat16
+    assert (o.float() - ref_o).abs().max() <= 2e-2 * ref_o.abs().max()
+    assert (pool[1] - ref_state).abs().max() <= 2e-2 * ref_state.abs().max()

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton import interpreting
+
 CHUNK = 64
 _SUB = 16  # the row block of the triangular solve (tl.dot's smallest tile)
 
@@ -299,6 +301,8 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
 
 def _dot_types(dtype: torch.dtype):
     dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    if interpreting():
+        dt = tl.float32  # Triton 3.9's interpreter returns garbage from a bf16 x bf16 tl.dot
     # fp32 inputs get fp32 products (tests, the fp32 model); bf16 ones the tensor cores' bf16 x bf16 -> fp32.
     return dt, "ieee" if dtype == torch.float32 else "tf32"
 
