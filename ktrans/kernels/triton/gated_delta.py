@@ -33,7 +33,9 @@ import triton.language as tl
 from ktrans.kernels.triton import interpreting
 
 CHUNK = 64
-_SUB = 16  # the row block of the triangular solve (tl.dot's smallest tile)
+# Launch shapes, not yet tuned on the H200 (the lead's bench run is where to tune them): warps of the two kernels
+# and the value columns one scan program carries (32: 128 programs for one sequence at HV=32, Dv=128).
+PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 8, 4, 32
 
 
 @dataclass
@@ -98,13 +100,17 @@ def plan_chunks(seqs: list[tuple[int, int, int, bool]], device: torch.device, st
 
 
 @triton.jit
-def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid), as fp32."""
+def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+               F32: tl.constexpr = True):
+    """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid); zeros past them. In
+    fp32, or as stored (F32=False: operands that go straight into a tl.dot)."""
     r = R0 + tl.arange(0, ROWS)
     c = tl.arange(0, COLS)
     mask = (r[:, None] < n) & (c[None, :] < ncols)
     x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
-    return x.to(tl.float32)
+    if F32:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -149,9 +155,9 @@ def _inv_unit_lower(a):
     t = eye
     for i in tl.static_range(1, a.shape[0]):
         # Row i of the inverse: e_i - sum_{j<i} a_ij t_j, where rows j < i of t are already final.
-        a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)
-        row = tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(r[:, None] == i, eye - row[None, :], t)
+        is_i = r[:, None] == i
+        a_i = tl.sum(tl.where(is_i, a, 0.0), axis=0)
+        t = tl.where(is_i, eye - tl.sum(a_i[:, None] * t, axis=0)[None, :], t)
     return t
 
 
@@ -278,11 +284,11 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
         rows = (row0 + rc).to(tl.int64)
         q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
         k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
-        w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK)
+        w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK, False)
         u = _load_rows(u_ptr + h * DV, row0, n, HV * DV, vb * BV, DV - vb * BV, 0, C, BV)
         cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
         cum_last = tl.load(cum_ptr + (row0 + n - 1).to(tl.int64) * HV + h)
-        attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])
+        attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
         sd = state.to(DT)
         v_new = u - tl.dot(w.to(DT), sd, input_precision=PREC)
         o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
@@ -335,7 +341,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return out
     dt, prec = _dot_types(v.dtype)
     bk, bvf = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    bv = block_v or min(bvf, 32)
+    bv = block_v or min(bvf, SCAN_BLOCK_V)
     w = torch.empty(t, hv, dk, dtype=v.dtype, device=v.device)
     u = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     cum = torch.empty(t, hv, dtype=torch.float32, device=v.device)
@@ -344,10 +350,10 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _prep_kernel[(plan.num_chunks, hk)](
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=4)
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=PREP_WARPS)
     _scan_kernel[(plan.num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, w, u, cum, attn, out, state_pool, plan.chunk_start, plan.chunk_len, plan.first_chunk, plan.seq_slot,
         plan.seq_fresh, plan.emit_slot, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
         out.stride(1), state_pool.stride(0), state_pool.stride(1),
-        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=4)
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=SCAN_WARPS)
     return out
