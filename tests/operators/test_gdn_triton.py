@@ -82,3 +82,79 @@ def test_triton_op_matches_torch_op(tmp_path, triton_device):
         top2 = w.topk(2, dim=-1).values
         sure = (top2[:, 0] - top2[:, 1]) > 2 * TOL * w.abs().max()
         assert sure.any() and torch.equal(g.argmax(-1)[sure], w.argmax(-1)[sure]), f"step {step}"
+
+
+GPU_TOL = 0.08  # bf16 logits of the `small` model (|logits| up to ~5), as the CUDA-graph tests bound them
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_op_in_cuda_graphs_matches_torch_op():
+    """The gpu placement in bf16 with the Triton op, decode replayed from CUDA graphs (3 sequences in the 4-row
+    bucket: one pad row on the pad slot), against the same placement with the torch op run eagerly; teacher-forced
+    for 64 steps (the torch model's greedy tokens fed to both)."""
+    from ktrans.config import ModelConfig
+    from ktrans.inject import build_injected_model
+    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.weights.source import StateDictSource
+
+    from ..engine.test_graphs import _model_runner
+
+    config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
+    text = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
+    line = 'class: KQwen3NextGatedDeltaNet\n    kwargs: {generate_device: "cuda", prefill_device: "cuda"'
+    assert line in text
+    weights = random_state_dict(config, 3)
+    models = [build_injected_model(config, rules(text.replace(line, f'{line}, prefill_op: "{op}", '
+                                                              f'generate_op: "{op}"'), op),
+                                   StateDictSource(weights), torch.bfloat16)[0]
+              for op in ("KGatedDeltaNetTorch", "KGatedDeltaNetTriton")]
+    runners = [_model_runner(models[0], graphs=False), _model_runner(models[1], graphs=True)]
+    prompts = [list(range(3, 14)), list(range(40, 110)), list(range(7, 30))]  # 70 tokens: past one chunk
+    pages = [[4 * i + j for j in range(4)] for i in range(3)]
+    for r in runners:
+        for slot, (p, pg) in enumerate(zip(prompts, pages)):
+            r.step([SeqChunk(p, 0, slot, pg)])
+    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
+    worst, disagreements = 0.0, []
+    for step in range(64):
+        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
+        ref, got = (r.step(chunks).float() for r in runners)
+        worst = max(worst, float((got - ref).abs().max()))
+        top2 = ref.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * GPU_TOL
+        if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
+            disagreements.append(step)
+        tokens = ref.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    assert runners[1].graphs.num_replays >= 60
+    assert worst <= GPU_TOL, f"max |logits - torch op| = {worst:.4f} over 64 steps"
+    assert not disagreements, f"argmax differs where the margin exceeds {2 * GPU_TOL}: steps {disagreements}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_step_never_syncs():
+    """As tests/engine/test_no_host_sync.py checks the reference ops: a planned decode step with the Triton op reads
+    nothing back from the device and makes no synchronising runtime call."""
+    from ktrans.config import ModelConfig
+    from ktrans.engine.runner import ModelRunner
+    from ktrans.inject import build_injected_model, pool_devices
+    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.weights.source import StateDictSource
+
+    from ..engine.test_no_host_sync import _SYNC_RUNTIME, _decode_step, _profile
+
+    config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
+    text = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
+    line = 'class: KQwen3NextGatedDeltaNet\n    kwargs: {generate_device: "cuda", prefill_device: "cuda"'
+    text = text.replace(line, f'{line}, prefill_op: "KGatedDeltaNetTriton", generate_op: "KGatedDeltaNetTriton"')
+    model, _ = build_injected_model(config, rules(text), StateDictSource(random_state_dict(config, 3)), torch.bfloat16)
+    kv_dev, state_dev = pool_devices(model)
+    runner = ModelRunner(model, KVPool(config, 32, 16, torch.bfloat16, kv_dev),
+                         StatePool(config, 4, torch.bfloat16, state_dev), max_num_seqs=4, max_num_tokens=64,
+                         max_pages_per_seq=8)
+    batch = _decode_step(runner)
+    logits, seen, device, calls = _profile(runner, batch)
+    assert logits.is_cuda and seen == [], sorted(set(seen))
+    assert not [e for e in device if "DtoH" in e] and not [e for e in calls if e in _SYNC_RUNTIME]
