@@ -151,8 +151,9 @@ def reference_decode(mixed, a, b, A_log, dt_bias, weight, conv_state, ssm_state,
                                    ssm_state)
 
 
+@pytest.mark.parametrize("heads_per_tile", [None, 1])  # all of a key head's value heads at once, or one by one
 @pytest.mark.parametrize("shape,width", [(SHAPES[0], 4), (SHAPES[1], 3)])
-def test_decode_step_matches_reference(triton_device, shape, width):
+def test_decode_step_matches_reference(triton_device, shape, width, heads_per_tile):
     hk, hv, dk, dv = shape
     # A mixed step's flat batch of 7 tokens: decode rows 5, 0 and 3 (the rest belong to prefill chunks), their
     # slots out of order.
@@ -162,7 +163,8 @@ def test_decode_step_matches_reference(triton_device, shape, width):
     rows = torch.tensor([5, 0, 3], device=triton_device)
     slots = torch.tensor([4, 1, 2], device=triton_device)
     out = torch.full((7, hv, dv), 7.0, device=triton_device)
-    gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, rows=rows, out=out)
+    gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, rows=rows, out=out,
+                       heads_per_tile=heads_per_tile)
     conv_ref, ssm_ref = conv0[slots], ssm0[slots]
     want = reference_decode(mixed[rows], a[rows], b[rows], A_log, dt_bias, weight, conv_ref, ssm_ref, hk, dk)
     torch.testing.assert_close(out[rows], want, **TOL)

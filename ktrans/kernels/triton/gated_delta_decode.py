@@ -8,8 +8,8 @@ of the fp32 state, in place in the state pool at the row's slot.
 One program per (row, key head): it owns every channel of that key head (its q and k channels and the v channels
 of its R value heads) and their R states [Dk, Dv], so no other program reads a conv window it rewrites. (Split
 finer, the programs sharing a key head's q/k windows would race: one could shift a window another has not read
-yet.) The R states are one [R, Dk, Dv] tile, loaded before anything is stored, so the whole 2 x 64 KiB of the
-real model is in flight at once.
+yet.) A small batch loads the R states as one [R, Dk, Dv] tile, so the whole 2 x 64 KiB of the real model is in
+flight at once from the few SMs that work; a large one takes them a head at a time in smaller programs.
 
 Capturable in a CUDA graph: it reads only shapes on the host and allocates nothing but its output (none when the
 caller passes `out`). Pad rows of a graph bucket name the pool's pad slot: several rows then race on that slot,
@@ -46,7 +46,7 @@ def _store_window(conv_slot, stride_cc, ch, cmask, win, K: tl.constexpr, KP: tl.
 @triton.jit
 def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, ssm_ptr, slots_ptr, o_ptr,
                    stride_xt, stride_at, stride_bt, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
-                   HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                   HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    K: tl.constexpr, KP: tl.constexpr):
     i = tl.program_id(0)
@@ -63,57 +63,66 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
     kmask = rk < DK
     qy, qwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, kh * DK + rk, kmask, K, KP)
     ky, kwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, K, KP)
-    # The group's v channels as one flat range: value head kh * R + j, column c.
-    f = tl.arange(0, RP * BV)
-    fj, fc = f // BV, f % BV
-    vch = 2 * key_dim + (kh * R + fj) * DV + fc
-    vmask = (fj < R) & (fc < DV)
-    vy, vwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, vch, vmask, K, KP)
-
-    rj = tl.arange(0, RP)
-    rv = tl.arange(0, BV)
-    jmask = rj < R
-    heads = kh * R + rj
-    soff = (heads[:, None, None] * DK + rk[None, :, None]) * DV + rv[None, None, :]
-    smask = jmask[:, None, None] & kmask[None, :, None] & (rv < DV)[None, None, :]
-    sp = ssm_ptr + slot * stride_ss
-    state = tl.load(sp + soff, mask=smask, other=0.0)
-
-    tl.debug_barrier()  # every window is read (by every thread) before any is shifted
+    tl.debug_barrier()  # every thread has read the q/k windows before any is shifted
     _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
     _store_window(conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, kwin, K, KP)
-    _store_window(conv_slot, stride_cc, vch, vmask, vwin, K, KP)
-
     q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
     k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
-    v = tl.reshape(vy, (RP, BV))
-    av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
-    bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
-    xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
-    softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
-    g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-bv))
 
-    state = state * tl.exp(g)[:, None, None]
-    kv_mem = tl.sum(state * k[None, :, None], axis=1)            # [RP, BV]: what S predicts for k
-    delta = beta[:, None] * (v - kv_mem)
-    state = state + k[None, :, None] * delta[:, None, :]
-    o = tl.sum(state * q[None, :, None], axis=1)
-    tl.store(sp + soff, state, mask=smask)
-    optr = o_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + rv[None, :]
-    tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=jmask[:, None] & (rv < DV)[None, :])
+    # The group's R value heads, RB at a time: their states as one [RB, Dk, Dv] tile, their v channels as one
+    # flat range (head j, column c).
+    rj = tl.arange(0, RB)
+    rv = tl.arange(0, BV)
+    f = tl.arange(0, RB * BV)
+    sp = ssm_ptr + slot * stride_ss
+    for j0 in tl.static_range(0, R, RB):
+        fj, fc = j0 + f // BV, f % BV
+        vch = 2 * key_dim + (kh * R + fj) * DV + fc
+        vmask = (fj < R) & (fc < DV)
+        vy, vwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, vch, vmask, K, KP)
+        jmask = j0 + rj < R
+        heads = kh * R + j0 + rj
+        soff = (heads[:, None, None] * DK + rk[None, :, None]) * DV + rv[None, None, :]
+        smask = jmask[:, None, None] & kmask[None, :, None] & (rv < DV)[None, None, :]
+        state = tl.load(sp + soff, mask=smask, other=0.0)
+        tl.debug_barrier()  # these heads' v windows are read before they are shifted
+        _store_window(conv_slot, stride_cc, vch, vmask, vwin, K, KP)
+
+        v = tl.reshape(vy, (RB, BV))
+        av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
+        bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
+        xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
+        softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
+        g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-bv))
+
+        state = state * tl.exp(g)[:, None, None]
+        kv_mem = tl.sum(state * k[None, :, None], axis=1)            # [RB, BV]: what S predicts for k
+        delta = beta[:, None] * (v - kv_mem)
+        state = state + k[None, :, None] * delta[:, None, :]
+        o = tl.sum(state * q[None, :, None], axis=1)
+        tl.store(sp + soff, state, mask=smask)
+        optr = o_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + rv[None, :]
+        tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=jmask[:, None] & (rv < DV)[None, :])
+
+
+# Below this many programs (rows x key heads) a program loads all its R states at once (more bytes in flight where
+# few SMs work); above, one head at a time (smaller tiles, more programs resident per SM). About 2 per H200 SM.
+WIDE_TILE_PROGRAMS = 264
 
 
 def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                        dt_bias: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
                        ssm_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int,
-                       rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       heads_per_tile: int | None = None) -> torch.Tensor:
     """One decode token for each of B rows, updating the pools in place at `slots` [B] (int64, on the device).
 
     mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs; rows [B] the
     token rows of the decode sequences (None: row i is token i, B = T). conv_weight [conv_dim, K];
     conv_pool [slots, conv_dim, K-1]; ssm_pool [slots, HV, Dk, Dv] float32 contiguous.
-    Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only.
+    Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only. heads_per_tile
+    (1..R) overrides how many value heads' states a program holds at once (tests run both shapes).
     """
     hv, dk, dv = ssm_pool.shape[1:]
     hk = num_k_heads
@@ -134,12 +143,13 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         return out
     r = hv // hk
     bv = triton.next_power_of_2(dv)
-    rp = triton.next_power_of_2(r)
-    tile = rp * triton.next_power_of_2(dk) * bv
+    rb = heads_per_tile or (r if n * hk < WIDE_TILE_PROGRAMS else 1)
+    rb = triton.next_power_of_2(min(rb, r))
+    tile = rb * triton.next_power_of_2(dk) * bv
     _decode_kernel[(n, hk)](
         mixed, rows if rows is not None else slots, a, b, A_log, dt_bias, conv_weight, conv_pool, ssm_pool, slots,
         out, mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
         ssm_pool.stride(0), out.stride(0), out.stride(1),
-        HAS_ROWS=rows is not None, HK=hk, R=r, RP=rp, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        K=width, KP=triton.next_power_of_2(width), num_warps=16 if tile >= 1 << 15 else 4)
+        HAS_ROWS=rows is not None, HK=hk, R=r, RB=rb, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        K=width, KP=triton.next_power_of_2(width), num_warps=max(4, min(16, tile // 2048)))
     return out
