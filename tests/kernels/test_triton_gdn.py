@@ -51,13 +51,17 @@ def segments(lens, slots, fresh):
     return out
 
 
-@pytest.mark.parametrize("shape,lens,slots,fresh", [
-    (SHAPES[0], [1, 63, 64, 65, 130], [3, 0, 5, 1, 4], [False, True, False, True, False]),
-    (SHAPES[1], [7, 1, 40], [2, 0, 1], [False, False, True]),
+@pytest.mark.parametrize("shape,lens,slots,fresh,strong_decay", [
+    (SHAPES[0], [1, 63, 64, 65, 130], [3, 0, 5, 1, 4], [False, True, False, True, False], False),
+    (SHAPES[1], [7, 1, 40], [2, 0, 1], [False, False, True], False),
+    # exp(A_log) = 20: g down to ~-100 per token, the chunk's decays underflow to 0 (and must not overflow).
+    (SHAPES[0], [70], [1], [False], True),
 ])
-def test_chunked_rule_matches_reference(triton_device, shape, lens, slots, fresh):
+def test_chunked_rule_matches_reference(triton_device, shape, lens, slots, fresh, strong_decay):
     hk, hv, dk, dv = shape
     q, k, v, a, b, A_log, dt_bias, pool = rule_inputs(sum(lens), hk, hv, dk, dv, triton_device, slots=6)
+    if strong_decay:
+        A_log.fill_(3.0)
     before = pool.clone()
     seqs = segments(lens, slots, fresh)
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, triton_device))
