@@ -52,7 +52,6 @@ class ChunkPlan:
     seq_slot: torch.Tensor      # [NS] state slot
     seq_fresh: torch.Tensor     # [NS] 1: start from zero state (and zero conv history), 0: continue the slot's
     emit_slot: torch.Tensor     # [NC] slot that receives the state after the chunk, -1 for none
-    last_chunk: torch.Tensor    # [NC] 1 for the last chunk of its sequence
     min_first_len: int          # host: the shortest first chunk among sequences longer than it (the conv's
                                 # kernel needs every read of a carried window inside the first chunk)
 
@@ -85,14 +84,13 @@ def plan_chunks(seqs: list[tuple[int, int, int, bool]], device: torch.device, st
             raise ValueError(f"sequence {i} reaches {sum(boundaries)} chunk boundaries but has {len(want)} emit slots")
         it = iter(want)
         emits.extend(next(it) if b and emit else -1 for b in boundaries)
-    cut = [starts[f2 - 1] + lens[f2 - 1] - starts[f1] for f1, f2 in zip(first, first[1:])]
-    min_first = min((lens[f] for f, n in zip(first, cut) if lens[f] < n), default=CHUNK)
-    last = [1 if c + 1 == len(starts) or owner[c + 1] != owner[c] else 0 for c in range(len(starts))]
+    seq_lens = [e - s for s, e, _, _ in seqs]
+    min_first = min((lens[f] for f, n in zip(first, seq_lens) if lens[f] < n), default=CHUNK)
     ns, nc = len(seqs), len(starts)
     table = torch.tensor([*starts, *lens, *owner, *first, *(s for s, _, _, _ in seqs), *(sl for _, _, sl, _ in seqs),
-                          *(int(f) for _, _, _, f in seqs), *emits, *last], dtype=torch.int64)
+                          *(int(f) for _, _, _, f in seqs), *emits], dtype=torch.int64)
     table = table.to(device, non_blocking=True)
-    parts = table.split([nc, nc, nc, ns + 1, ns, ns, ns, nc, nc])
+    parts = table.split([nc, nc, nc, ns + 1, ns, ns, ns, nc])
     return ChunkPlan(ns, nc, *parts, min_first_len=min_first)
 
 
