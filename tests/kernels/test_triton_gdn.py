@@ -227,8 +227,8 @@ def test_prefill_then_decode_equals_one_prefill(triton_device):
 def test_real_shapes_on_the_gpu(dtype):
     """HK=16, HV=32, Dk=Dv=128: two sequences of prefill (one carried) and a decode batch of 5, against the
     references run in fp32 on the same (rounded) inputs. bf16: the kernels keep w, u and the chunk's q.k matrix in
-    bf16 and multiply bf16 on the tensor cores, so 2e-2 of the outputs' largest value; fp32 multiplies exactly
-    (input_precision ieee), so TOL."""
+    bf16 and multiply bf16 operands (the state too) on the tensor cores: half a dozen roundings of 2^-8 each, so
+    4e-2 of the outputs' largest value; fp32 multiplies exactly (input_precision ieee), so TOL."""
     dev = torch.device("cuda")
     hk, hv, dk, dv = 16, 32, 128, 128
     lens, slots, fresh = [200, 77], [2, 0], [False, True]
@@ -238,7 +238,7 @@ def test_real_shapes_on_the_gpu(dtype):
     seqs = segments(lens, slots, fresh)
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, dev))
     g, beta = gates(a, b, A_log, dt_bias)
-    scale_tol = 2e-2 if dtype == torch.bfloat16 else None
+    scale_tol = 4e-2 if dtype == torch.bfloat16 else None
     for s, e, slot, f in seqs:
         ref_o, ref_state = chunk_gated_delta_rule(q[s:e].float(), k[s:e].float(), v[s:e].float(), g[s:e], beta[s:e],
                                                   None if f else before[slot])

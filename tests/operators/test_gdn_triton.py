@@ -84,7 +84,10 @@ def test_triton_op_matches_torch_op(tmp_path, triton_device):
         assert sure.any() and torch.equal(g.argmax(-1)[sure], w.argmax(-1)[sure]), f"step {step}"
 
 
-GPU_TOL = 0.08  # bf16 logits of the `small` model (|logits| up to ~5), as the CUDA-graph tests bound them
+# bf16 logits of the `small` model (|logits| up to ~5). Twice the CUDA-graph tests' bound (same kernels, other
+# shapes): here the ops differ too, the Triton one multiplying bf16 on the tensor cores in prefill and keeping the
+# decode conv in fp32, about 1% of a DeltaNet output; a wrong state or gate moves logits by O(1).
+GPU_TOL = 0.15
 
 
 @pytest.mark.gpu
