@@ -3,8 +3,9 @@
 The operator holds the layer's math around its op: the input projections (children placed by their own rules)
 split per key head, then its op, then out_proj. The op owns what runs on the state: the causal conv
 (conv1d.weight), the gates (A_log, dt_bias), the gated delta rule with its batching policy (`deltanet_core`) and
-the gated output norm. KGatedDeltaNetTorch uses the reference kernels; a Triton op (FLA-style chunked kernels)
-registers into GDN_OPS with the same call. The state pool pins the operator to one device for both phases.
+the gated output norm. KGatedDeltaNetTorch uses the reference kernels; KGatedDeltaNetTriton (gdn_triton.py, the
+FLA-style chunked Triton kernels) registers into GDN_OPS with the same call. The state pool pins the operator to one
+device for both phases.
 
 Batching policy, planned from the batch's host lists before the forward (`plan_deltanet`): one-token steps of
 already-started sequences run together through the batched decode kernels, also when prefill chunks share the
@@ -29,6 +30,9 @@ from ktrans.runtime.batch import ForwardBatch
 from ktrans.weights.source import WeightSource
 
 GDN_OPS = OpRegistry("gated deltanet")
+# The Triton kernels (FLA-style chunked rule, fused decode step): on CUDA, and on the CPU under Triton's interpreter.
+GDN_OPS.declare("KGatedDeltaNetTriton", devices=("cpu", "cuda"), module="ktrans.operators.gdn_triton",
+                provided_by="Triton (`pip install triton`)")
 
 
 @dataclass

@@ -1,0 +1,362 @@
+"""Chunked gated delta rule in Triton: the prefill of a Gated DeltaNet layer, varlen over a batch's sequences.
+
+The oracle is `ktrans/kernels/torch/gated_delta.py` (`chunk_gated_delta_rule`, one sequence); the design is FLA's
+chunked WY form (fla-org/flash-linear-attention, fla/ops/gated_delta_rule/chunk.py and wy_fast.py): within a chunk
+of 64 tokens the deltas solve a unit lower-triangular system whose inverse does not depend on the carried state, so
+every chunk does its solve in parallel and only a small matmul per chunk remains in the sequential scan.
+
+Two launches (FLA uses about eight for the same work):
+
+1. `_prep_kernel`, one program per (chunk, key head): L2-normalises q and k, computes the gates
+   g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) and their in-chunk cumulative log-decay, then per
+   value head of the group (HV = R * HK) builds A = strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)), solves
+   (I + A) X = [beta k exp(cum) | beta v] by block forward substitution on 16-row blocks (each diagonal 16x16 block
+   inverted by substitution, the rest matmuls), and stores w, u, cum and the chunk's causal q.k decay matrix.
+2. `_scan_kernel`, one program per (sequence, value head, block of value columns): carries the fp32 state
+   [Dk, BV] in registers over the sequence's chunks: v_new = u - w S, o = (q exp(cum)) S + attn v_new,
+   S <- exp(cum_last) S + (k exp(cum_last - cum))^T v_new. It reads the initial state from the state pool by slot
+   (zeros for a fresh sequence), writes the final state back by slot, and on request writes the state after a
+   chunk into that chunk's emit slot (the prefix cache's snapshots at 64-token boundaries).
+
+Chunks are cut at absolute positions that are multiples of 64 (a sequence that starts at cached length 100 has a
+first chunk of 28 tokens), so emitted states sit on the same boundaries however a prompt was split into prefill
+calls. The chunk table is planned on the host (`plan_chunks`), once per step, and copied to the device in one go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ktrans.kernels.triton import interpreting
+
+CHUNK = 64
+# Launch shapes, not yet tuned on the H200 (the lead's bench run is where to tune them): warps of the two kernels
+# and the value columns one scan program carries (32: 128 programs for one sequence at HV=32, Dv=128).
+PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 8, 4, 32
+
+
+@dataclass
+class ChunkPlan:
+    """The chunk table of one varlen call, on the device (one int64 tensor, sliced)."""
+
+    num_seqs: int
+    num_chunks: int
+    chunk_start: torch.Tensor   # [NC] flat row of each chunk's first token
+    chunk_len: torch.Tensor     # [NC] 1..64 tokens
+    chunk_seq: torch.Tensor     # [NC] the sequence it belongs to
+    first_chunk: torch.Tensor   # [NS + 1] chunks of sequence s are first_chunk[s] .. first_chunk[s + 1] - 1
+    seq_start: torch.Tensor     # [NS] flat row of each sequence's first token
+    seq_slot: torch.Tensor      # [NS] state slot
+    seq_fresh: torch.Tensor     # [NS] 1: start from zero state (and zero conv history), 0: continue the slot's
+    emit_slot: torch.Tensor     # [NC] slot that receives the state after the chunk, -1 for none
+    min_first_len: int          # host: the shortest first chunk among sequences longer than it (the conv's
+                                # kernel needs every read of a carried window inside the first chunk)
+
+
+def plan_chunks(seqs: list[tuple[int, int, int, bool]], device: torch.device, start_pos: list[int] | None = None,
+                emit: list[list[int]] | None = None) -> ChunkPlan:
+    """The chunk table for sequences given as (start, end, slot, fresh) rows of the flat batch.
+
+    start_pos[i] is sequence i's absolute position of its first new token (its cached length; 0 when omitted):
+    chunks end at absolute multiples of 64. emit[i] lists one slot per 64-boundary that sequence i reaches in this
+    call (absolute positions p with start_pos < p <= start_pos + length, p % 64 == 0), in order.
+    """
+    starts, lens, owner, first, emits = [], [], [], [0], []
+    for i, (s, e, _slot, _fresh) in enumerate(seqs):
+        if e <= s:
+            raise ValueError(f"sequence {i} has no tokens ({s}..{e})")
+        pos = start_pos[i] if start_pos else 0
+        boundaries = []
+        t = s
+        while t < e:
+            n = min(e - t, CHUNK - (pos + t - s) % CHUNK)
+            starts.append(t)
+            lens.append(n)
+            owner.append(i)
+            t += n
+            boundaries.append((pos + t - s) % CHUNK == 0)
+        first.append(len(starts))
+        want = emit[i] if emit else []
+        if emit and len(want) != sum(boundaries):
+            raise ValueError(f"sequence {i} reaches {sum(boundaries)} chunk boundaries but has {len(want)} emit slots")
+        it = iter(want)
+        emits.extend(next(it) if b and emit else -1 for b in boundaries)
+    seq_lens = [e - s for s, e, _, _ in seqs]
+    min_first = min((lens[f] for f, n in zip(first, seq_lens) if lens[f] < n), default=CHUNK)
+    ns, nc = len(seqs), len(starts)
+    table = torch.tensor([*starts, *lens, *owner, *first, *(s for s, _, _, _ in seqs), *(sl for _, _, sl, _ in seqs),
+                          *(int(f) for _, _, _, f in seqs), *emits], dtype=torch.int64)
+    table = table.to(device, non_blocking=True)
+    parts = table.split([nc, nc, nc, ns + 1, ns, ns, ns, nc])
+    return ChunkPlan(ns, nc, *parts, min_first_len=min_first)
+
+
+# ---- kernels ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+               F32: tl.constexpr = True):
+    """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid); zeros past them. In
+    fp32, or as stored (F32=False: operands that go straight into a tl.dot)."""
+    r = R0 + tl.arange(0, ROWS)
+    c = tl.arange(0, COLS)
+    mask = (r[:, None] < n) & (c[None, :] < ncols)
+    x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
+    if F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _l2norm_rows(x):
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, R0: tl.constexpr, ROWS: tl.constexpr):
+    """g and beta of value head h for rows R0 .. R0+ROWS of a chunk; 0 for rows past its end (they then write and
+    decay nothing)."""
+    r = R0 + tl.arange(0, ROWS)
+    valid = r < n
+    rows = (row0 + r).to(tl.int64)
+    a = tl.load(a_ptr + rows * stride_at + h, mask=valid, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
+    x = a + tl.load(dtb_ptr + h).to(tl.float32)
+    # softplus as torch computes it (threshold 20: linear above), so the gates match F.softplus.
+    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    return tl.where(valid, g, 0.0), tl.where(valid, beta, 0.0)
+
+
+@triton.jit
+def _kkt(ki, kj, beta_i, ci, cj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """A block of A: beta_i (k_i . k_j) exp(cum_i - cum_j), strictly lower inside a diagonal block."""
+    kk = tl.dot(ki.to(DT), tl.trans(kj.to(DT)), input_precision=PREC)
+    d = ci[:, None] - cj[None, :]
+    if DIAG:
+        r = tl.arange(0, ki.shape[0])
+        # Masked before exp: the upper half's exponents are positive and never become numbers.
+        d = tl.where(r[:, None] > r[None, :], d, float("-inf"))
+    return kk * beta_i[:, None] * tl.exp(d)
+
+
+@triton.jit
+def _inv_unit_lower4(a0, a1, a2, a3):
+    """(I + a_b)^-1 for four strictly lower-triangular 16x16 blocks, by forward substitution row by row, the four
+    side by side as one [4, 16, 16] tensor (one chain of 15 steps, not four)."""
+    r = tl.arange(0, a0.shape[0])
+    blk = tl.arange(0, 4)[:, None, None]
+    a = tl.where(blk == 0, a0[None, :, :], tl.where(blk == 1, a1[None, :, :],
+                                                    tl.where(blk == 2, a2[None, :, :], a3[None, :, :])))
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    t = eye + tl.zeros_like(a)
+    for i in tl.static_range(1, a0.shape[0]):
+        # Row i of each inverse: e_i - sum_{j<i} a_ij t_j, where rows j < i of t are already final.
+        is_i = (r == i)[None, :, None]
+        a_i = tl.sum(tl.where(is_i, a, 0.0), axis=1)
+        t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
+    return (tl.sum(tl.where(blk == 0, t, 0.0), axis=0), tl.sum(tl.where(blk == 1, t, 0.0), axis=0),
+            tl.sum(tl.where(blk == 2, t, 0.0), axis=0), tl.sum(tl.where(blk == 3, t, 0.0), axis=0))
+
+
+@triton.jit
+def _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, b0, b1, b2, b3, DT: tl.constexpr, PREC: tl.constexpr):
+    """X with (I + A) X = B for a 64-row chunk, by blocks: X_i = T_ii (B_i - sum_{j<i} A_ij X_j)."""
+    x0 = tl.dot(t0.to(DT), b0.to(DT), input_precision=PREC)
+    x1 = tl.dot(t1.to(DT), (b1 - tl.dot(a10.to(DT), x0.to(DT), input_precision=PREC)).to(DT), input_precision=PREC)
+    y2 = b2 - tl.dot(a20.to(DT), x0.to(DT), input_precision=PREC) - tl.dot(a21.to(DT), x1.to(DT), input_precision=PREC)
+    x2 = tl.dot(t2.to(DT), y2.to(DT), input_precision=PREC)
+    y3 = (b3 - tl.dot(a30.to(DT), x0.to(DT), input_precision=PREC) - tl.dot(a31.to(DT), x1.to(DT), input_precision=PREC)
+          - tl.dot(a32.to(DT), x2.to(DT), input_precision=PREC))
+    x3 = tl.dot(t3.to(DT), y3.to(DT), input_precision=PREC)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
+    r = R0 + tl.arange(0, x.shape[0])
+    c = tl.arange(0, x.shape[1])
+    mask = (r[:, None] < n) & (c[None, :] < ncols)
+    tl.store(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], x.to(ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
+                 chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_at, stride_bt,
+                 HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BVF: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    kh = tl.program_id(1)
+    row0 = tl.load(chunk_start + c)
+    n = tl.load(chunk_len + c)
+    S: tl.constexpr = 16
+    C: tl.constexpr = 64
+    kp = k_ptr + kh * stride_kh
+    k0 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK))
+    k1 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK))
+    k2 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK))
+    k3 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK))
+    kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
+    qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+    qk = tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC)  # shared by the group's value heads
+    rc = tl.arange(0, C)
+    for j in tl.static_range(R):
+        h = kh * R + j
+        g0, be0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, S)
+        g1, be1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, S, S)
+        g2, be2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 2 * S, S)
+        g3, be3 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 3 * S, S)
+        gf, _ = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
+        # Log-decay from the chunk's start through each token; all <= 0, so every exp below is of a non-positive
+        # number for j <= i.
+        c0 = tl.cumsum(g0, axis=0)
+        c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+        c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+        c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+        cf = tl.cumsum(gf, axis=0)
+        tl.store(cum_ptr + (row0 + rc).to(tl.int64) * HV + h, cf, mask=rc < n)
+        dec = tl.where(rc[:, None] >= rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
+        attn = qk * tl.exp(dec)
+        tl.store(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :],
+                 attn.to(attn_ptr.dtype.element_ty))
+
+        a10 = _kkt(k1, k0, be1, c1, c0, False, DT, PREC)
+        a20 = _kkt(k2, k0, be2, c2, c0, False, DT, PREC)
+        a21 = _kkt(k2, k1, be2, c2, c1, False, DT, PREC)
+        a30 = _kkt(k3, k0, be3, c3, c0, False, DT, PREC)
+        a31 = _kkt(k3, k1, be3, c3, c1, False, DT, PREC)
+        a32 = _kkt(k3, k2, be3, c3, c2, False, DT, PREC)
+        t0, t1, t2, t3 = _inv_unit_lower4(_kkt(k0, k0, be0, c0, c0, True, DT, PREC),
+                                          _kkt(k1, k1, be1, c1, c1, True, DT, PREC),
+                                          _kkt(k2, k2, be2, c2, c2, True, DT, PREC),
+                                          _kkt(k3, k3, be3, c3, c3, True, DT, PREC))
+
+        w0, w1, w2, w3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
+                                k0 * (be0 * tl.exp(c0))[:, None], k1 * (be1 * tl.exp(c1))[:, None],
+                                k2 * (be2 * tl.exp(c2))[:, None], k3 * (be3 * tl.exp(c3))[:, None], DT, PREC)
+        wp = w_ptr + h * DK
+        _store_rows(wp, w0, row0, n, HV * DK, 0, DK, 0)
+        _store_rows(wp, w1, row0, n, HV * DK, 0, DK, S)
+        _store_rows(wp, w2, row0, n, HV * DK, 0, DK, 2 * S)
+        _store_rows(wp, w3, row0, n, HV * DK, 0, DK, 3 * S)
+
+        vp = v_ptr + h * stride_vh
+        v0 = _load_rows(vp, row0, n, stride_vt, 0, DV, 0, S, BVF) * be0[:, None]
+        v1 = _load_rows(vp, row0, n, stride_vt, 0, DV, S, S, BVF) * be1[:, None]
+        v2 = _load_rows(vp, row0, n, stride_vt, 0, DV, 2 * S, S, BVF) * be2[:, None]
+        v3 = _load_rows(vp, row0, n, stride_vt, 0, DV, 3 * S, S, BVF) * be3[:, None]
+        u0, u1, u2, u3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, v0, v1, v2, v3, DT, PREC)
+        up = u_ptr + h * DV
+        _store_rows(up, u0, row0, n, HV * DV, 0, DV, 0)
+        _store_rows(up, u1, row0, n, HV * DV, 0, DV, S)
+        _store_rows(up, u2, row0, n, HV * DV, 0, DV, 2 * S)
+        _store_rows(up, u3, row0, n, HV * DV, 0, DV, 3 * S)
+
+
+@triton.jit
+def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr,
+                 chunk_start, chunk_len, first_chunk, seq_slot, seq_fresh, emit_slot,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_ss, stride_sh,
+                 HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = h // R
+    C: tl.constexpr = 64
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    rc = tl.arange(0, C)
+    smask = (rk[:, None] < DK) & (rv[None, :] < DV)
+    soff = h * stride_sh + rk[:, None] * DV + rv[None, :]
+    slot = tl.load(seq_slot + s)
+    fresh = tl.load(seq_fresh + s)
+    # A fresh sequence's slot may hold a previous owner's state: it is not read at all.
+    state = tl.load(state_ptr + slot * stride_ss + soff, mask=smask & (tl.zeros_like(soff) + fresh == 0), other=0.0)
+    for c in range(tl.load(first_chunk + s), tl.load(first_chunk + s + 1)):
+        row0 = tl.load(chunk_start + c)
+        n = tl.load(chunk_len + c)
+        valid = rc < n
+        rows = (row0 + rc).to(tl.int64)
+        q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+        k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
+        w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK, False)
+        u = _load_rows(u_ptr + h * DV, row0, n, HV * DV, vb * BV, DV - vb * BV, 0, C, BV)
+        cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
+        cum_last = tl.load(cum_ptr + (row0 + n - 1).to(tl.int64) * HV + h)
+        attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
+        sd = state.to(DT)
+        v_new = u - tl.dot(w.to(DT), sd, input_precision=PREC)
+        o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
+             + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (rv[None, :] < DV))
+        k_end = k * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
+        state = state * tl.exp(cum_last) + tl.dot(tl.trans(k_end.to(DT)), v_new.to(DT), input_precision=PREC)
+        e = tl.load(emit_slot + c)
+        tl.store(state_ptr + tl.maximum(e, 0) * stride_ss + soff, state, mask=smask & (tl.zeros_like(soff) + e >= 0))
+    tl.store(state_ptr + slot * stride_ss + soff, state, mask=smask)
+
+
+# ---- wrapper ------------------------------------------------------------------------------------------------------
+
+
+def _dot_types(dtype: torch.dtype):
+    dt = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    if interpreting():
+        dt = tl.float32  # Triton 3.9's interpreter returns garbage from a bf16 x bf16 tl.dot
+    # fp32 inputs get fp32 products (tests, the fp32 model); bf16 ones the tensor cores' bf16 x bf16 -> fp32.
+    return dt, "ieee" if dtype == torch.float32 else "tf32"
+
+
+def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                                  b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                  state_pool: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | None = None,
+                                  block_v: int | None = None) -> torch.Tensor:
+    """The gated delta rule over the planned sequences of a flat batch, with the gates computed here.
+
+    q, k [T, HK, Dk] and v [T, HV, Dv] (any token and head strides, last dim contiguous: views into the conv's
+    output work); a, b [T, HV] the raw gate inputs (token stride free, heads contiguous); A_log, dt_bias [HV];
+    state_pool [slots, HV, Dk, Dv] float32, read at the plan's slots (unless fresh) and written back there and
+    at its emit slots. Returns o [T, HV, Dv] in v's dtype; rows outside the plan's sequences are left untouched
+    (`out` given) or unset.
+    """
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    if hv % hk or q.shape != k.shape or a.shape != (t, hv) or b.shape != (t, hv):
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if state_pool.dtype != torch.float32 or state_pool.shape[1:] != (hv, dk, dv) or not state_pool.is_contiguous():
+        raise ValueError(f"state_pool must be contiguous float32 [slots, {hv}, {dk}, {dv}], got "
+                         f"{state_pool.dtype} {tuple(state_pool.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    out = v.new_empty(t, hv, dv) if out is None else out
+    if plan.num_chunks == 0:
+        return out
+    dt, prec = _dot_types(v.dtype)
+    bk, bvf = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    bv = block_v or min(bvf, SCAN_BLOCK_V)
+    w = torch.empty(t, hv, dk, dtype=v.dtype, device=v.device)
+    u = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
+    cum = torch.empty(t, hv, dtype=torch.float32, device=v.device)
+    attn = torch.empty(plan.num_chunks, hv, CHUNK, CHUNK, dtype=v.dtype, device=v.device)
+    r = hv // hk
+    _prep_kernel[(plan.num_chunks, hk)](
+        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=PREP_WARPS)
+    _scan_kernel[(plan.num_seqs, hv, triton.cdiv(dv, bv))](
+        q, k, w, u, cum, attn, out, state_pool, plan.chunk_start, plan.chunk_len, plan.first_chunk, plan.seq_slot,
+        plan.seq_fresh, plan.emit_slot, q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0),
+        out.stride(1), state_pool.stride(0), state_pool.stride(1),
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=SCAN_WARPS)
+    return out

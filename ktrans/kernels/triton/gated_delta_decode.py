@@ -1,0 +1,155 @@
+"""The fused decode step of a Gated DeltaNet layer in Triton: one launch per layer for a batch of one-token rows.
+
+Per row it does what the reference does in five steps (`ktrans/kernels/torch/conv.py` causal_conv1d_update, the
+gates, `ktrans/kernels/torch/gated_delta.py` gated_delta_rule_decode): the conv window update with SiLU, the
+gates g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), the q/k L2 norm, and the recurrent update
+of the fp32 state, in place in the state pool at the row's slot.
+
+One program per (row, key head): it owns every channel of that key head (its q and k channels and the v channels
+of its R value heads) and their R states [Dk, Dv], so no other program reads a conv window it rewrites. (Split
+finer, the programs sharing a key head's q/k windows would race: one could shift a window another has not read
+yet.) A small batch loads the R states as one [R, Dk, Dv] tile, so the whole 2 x 64 KiB of the real model is in
+flight at once from the few SMs that work; a large one takes them a head at a time in smaller programs.
+
+Capturable in a CUDA graph: it reads only shapes on the host and allocates nothing but its output (none when the
+caller passes `out`). Pad rows of a graph bucket name the pool's pad slot: several rows then race on that slot,
+which nobody reads; their outputs are finite garbage.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_step(x_row, w_ptr, conv_slot, stride_cc, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
+    """SiLU(conv) of channels `ch` (1-D) for one new input, and their window shifted by it (to store later)."""
+    j = tl.arange(0, KP)
+    hist = cmask[:, None] & (j[None, :] < K - 1)
+    win = tl.load(conv_slot + ch[:, None] * stride_cc + j[None, :], mask=hist, other=0.0).to(tl.float32)
+    x = tl.load(x_row + ch, mask=cmask, other=0.0).to(tl.float32)
+    win = tl.where(j[None, :] == K - 1, x[:, None], win)  # [oldest .. newest], the new input last
+    w = tl.load(w_ptr + ch[:, None] * K + j[None, :], mask=cmask[:, None] & (j[None, :] < K), other=0.0)
+    y = tl.sum(win * w.to(tl.float32), axis=1)
+    return y / (1.0 + tl.exp(-y)), win
+
+
+@triton.jit
+def _store_window(conv_slot, stride_cc, ch, cmask, win, K: tl.constexpr, KP: tl.constexpr):
+    # Column j of the window becomes column j - 1: the oldest input drops out.
+    j = tl.arange(0, KP)
+    tl.store(conv_slot + ch[:, None] * stride_cc + (j[None, :] - 1), win.to(conv_slot.dtype.element_ty),
+             mask=cmask[:, None] & (j[None, :] >= 1) & (j[None, :] < K))
+
+
+@triton.jit
+def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, ssm_ptr, slots_ptr, o_ptr,
+                   stride_xt, stride_at, stride_bt, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
+                   HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   K: tl.constexpr, KP: tl.constexpr):
+    i = tl.program_id(0)
+    kh = tl.program_id(1)
+    row = i
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + i)
+    slot = tl.load(slots_ptr + i)
+    x_row = x_ptr + row.to(tl.int64) * stride_xt
+    conv_slot = conv_ptr + slot * stride_cs
+    key_dim: tl.constexpr = HK * DK
+
+    rk = tl.arange(0, BK)
+    kmask = rk < DK
+    qy, qwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, kh * DK + rk, kmask, K, KP)
+    ky, kwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, K, KP)
+    tl.debug_barrier()  # every thread has read the q/k windows before any is shifted
+    _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
+    _store_window(conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, kwin, K, KP)
+    q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
+    k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
+
+    # The group's R value heads, RB at a time: their states as one [RB, Dk, Dv] tile, their v channels as one
+    # flat range (head j, column c).
+    rj = tl.arange(0, RB)
+    rv = tl.arange(0, BV)
+    f = tl.arange(0, RB * BV)
+    sp = ssm_ptr + slot * stride_ss
+    for j0 in tl.static_range(0, R, RB):
+        fj, fc = j0 + f // BV, f % BV
+        vch = 2 * key_dim + (kh * R + fj) * DV + fc
+        vmask = (fj < R) & (fc < DV)
+        vy, vwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, vch, vmask, K, KP)
+        jmask = j0 + rj < R
+        heads = kh * R + j0 + rj
+        soff = (heads[:, None, None] * DK + rk[None, :, None]) * DV + rv[None, None, :]
+        smask = jmask[:, None, None] & kmask[None, :, None] & (rv < DV)[None, None, :]
+        state = tl.load(sp + soff, mask=smask, other=0.0)
+        tl.debug_barrier()  # these heads' v windows are read before they are shifted
+        _store_window(conv_slot, stride_cc, vch, vmask, vwin, K, KP)
+
+        v = tl.reshape(vy, (RB, BV))
+        av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
+        bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
+        xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
+        softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
+        g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-bv))
+
+        state = state * tl.exp(g)[:, None, None]
+        kv_mem = tl.sum(state * k[None, :, None], axis=1)            # [RB, BV]: what S predicts for k
+        delta = beta[:, None] * (v - kv_mem)
+        state = state + k[None, :, None] * delta[:, None, :]
+        o = tl.sum(state * q[None, :, None], axis=1)
+        tl.store(sp + soff, state, mask=smask)
+        optr = o_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + rv[None, :]
+        tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=jmask[:, None] & (rv < DV)[None, :])
+
+
+# Below this many programs (rows x key heads) a program loads all its R states at once (more bytes in flight where
+# few SMs work); above, one head at a time (smaller tiles, more programs resident per SM). About 2 per H200 SM.
+WIDE_TILE_PROGRAMS = 264
+
+
+def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                       dt_bias: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
+                       ssm_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int,
+                       rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       heads_per_tile: int | None = None) -> torch.Tensor:
+    """One decode token for each of B rows, updating the pools in place at `slots` [B] (int64, on the device).
+
+    mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs; rows [B] the
+    token rows of the decode sequences (None: row i is token i, B = T). conv_weight [conv_dim, K];
+    conv_pool [slots, conv_dim, K-1]; ssm_pool [slots, HV, Dk, Dv] float32 contiguous.
+    Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only. heads_per_tile
+    (1..R) overrides how many value heads' states a program holds at once (tests run both shapes).
+    """
+    hv, dk, dv = ssm_pool.shape[1:]
+    hk = num_k_heads
+    conv_dim, width = conv_weight.shape
+    if dk != head_k_dim or hv % hk or conv_dim != 2 * hk * dk + hv * dv or mixed.shape[1] != conv_dim:
+        raise ValueError(f"shapes do not fit: mixed {tuple(mixed.shape)}, conv_weight {tuple(conv_weight.shape)}, "
+                         f"ssm_pool {tuple(ssm_pool.shape)}, {hk} key heads of {head_k_dim}")
+    if ssm_pool.dtype != torch.float32 or not ssm_pool.is_contiguous() or not conv_weight.is_contiguous():
+        raise ValueError("ssm_pool must be contiguous float32 and conv_weight contiguous")
+    if conv_pool.shape[1:] != (conv_dim, width - 1) or conv_pool.stride(2) != 1:
+        raise ValueError(f"conv_pool must be [slots, {conv_dim}, {width - 1}], got {tuple(conv_pool.shape)}")
+    for name, x in (("mixed", mixed), ("a", a), ("b", b)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    n = slots.shape[0]
+    out = mixed.new_empty(mixed.shape[0], hv, dv) if out is None else out
+    if n == 0:
+        return out
+    r = hv // hk
+    bv = triton.next_power_of_2(dv)
+    rb = heads_per_tile or (r if n * hk < WIDE_TILE_PROGRAMS else 1)
+    rb = triton.next_power_of_2(min(rb, r))
+    tile = rb * triton.next_power_of_2(dk) * bv
+    _decode_kernel[(n, hk)](
+        mixed, rows if rows is not None else slots, a, b, A_log, dt_bias, conv_weight, conv_pool, ssm_pool, slots,
+        out, mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+        ssm_pool.stride(0), out.stride(0), out.stride(1),
+        HAS_ROWS=rows is not None, HK=hk, R=r, RB=rb, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        K=width, KP=triton.next_power_of_2(width), num_warps=max(4, min(16, tile // 2048)))
+    return out

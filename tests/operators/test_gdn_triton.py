@@ -1,0 +1,163 @@
+"""KGatedDeltaNetTriton in a whole (small) model against KGatedDeltaNetTorch: the same checkpoint, the same
+schedule, the same device; only the DeltaNet op differs.
+
+Teacher-forced: both models are fed the same tokens through chunked prefill, a mixed step (one sequence decoding
+while two prefill), and pure decode steps; the logits of every step are compared. Marked `triton`: compiled on
+CUDA, interpreted on the CPU (a 3-layer model with two DeltaNet layers keeps that under ~15 s).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktrans.config import RULES_DIR
+from ktrans.engine.cache import CacheManager
+from ktrans.operators.gdn import GDN_OPS
+from ktrans.runtime.batch import ForwardBatch, SeqChunk
+from ktrans.runtime.pools import KVPool, StatePool
+
+from ..inject.helpers import injected, rules
+from ..model.helpers import OTHER_SHAPE, make_checkpoint
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
+
+# fp32 models on one device: the kernels sum in other orders than torch (ulps per op), and the logits pass
+# through 3 layers; a wrong head, gate or state would be off by O(1).
+TOL = 1e-4
+# Two DeltaNet layers around a full-attention one, a value-head group of 2, Dk=20 and Dv=12 (not powers of two),
+# conv width 3.
+SHAPE = {**OTHER_SHAPE, "num_hidden_layers": 3, "mlp_only_layers": [1], "linear_num_value_heads": 6,
+         "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+
+
+def default_rules(op: str):
+    text = (RULES_DIR / "Qwen3Next-default.yaml").read_text()
+    return rules(text.replace('"KGatedDeltaNetTorch"', f'"{op}"'), op)
+
+
+def teacher_forced(model, device, prompts, conts, page_size=8):
+    """Logits of each step. Step 1 prefills every prompt's first part; step 2 decodes prompt 0's first continuation
+    token beside the rest of the other prompts (a mixed step); then pure decode steps."""
+    total = max(len(p) + len(c) for p, c in zip(prompts, conts))
+    kv = KVPool(model.config, len(prompts) * -(-total // page_size), page_size, torch.float32, device)
+    states = StatePool(model.config, len(prompts) + 2, torch.float32, device)
+    cache = CacheManager.from_pools(kv, states)
+    pages = [cache.alloc_pages(kv.pages_for(total)) for _ in prompts]
+    slots = [cache.alloc_slot() for _ in prompts][::-1]  # slots out of order
+    done = [len(prompts[0]), 7, 16]
+    out = [model(ForwardBatch.build([SeqChunk(p[:n], 0, s, pg, logits="all")
+                                     for p, n, s, pg in zip(prompts, done, slots, pages)], kv, states))]
+    mixed = [SeqChunk([conts[0][0]], done[0], slots[0], pages[0])]
+    mixed += [SeqChunk(p[n:], n, s, pg, logits="all") for p, n, s, pg in zip(prompts[1:], done[1:], slots[1:],
+                                                                             pages[1:])]
+    batch = ForwardBatch.build(mixed, kv, states)
+    assert not batch.is_decode and batch.decode_seqs == [0]
+    out.append(model(batch))
+    lens = [len(prompts[0]) + 1, len(prompts[1]), len(prompts[2])]
+    for step in range(3):
+        chunks = [SeqChunk([c[step + (i == 0)]], n + step, s, pg)
+                  for i, (c, n, s, pg) in enumerate(zip(conts, lens, slots, pages))]
+        batch = ForwardBatch.build(chunks, kv, states)
+        assert batch.is_decode
+        out.append(model(batch))
+    return out
+
+
+def test_triton_op_matches_torch_op(tmp_path, triton_device):
+    assert GDN_OPS.built("KGatedDeltaNetTriton")
+    ckpt = make_checkpoint(tmp_path, "small", seed=5, **SHAPE)
+    dev = str(triton_device)
+    torch_model, _ = injected(ckpt, default_rules("KGatedDeltaNetTorch"), default_device=dev)
+    triton_model, _ = injected(ckpt, default_rules("KGatedDeltaNetTriton"), default_device=dev)
+    assert type(triton_model.model.layers[0].linear_attn.op).__name__ == "KGatedDeltaNetTriton"
+    prompts = [[(7 * i + 3) % 512 for i in range(n)] for n in (5, 19, 40)]
+    conts = [[(11 * i + j) % 512 for i in range(4)] for j in range(3)]
+    want = teacher_forced(torch_model, triton_device, prompts, conts)
+    got = teacher_forced(triton_model, triton_device, prompts, conts)
+    for step, (g, w) in enumerate(zip(got, want)):
+        err = ((g - w).abs().max() / w.abs().max()).item()
+        assert err < TOL, f"step {step}: relative error {err:.2e}"
+        # The same next token wherever the reference's top-2 margin is wider than the tolerance.
+        top2 = w.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * TOL * w.abs().max()
+        assert sure.any() and torch.equal(g.argmax(-1)[sure], w.argmax(-1)[sure]), f"step {step}"
+
+
+# bf16 logits of the `small` model (|logits| up to ~5). Twice the CUDA-graph tests' bound (same kernels, other
+# shapes): here the ops differ too, the Triton one multiplying bf16 on the tensor cores in prefill and keeping the
+# decode conv in fp32, about 1% of a DeltaNet output; a wrong state or gate moves logits by O(1).
+GPU_TOL = 0.15
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_op_in_cuda_graphs_matches_torch_op():
+    """The gpu placement in bf16 with the Triton op, decode replayed from CUDA graphs (3 sequences in the 4-row
+    bucket: one pad row on the pad slot), against the same placement with the torch op run eagerly; teacher-forced
+    for 64 steps (the torch model's greedy tokens fed to both)."""
+    from ktrans.config import ModelConfig
+    from ktrans.inject import build_injected_model
+    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.weights.source import StateDictSource
+
+    from ..engine.test_graphs import _model_runner
+
+    config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
+    text = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
+    line = 'class: KQwen3NextGatedDeltaNet\n    kwargs: {generate_device: "cuda", prefill_device: "cuda"'
+    assert line in text
+    weights = random_state_dict(config, 3)
+    models = [build_injected_model(config, rules(text.replace(line, f'{line}, prefill_op: "{op}", '
+                                                              f'generate_op: "{op}"'), op),
+                                   StateDictSource(weights), torch.bfloat16)[0]
+              for op in ("KGatedDeltaNetTorch", "KGatedDeltaNetTriton")]
+    runners = [_model_runner(models[0], graphs=False), _model_runner(models[1], graphs=True)]
+    prompts = [list(range(3, 14)), list(range(40, 110)), list(range(7, 30))]  # 70 tokens: past one chunk
+    pages = [[4 * i + j for j in range(4)] for i in range(3)]
+    for r in runners:
+        for slot, (p, pg) in enumerate(zip(prompts, pages)):
+            r.step([SeqChunk(p, 0, slot, pg)])
+    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
+    worst, disagreements = 0.0, []
+    for step in range(64):
+        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
+        ref, got = (r.step(chunks).float() for r in runners)
+        worst = max(worst, float((got - ref).abs().max()))
+        top2 = ref.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * GPU_TOL
+        if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
+            disagreements.append(step)
+        tokens = ref.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    assert runners[1].graphs.num_replays >= 60
+    assert worst <= GPU_TOL, f"max |logits - torch op| = {worst:.4f} over 64 steps"
+    assert not disagreements, f"argmax differs where the margin exceeds {2 * GPU_TOL}: steps {disagreements}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decode_step_never_syncs():
+    """As tests/engine/test_no_host_sync.py checks the reference ops: a planned decode step with the Triton op reads
+    nothing back from the device and makes no synchronising runtime call."""
+    from ktrans.config import ModelConfig
+    from ktrans.engine.runner import ModelRunner
+    from ktrans.inject import build_injected_model, pool_devices
+    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.weights.source import StateDictSource
+
+    from ..engine.test_no_host_sync import _SYNC_RUNTIME, _decode_step, _profile
+
+    config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
+    text = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
+    line = 'class: KQwen3NextGatedDeltaNet\n    kwargs: {generate_device: "cuda", prefill_device: "cuda"'
+    text = text.replace(line, f'{line}, prefill_op: "KGatedDeltaNetTriton", generate_op: "KGatedDeltaNetTriton"')
+    model, _ = build_injected_model(config, rules(text), StateDictSource(random_state_dict(config, 3)), torch.bfloat16)
+    kv_dev, state_dev = pool_devices(model)
+    runner = ModelRunner(model, KVPool(config, 32, 16, torch.bfloat16, kv_dev),
+                         StatePool(config, 4, torch.bfloat16, state_dev), max_num_seqs=4, max_num_tokens=64,
+                         max_pages_per_seq=8)
+    batch = _decode_step(runner)
+    logits, seen, device, calls = _profile(runner, batch)
+    assert logits.is_cuda and seen == [], sorted(set(seen))
+    assert not [e for e in device if "DtoH" in e] and not [e for e in calls if e in _SYNC_RUNTIME]
