@@ -52,5 +52,6 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     half = rd // 2
     _rope_qk_kernel[(t, 2)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
                             sin.stride(0), q.shape[1], k.shape[1], HALF=half, HQ_PAD=triton.next_power_of_2(q.shape[1]),
-                            HK_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half))
+                            HK_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half),
+                            num_warps=1 if q.shape[1] * half <= 1024 else 4)  # 16 heads x 32 pairs: one warp
     return q, k

@@ -42,7 +42,8 @@ def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> ids [T, k] int64, weights [T, k] in the logits' dtype (one launch)."""
+    """router_logits [T, E] -> ids [T, k] int64, weights [T, k] in the logits' dtype (one launch). One warp per
+    row up to 1024 experts: the k reductions then stay inside the warp."""
     t, e = router_logits.shape
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
@@ -51,7 +52,7 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     if t:
         _topk_softmax_kernel[(t,)](router_logits, ids, weights, router_logits.stride(0), e, K=top_k,
                                    E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                                   RENORM=norm_topk_prob)
+                                   RENORM=norm_topk_prob, num_warps=1 if e <= 1024 else 4)
     return ids, weights
 
 
