@@ -91,10 +91,11 @@ def _decode_case(kv_lens, hq, hkv, d, page, dtype, device, plan_len=None, plan=N
     return got.float(), want, plan
 
 
-def test_decode_split_k_uneven_lengths(triton_device):
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (2, 1, 128)])  # 128: the merge runs in two chunks of dims
+def test_decode_split_k_uneven_lengths(triton_device, hq, hkv, d):
     # Splits of 24 keys (not a multiple of the page or of the kernel's key block): lengths 1, within one split,
     # across several, and one longer than all but the last split covers.
-    got, want, plan = _decode_case([1, 7, 50, 95], 4, 2, 32, 4, torch.float32, triton_device,
+    got, want, plan = _decode_case([1, 7, 50, 95], hq, hkv, d, 4, torch.float32, triton_device,
                                    plan=tri.DecodePlan(num_splits=4, split_tokens=24))
     torch.testing.assert_close(got, want.to(got.device), **FP32)
 

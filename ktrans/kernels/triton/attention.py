@@ -256,7 +256,9 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
 
 @triton.jit
 def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         S_PAD: tl.constexpr, S_STEP: tl.constexpr):
+                         D_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_STEP: tl.constexpr):
+    """Merge the splits of one (sequence, query head, chunk of D_CHUNK dims): chunks spread the partials' read
+    over more programs when the batch is small."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * tl.num_programs(1) + h) * n_splits
@@ -264,8 +266,8 @@ def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, n_splits, D: tl.const
     lse = tl.load(LSE + base + offs_s, mask=offs_s < n_splits, other=float("-inf"))
     m = tl.max(lse, 0)  # finite: split 0 always holds key 0
     total = tl.sum(tl.math.exp2(lse - m), 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    offs_d = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
+    acc = tl.zeros([D_CHUNK], tl.float32)
     for s0 in range(0, n_splits, S_STEP):
         ss = s0 + tl.arange(0, S_STEP)
         ms = ss < n_splits
@@ -322,6 +324,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         _decode_tuned[grid](*args, **meta)
     s_pad = triton.next_power_of_2(plan.num_splits)
-    _decode_merge_kernel[(bsz, hq)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d, BLOCK_D=block_d,
-                                    S_PAD=s_pad, S_STEP=min(s_pad, 16))
+    chunk = min(block_d, 64)
+    _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
+                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_PAD=s_pad,
+                                                       S_STEP=min(s_pad, 16))
     return o
