@@ -112,10 +112,11 @@ def _prefill_kernel(Q, K, V, O, BT, CU, LENS, qk_scale, stride_qt, stride_qh, st
     mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the blocks with the most keys start first
     b = tl.program_id(1)
     h = tl.program_id(2)
-    q0 = tl.load(CU + b)
-    n = tl.load(CU + b + 1) - q0
+    # Token counts and lengths as int32: one type for the loop bounds (the cache rows go int64 via the pages).
+    q0 = tl.load(CU + b).to(tl.int32)
+    n = tl.load(CU + b + 1).to(tl.int32) - q0
     if mb * BLOCK_M < n:
-        L = tl.load(LENS + b)
+        L = tl.load(LENS + b).to(tl.int32)
         prefix = L - n
         kvh = h // GROUP
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -221,7 +222,7 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     n_splits = tl.num_programs(2)
-    L = tl.load(LENS + b)
+    L = tl.load(LENS + b).to(tl.int32)
     start = sp * split_tokens
     end = tl.minimum(start + split_tokens, L)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -236,7 +237,7 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt = BT + b * stride_bt
     kvh_off = kvh * stride_kh
-    pos_q = tl.zeros([GROUP_PAD], tl.int32) + (L - 1).to(tl.int32)
+    pos_q = tl.zeros([GROUP_PAD], tl.int32) + (L - 1)
     # The one decode token is the last position, so it sees every key below L: only the split's end masks.
     full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     for s0 in range(start, full, BLOCK_N):
