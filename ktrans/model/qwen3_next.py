@@ -6,7 +6,8 @@ with math (norms, RoPE, attention, Gated DeltaNet, the MoE block, MLPs, experts)
 (`ktrans.operators`): the built-in default rules put every module on one device with the reference ops, so the
 plain model is the injected model, and each layer's math exists once, in its operator. The classes here only hold
 the structure (children and parameter shapes); calling one that was not replaced raises. What stays here is
-plumbing: the decoder layer's residual adds, the model's layer loop and the logits selection.
+plumbing: the decoder layer's residual stream (whose adds the norms do), the model's layer loop and the
+logits selection.
 
 No padding, no per-module cache objects: attention KV and DeltaNet states live in the pools the batch points at,
 addressed by the batch's slot mapping, block tables and state slots.
@@ -157,14 +158,21 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this layer's MLP output, the residual stream before it). The residual adds happen
+        inside the norms (an add+norm kernel where the norm op has one): residual + h is the previous layer's
+        output, which the first layer gets as h with no residual."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
         if self.layer_type == FULL_ATTENTION:
             h = self.self_attn(h, rope, batch)
         else:
             h = self.linear_attn(h, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3NextModel(nn.Module):
@@ -175,13 +183,15 @@ class Qwen3NextModel(nn.Module):
         self.norm = Qwen3NextRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3NextRotaryEmbedding(config)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states after the last layer, before the final norm: [T, hidden]."""
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (MLP output, residual) [T, hidden] each: their sum is the hidden state before the
+        final norm, which adds them itself."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary_emb(batch.positions.to(x.device), x.dtype)
+        h, residual = x, None
         for layer in self.layers:
-            x = layer(x, rope, batch)
-        return x
+            h, residual = layer(h, residual, rope, batch)
+        return h, residual
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -196,6 +206,6 @@ class Qwen3NextForCausalLM(nn.Module):
         """fp32 logits [N, vocab] for the tokens batch.logits_indices names (the last of each sequence by default)."""
         # Active batch: injected operators whose call carries no batch (norms, linears, experts) read the phase here.
         with batch.active():
-            h = self.model(batch)
-            h = h[batch.logits_indices.to(h.device)]
-            return self.lm_head(self.model.norm(h)).float()
+            h, residual = self.model(batch)
+            h, residual = h[batch.logits_indices.to(h.device)], residual[batch.logits_indices.to(residual.device)]
+            return self.lm_head(self.model.norm(h, residual)[0]).float()

@@ -3,8 +3,9 @@
 The operator holds the layer's math: q_proj yields the query and a per-head output gate, q/k RMSNorm, partial NeoX
 RoPE, then its op, then the sigmoid gate and o_proj. The projections and q/k norms are the replaced module's
 children, placed by their own rules. The op is the part that touches the KV pool: write this step's keys and
-values, then attend. KAttentionTorch (the reference kernels) is built now; a FlashInfer/Triton op registers into
-ATTENTION_OPS the same way. The KV pool pins the operator to one device for both phases.
+values, then attend. KAttentionTorch runs the reference kernels; KAttentionTriton (`ktrans/operators/layers_triton.py`)
+the Triton ones (varlen prefill over a cached prefix, split-K decode that CUDA graphs capture); a FlashInfer op
+registers into ATTENTION_OPS the same way. The KV pool pins the operator to one device for both phases.
 """
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import torch
 from ktrans.kernels.torch.attention import paged_attention, paged_attention_decode, write_kv
 from ktrans.model.qwen3_next import Qwen3NextAttention
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
-from ktrans.operators.rope import apply_rope
+from ktrans.operators.rope import RopeTables
 from ktrans.runtime.batch import ForwardBatch
 
 ATTENTION_OPS = OpRegistry("attention")
+ATTENTION_OPS.declare("KAttentionTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
+                      provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
 
 
 @dataclass
@@ -83,9 +86,9 @@ class KQwen3NextAttention(BaseOperator):
         self.head_dim = orig.head_dim
         self.scaling = orig.scaling
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch) -> torch.Tensor:
         phase, dev = self.phase_device()
-        x, (cos, sin), batch = move(x, dev), move(rope, dev), batch.on(dev)
+        x, rope, batch = move(x, dev), move(rope, dev), batch.on(dev)
         t, d = x.shape[0], self.head_dim
         # Children may sit elsewhere, so their outputs come back here.
         q, gate = move(self.q_proj(x), dev).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
@@ -93,7 +96,7 @@ class KQwen3NextAttention(BaseOperator):
         q = move(self.q_norm(q), dev)
         k = move(self.k_norm(move(self.k_proj(x), dev).view(t, self.num_kv_heads, d)), dev)
         v = move(self.v_proj(x), dev).view(t, self.num_kv_heads, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope.apply(q, k)
         out = self.op_for(phase)(q, k, v, batch)
         out = out.reshape(t, -1) * torch.sigmoid(gate)
         return self.leave(move(self.o_proj(out), dev), phase)

@@ -52,6 +52,8 @@ def move(obj: Any, device: torch.device) -> Any:
         return obj if obj.device == device else obj.to(device)
     if isinstance(obj, ForwardBatch):
         return obj.on(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple (the rotary tables) keeps its type
+        return type(obj)(*(move(o, device) for o in obj))
     if isinstance(obj, (tuple, list)):
         return type(obj)(move(o, device) for o in obj)
     return obj

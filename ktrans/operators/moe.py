@@ -1,9 +1,10 @@
 """KQwen3NextSparseMoeBlock (routing, routed experts, sigmoid-gated shared expert) and KQwen3NextMLP.
 
-Both are composites: their weights live in their children (the router and projections are Linears, the experts a
-KTransformersExperts), which rules place on their own. The block only decides where routing and the final sum run.
-The routed experts are submitted before the shared expert runs and synced after, so a CPU expert op overlaps the
-GPU's shared expert.
+Their weights live in their children (the router and projections are Linears, the experts a KTransformersExperts),
+which rules place on their own. The block decides where routing and the final sum run, and its op (ROUTER_OPS, no
+weights) does them: top-k over the router's softmax, and routed + sigmoid(shared gate) * shared. KRouterTorch is
+the reference; KRouterTriton (`ktrans/operators/layers_triton.py`) does each in one launch. The routed experts are
+submitted before the shared expert runs and synced after, so a CPU expert op overlaps the GPU's shared expert.
 """
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
-from ktrans.operators.base import BaseOperator, move, register_operator
+from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
+
+ROUTER_OPS = OpRegistry("router")
+ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
+                   provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,9 +29,29 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     return ids, weights.to(router_logits.dtype)
 
 
+@ROUTER_OPS.register("KRouterTorch", devices=("cpu", "cuda"))
+class KRouterTorch(Op):
+    """The block's routing and final sum in torch ops."""
+
+    def __init__(self, operator: "KQwen3NextSparseMoeBlock", device: torch.device, streaming: bool = False):
+        super().__init__(operator, device, streaming)
+        self.top_k = operator.top_k
+        self.norm_topk_prob = operator.norm_topk_prob
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(router_logits, self.top_k, self.norm_topk_prob)
+
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
+        return routed + torch.sigmoid(shared_gate) * shared
+
+    forward = route
+
+
 @register_operator("KQwen3NextSparseMoeBlockV2")
 class KQwen3NextSparseMoeBlock(BaseOperator):
     REPLACES = (Qwen3NextSparseMoeBlock,)
+    OPS = ROUTER_OPS
+    DEFAULT_OP = "KRouterTorch"
     ADOPT = ("gate", "experts", "shared_expert", "shared_expert_gate")
 
     def __init__(self, key, orig: Qwen3NextSparseMoeBlock, config, **kwargs):
@@ -37,7 +62,8 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
         x = move(x, dev)
-        ids, weights = route(move(self.gate(x), dev), self.top_k, self.norm_topk_prob)
+        router = self.op_for(phase)
+        ids, weights = router.route(move(self.gate(x), dev))
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
         if asynchronous:
             self.experts.submit(x, ids, weights)
@@ -48,7 +74,7 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         shared_gate = move(self.shared_expert_gate(x), dev)
         if asynchronous:
             routed = self.experts.sync()
-        return self.leave(move(routed, dev) + torch.sigmoid(shared_gate) * shared, phase)
+        return self.leave(router.combine(move(routed, dev), shared, shared_gate), phase)
 
 
 @register_operator("KQwen2MoeMLP")

@@ -1,7 +1,9 @@
 """KQwen3NextRMSNorm: the zero-centred RMSNorm of Qwen3-Next (x / rms(x) * (1 + w), in fp32) as an operator.
 
 The two RMSNorm expressions of the network live here, once: `rms_norm` (every layer norm, q/k norms) and
-`rms_norm_gated` (the DeltaNet output norm, which the DeltaNet op applies).
+`rms_norm_gated` (the DeltaNet output norm, which the DeltaNet op applies). Called with a residual, the operator
+also does the decoder layer's residual add before the norm and returns (normed, new residual): the add+norm pair
+is one kernel in KRMSNormTriton (`ktrans/operators/layers_triton.py`), and the same two ops in KRMSNormTorch.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_
 from ktrans.weights.source import WeightSource
 
 NORM_OPS = OpRegistry("rmsnorm")
+NORM_OPS.declare("KRMSNormTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
+                 provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,8 +46,11 @@ class KRMSNormTorch(Op):
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         self.weight = load_param(source, self.spec, dtype, self.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        x = residual + x
+        return rms_norm(x, self.weight, self.eps), x
 
 
 @register_operator()
@@ -60,6 +67,9 @@ class KQwen3NextRMSNorm(BaseOperator):
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(f"{self.key}.weight", (self.dim,))]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(residual + x), residual + x): the decoder layer's add and norm."""
         phase, dev = self.phase_device()
-        return self.leave(self.op_for(phase)(move(x, dev)), phase)
+        if residual is None:
+            return self.leave(self.op_for(phase)(move(x, dev)), phase)
+        return self.leave(self.op_for(phase)(move(x, dev), move(residual, dev)), phase)

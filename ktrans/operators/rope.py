@@ -1,9 +1,13 @@
 """KQwen3NextRotaryEmbedding: cos/sin tables of the partial NeoX RoPE, computed on the operator's device.
 
 It has no checkpoint tensors: inv_freq follows from the config, so each op builds it where it runs. `apply_rope`
-(used by the attention operator) is here too: the RoPE math of the network, once.
+is here too: the RoPE math of the network, once. The op hands the attention layers RopeTables, which carry the
+way they are applied: the reference's `apply_rope` on q and on k, or KRoPETriton's one in-place launch for both
+(`ktrans/operators/layers_triton.py`), so choosing the rotary op by rule also chooses how q and k are rotated.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -12,6 +16,8 @@ from ktrans.model.qwen3_next import Qwen3NextRotaryEmbedding
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
 
 ROPE_OPS = OpRegistry("rotary embedding")
+ROPE_OPS.declare("KRoPETriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
+                 provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -37,6 +43,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot, rest), dim=-1)
 
 
+class RopeTables(NamedTuple):
+    """cos, sin [T, rotary_dim] of one step, and (by subclass) how they are applied to q and k."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated (new tensors here; a subclass may rotate in place)."""
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+
+
 @ROPE_OPS.register("KRoPETorch", devices=("cpu", "cuda"))
 class KRoPETorch(Op):
     def __init__(self, operator: "KQwen3NextRotaryEmbedding", device: torch.device, streaming: bool = False):
@@ -48,8 +65,8 @@ class KRoPETorch(Op):
         # Built, not loaded: the tables follow from the config.
         self.inv_freq = rope_inv_freq(self.config).to(self.device)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.inv_freq, dtype)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return RopeTables(*rope_cos_sin(positions, self.inv_freq, dtype))
 
 
 @register_operator("KQwen3MoeRotaryEmbedding", "RotaryEmbedding")
@@ -58,6 +75,6 @@ class KQwen3NextRotaryEmbedding(BaseOperator):
     OPS = ROPE_OPS
     DEFAULT_OP = "KRoPETorch"
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         phase, dev = self.phase_device()
         return self.leave(self.op_for(phase)(move(positions, dev), dtype), phase)

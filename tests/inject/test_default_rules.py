@@ -14,7 +14,7 @@ from ktrans.model.source import ModelSource
 from ..model.helpers import make_checkpoint
 
 REFERENCE_OPS = {"KEmbeddingTorch", "KLinearTorch", "KExpertsTorch", "KGatedDeltaNetTorch", "KAttentionTorch",
-                 "KRMSNormTorch", "KRoPETorch", None}  # None: composites (MoE block, MLP) run their children
+                 "KRMSNormTorch", "KRoPETorch", "KRouterTorch", None}  # None: composites (MLP) run their children
 
 
 def test_default_rules_place_every_module_on_one_device_with_reference_ops(tmp_path):

@@ -1,0 +1,332 @@
+"""Paged causal attention in Triton: the KV write, varlen prefill over a cached prefix, and split-K decode.
+
+The cache layout is the KV pool's (`ktrans/runtime/pools.py`): rows [R, Hkv, D], page p holding rows
+p * page .. p * page + page - 1, a sequence's pages listed in its block-table row. The oracle is
+`ktrans/kernels/torch/attention.py` (write_kv, paged_attention, paged_attention_decode); scores and the softmax are
+float32 here as there.
+
+- **Prefill** (`paged_prefill`): one program per (block of a sequence's new tokens, query head). New token j of a
+  sequence with n new tokens and L = kv_len sits at absolute position L - n + j and sees keys 0..that position, so
+  the prefix is read unmasked and only the last blocks near the diagonal are masked (the FlashAttention-2 loop
+  split). Programs past a sequence's tokens exit at once, so the grid is (max new tokens / BLOCK_M, B, Hq) from
+  host-known sizes.
+- **Decode** (`paged_decode`): flash-decoding. One program per (sequence, KV head, split of the KV length) takes
+  that KV head's whole query group (GQA: 8 query heads share one KV head at Qwen3-Next's 16/2), so each KV row is
+  read from HBM once; a second kernel merges the splits by their log-sum-exp. Lengths are read on the device and
+  the grid follows from the planned maximum length (a CUDA graph's KV bucket), so a graph captures it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ktrans.kernels.triton import interpreting
+
+LOG2E = 1.4426950408889634
+
+
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# ---- write_kv ------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_cr, W: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    row = tl.load(SLOTS + t)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < W
+    k = tl.load(K + t * stride_kt + offs, mask=mask)
+    v = tl.load(V + t * stride_vt + offs, mask=mask)
+    tl.store(KC + row * stride_cr + offs, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + row * stride_cr + offs, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store keys and values [T, Hkv, D] at cache rows slot_mapping [T] (one launch for both)."""
+    t = k.shape[0]
+    if t == 0:
+        return
+    w = k.shape[1] * k.shape[2]
+    k2, v2 = k.reshape(t, w), v.reshape(t, w)
+    if k2.stride(1) != 1:
+        k2 = k2.contiguous()
+    if v2.stride(1) != 1:
+        v2 = v2.contiguous()
+    block = min(1024, triton.next_power_of_2(w))
+    _write_kv_kernel[(t, triton.cdiv(w, block))](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
+                                                  k_cache.stride(0), W=w, BLOCK=block)
+
+
+# ---- prefill -------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(ptrs, mask_n, mask_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    elif EVEN_D:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, K, V, BT, start, L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+                  PREC: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax (scores in log2 units: qk_scale is scale * log2 e). Keys are
+    found through the block-table row BT; MASKED: keys at or past L, or after a query's position, are left out.
+    Unmasked steps (the prefix below the diagonal) load without predicates."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < L
+    if MASKED:
+        page = tl.load(BT + offs_n // PAGE, mask=mask_n, other=0)  # masked keys read row 0's page: valid memory
+    else:
+        page = tl.load(BT + offs_n // PAGE)
+    kv_off = (page * PAGE + offs_n % PAGE)[:, None] * stride_kr + kvh_off + offs_d[None, :]
+    k = _load_rows(K + kv_off, mask_n, mask_d, MASKED, EVEN_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if MASKED:
+        s = tl.where((pos_q[:, None] >= offs_n[None, :]) & mask_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, O, BT, CU, LENS, qk_scale, stride_qt, stride_qh, stride_kr, stride_kh, stride_ot,
+                    stride_oh, stride_bt, N_BUCKET, PAGE: tl.constexpr, GROUP: tl.constexpr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the blocks with the most keys start first
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    # Token counts and lengths as int32: one type for the loop bounds (the cache rows go int64 via the pages).
+    q0 = tl.load(CU + b).to(tl.int32)
+    n = tl.load(CU + b + 1).to(tl.int32) - q0
+    if mb * BLOCK_M < n:
+        L = tl.load(LENS + b).to(tl.int32)
+        prefix = L - n
+        kvh = h // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < n
+        mask_d = offs_d < D
+        q = tl.load(Q + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        pos_q = prefix + offs_m
+        bt = BT + b * stride_bt
+        kvh_off = kvh * stride_kh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Keys below the block's first position are visible to every row: no mask.
+        full_end = (prefix + mb * BLOCK_M) // BLOCK_N * BLOCK_N
+        for start in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, start, L, pos_q, qk_scale, offs_d, mask_d,
+                                          stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC)
+        hi = tl.minimum(prefix + (mb + 1) * BLOCK_M, L)
+        for start in range(full_end, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, start, L, pos_q, qk_scale, offs_d, mask_d,
+                                          stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC)
+        out = acc / l_i[:, None]
+        tl.store(O + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _prefill_configs() -> list[triton.Config]:
+    # head_dim 256 leaves room for one 64..128-row query block and a 32..64-key step per program.
+    # Configs that do not fit (shared memory, registers) are skipped by the autotuner.
+    shapes = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+              (64, 32, 4, 4), (64, 128, 8, 2))
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+_prefill_tuned = triton.autotune(configs=_prefill_configs(), key=["N_BUCKET", "D", "GROUP", "PAGE"])(_prefill_kernel)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 caches (the CPU-sized tests, a fp32 model) keep full precision; bf16/fp16 ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens: torch.Tensor,
+                  kv_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int, scale: float, max_new: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cache (this step's tokens already written).
+
+    q [T, Hq, D]; cu_seqlens [B+1] and kv_lens [B] int tensors on q's device; block_tables [B, W]; max_new: the
+    most new tokens of one sequence (host-known). Same result as the torch paged_attention.
+    """
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    o = torch.empty_like(q) if out is None else out
+    b = kv_lens.shape[0]
+    if t == 0 or b == 0:
+        return o
+    args = (q, k_cache, v_cache, o, block_tables, cu_seqlens, kv_lens, scale * LOG2E, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0))
+    meta = dict(PAGE=page_size, GROUP=hq // hkv, D=d, BLOCK_D=_block_d(d), PREC=_prec(q.dtype))
+    bucket = triton.next_power_of_2(max_new)
+    if interpreting():
+        bm = 16 if max_new <= 16 else 32
+        _prefill_kernel[(triton.cdiv(max_new, bm), b, hq)](*args, bucket, **meta, BLOCK_M=bm, BLOCK_N=16)
+    else:
+        # Autotuned per (new-token bucket, shape): prefill runs eagerly, never inside a CUDA graph.
+        grid = lambda m: (triton.cdiv(max_new, m["BLOCK_M"]), b, hq)  # noqa: E731
+        _prefill_tuned[grid](*args, bucket, **meta)
+    return o
+
+
+# ---- decode --------------------------------------------------------------------------------------------------------
+
+DECODE_BLOCK_N = 64      # keys per step of a decode program
+MIN_SPLIT_TOKENS = 256   # below this a split's fixed cost (its q load, its partial write) outweighs more parallelism
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The grid of one decode shape, fixed at plan time from host-known sizes only (rows, planned max length)."""
+
+    num_splits: int
+    split_tokens: int
+
+
+def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) -> DecodePlan:
+    """Split the planned maximum length so that rows * kv_heads * splits fills the GPU about three times over."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(3 * sms, max(1, rows * kv_heads))
+    splits = max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS)))
+    split_tokens = triton.cdiv(triton.cdiv(max(max_len, 1), splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    return DecodePlan(triton.cdiv(max(max_len, 1), split_tokens), split_tokens)
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
+                         stride_bt, split_tokens, PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    L = tl.load(LENS + b).to(tl.int32)
+    start = sp * split_tokens
+    end = tl.minimum(start + split_tokens, L)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < D
+    heads = kvh * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    bt = BT + b * stride_bt
+    kvh_off = kvh * stride_kh
+    pos_q = tl.zeros([GROUP_PAD], tl.int32) + (L - 1)
+    # The one decode token is the last position, so it sees every key below L: only the split's end masks.
+    full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for s0 in range(start, full, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, s0, end, pos_q, qk_scale, offs_d, mask_d,
+                                      stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC)
+    for s0 in range(full, end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, s0, end, pos_q, qk_scale, offs_d, mask_d,
+                                      stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC)
+    # An empty split (past this sequence's length) leaves l = 0: its lse is -inf and the merge weighs it 0.
+    has = l_i > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    part = (b * tl.num_programs(1) * GROUP + heads) * n_splits + sp  # [B, Hq, S] layout
+    tl.store(LSE + part, lse, mask=mask_g)
+    tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=mask_g[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         D_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_STEP: tl.constexpr):
+    """Merge the splits of one (sequence, query head, chunk of D_CHUNK dims): chunks spread the partials' read
+    over more programs when the batch is small."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * tl.num_programs(1) + h) * n_splits
+    offs_s = tl.arange(0, S_PAD)
+    lse = tl.load(LSE + base + offs_s, mask=offs_s < n_splits, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: split 0 always holds key 0
+    total = tl.sum(tl.math.exp2(lse - m), 0)
+    offs_d = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
+    acc = tl.zeros([D_CHUNK], tl.float32)
+    for s0 in range(0, n_splits, S_STEP):
+        ss = s0 + tl.arange(0, S_STEP)
+        ms = ss < n_splits
+        w = tl.math.exp2(tl.load(LSE + base + ss, mask=ms, other=float("-inf")) - m)
+        part = tl.load(OP + (base + ss)[:, None] * BLOCK_D + offs_d[None, :], mask=ms[:, None], other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(O.dtype.element_ty), mask=offs_d < D)
+
+
+def _decode_configs() -> list[triton.Config]:
+    # Memory-bound: enough key blocks in flight per SM matters more than the MMA shape (the group is 8..16 rows).
+    shapes = ((32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 8, 3), (16, 4, 4))
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
+
+
+# Tuned per split length and shape on the first call of each, which runs eagerly: the runner's first step of a
+# graph bucket, or a bench's warm-up, precedes any capture.
+_decode_tuned = triton.autotune(configs=_decode_configs(), key=["split_tokens", "D", "GROUP", "PAGE"])(
+    _decode_split_kernel)
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(rows: int, heads: int, splits: int, block_d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial outputs and log-sum-exps, one buffer per shape shared by every layer (they run one after
+    another on one stream) and kept for good: a CUDA graph that captured it replays into the same addresses."""
+    key = (rows, heads, splits, block_d, device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(rows * heads * splits * block_d, dtype=torch.float32, device=device),
+                         torch.empty(rows * heads * splits, dtype=torch.float32, device=device))
+    return _SCRATCH[key]
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor,
+                 block_tables: torch.Tensor, page_size: int, scale: float, plan: DecodePlan,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """One new token per sequence: q [B, Hq, D]; kv_lens [B] int tensor on q's device (each at most the length
+    `plan` was made for). No host read, no allocation after the first call of a shape: CUDA graphs capture it."""
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    block_d = _block_d(d)
+    o = torch.empty_like(q) if out is None else out
+    if bsz == 0:
+        return o
+    part, lse = _scratch(bsz, hq, plan.num_splits, block_d, q.device)
+    args = (q, k_cache, v_cache, block_tables, kv_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), plan.split_tokens)
+    meta = dict(PAGE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
+                PREC=_prec(q.dtype))
+    grid = (bsz, hkv, plan.num_splits)
+    if interpreting():
+        _decode_split_kernel[grid](*args, **meta, BLOCK_N=16)
+    else:
+        _decode_tuned[grid](*args, **meta)
+    s_pad = triton.next_power_of_2(plan.num_splits)
+    chunk = min(block_d, 64)
+    _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
+                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_PAD=s_pad,
+                                                       S_STEP=min(s_pad, 16))
+    return o

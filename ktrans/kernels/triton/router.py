@@ -1,0 +1,79 @@
+"""The MoE block's routing and its output sum in Triton: top-k over the softmax of the router logits, and
+routed + sigmoid(shared gate) * shared expert.
+
+Oracles: `route` in `ktrans/operators/moe.py` (softmax in fp32, top k, renormalised when norm_topk_prob) and the
+block's final sum. The softmax is monotone, so the top k of the probabilities are the top k of the logits: one
+program per token picks them from its row (k passes of max-and-mask over the row in registers, the lowest index
+winning a tie as torch.topk does in practice), and the weights are exp(l - max) over the full row's sum, or over
+the k picked ones' sum when renormalised (the full softmax's denominator cancels). Ids come out int64 and
+descending by weight, as torch.topk gives them to the expert ops.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E_PAD: tl.constexpr,
+                         K_PAD: tl.constexpr, RENORM: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    x = tl.load(LOGITS + row * stride_l + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
+    mx = tl.max(x, 0)
+    total = tl.sum(tl.exp(x - mx), 0)
+    ks = tl.arange(0, K_PAD)
+    vals = tl.full([K_PAD], float("-inf"), tl.float32)
+    ids = tl.zeros([K_PAD], tl.int32)
+    for j in tl.static_range(K):
+        v = tl.max(x, 0)
+        i = tl.min(tl.where(x == v, offs, E_PAD), 0)
+        vals = tl.where(ks == j, v, vals)
+        ids = tl.where(ks == j, i, ids)
+        x = tl.where(offs == i, float("-inf"), x)
+    e = tl.exp(vals - mx)
+    if RENORM:
+        w = e / tl.sum(e, 0)
+    else:
+        w = e / total
+    tl.store(IDS + row * K + ks, ids.to(tl.int64), mask=ks < K)
+    tl.store(W + row * K + ks, w.to(W.dtype.element_ty), mask=ks < K)
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> ids [T, k] int64, weights [T, k] in the logits' dtype (one launch). One warp per
+    row up to 1024 experts: the k reductions then stay inside the warp."""
+    t, e = router_logits.shape
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    if t:
+        _topk_softmax_kernel[(t,)](router_logits, ids, weights, router_logits.stride(0), e, K=top_k,
+                                   E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+                                   RENORM=norm_topk_prob, num_warps=1 if e <= 1024 else 4)
+    return ids, weights
+
+
+@triton.jit
+def _gated_sum_kernel(R, S, G, O, n, H, stride_g, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + (offs // H) * stride_g, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + offs, (r + tl.sigmoid(g) * s).to(O.dtype.element_ty), mask=mask)
+
+
+def gated_sum(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor) -> torch.Tensor:
+    """routed [T, H] + sigmoid(gate_logit [T, 1]) * shared [T, H], in their promoted dtype (one launch)."""
+    routed, shared = routed.contiguous(), shared.contiguous()
+    dtype = torch.promote_types(torch.promote_types(routed.dtype, shared.dtype), gate_logit.dtype)
+    out = torch.empty(shared.shape, dtype=dtype, device=shared.device)
+    n, h = shared.numel(), shared.shape[-1]
+    if n:
+        block = 1024
+        _gated_sum_kernel[(triton.cdiv(n, block),)](routed, shared, gate_logit, out, n, h, gate_logit.stride(0),
+                                                     BLOCK=block)
+    return out

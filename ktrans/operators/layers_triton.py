@@ -1,0 +1,123 @@
+"""The Triton ops of the layer operators: KRMSNormTriton, KRoPETriton, KAttentionTriton and KRouterTriton.
+
+Each family's module declares its op by name (NORM_OPS, ROPE_OPS, ATTENTION_OPS, ROUTER_OPS), so rules naming one
+validate without triton; building the model imports this module, which imports the kernels
+(`ktrans/kernels/triton/`). They run on CUDA, and on the CPU only under Triton's interpreter (the CI tests).
+Each does what its family's torch op does, with the same inputs and outputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ktrans.kernels.triton import interpreting, unavailable_reason
+from ktrans.kernels.triton import attention as tri_attention
+from ktrans.kernels.triton import norm as tri_norm
+from ktrans.kernels.triton import rope as tri_rope
+from ktrans.kernels.triton import router as tri_router
+from ktrans.operators.attention import ATTENTION_OPS, KQwen3NextAttention, check_pool_device
+from ktrans.operators.base import Op, OpNotBuiltError
+from ktrans.operators.moe import ROUTER_OPS, KRouterTorch
+from ktrans.operators.norm import NORM_OPS, KRMSNormTorch
+from ktrans.operators.rope import ROPE_OPS, KRoPETorch, RopeTables
+from ktrans.runtime.batch import ForwardBatch
+
+
+def check_runs_here(name: str, device: torch.device) -> None:
+    """A Triton op needs a GPU Triton compiles for, or the interpreter for a CPU placement."""
+    why = unavailable_reason()
+    if why is None and device.type == "cpu" and not interpreting():
+        why = "Triton kernels run on the CPU only under TRITON_INTERPRET=1 (tests); place it on cuda"
+    if why is not None:
+        raise OpNotBuiltError(f"{name} cannot run on {device}: {why}")
+
+
+class Checked:
+    """Mixin before an op class: refuse, when built, a device the Triton kernels cannot run on here."""
+
+    def __init__(self, operator, device: torch.device, streaming: bool = False):
+        check_runs_here(type(self).op_name, device)
+        super().__init__(operator, device, streaming)
+
+
+@NORM_OPS.register("KRMSNormTriton", devices=("cuda", "cpu"))
+class KRMSNormTriton(Checked, KRMSNormTorch):
+    """The zero-centred RMSNorm, with the residual add fused in when given one. Loads like KRMSNormTorch."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return tri_norm.rms_norm(x, self.weight, self.eps, residual)
+
+
+class TritonRopeTables(RopeTables):
+    """Tables whose application rotates q and k in place, in one launch."""
+
+    __slots__ = ()
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tri_rope.rope_qk_(q, k, self.cos, self.sin)
+
+
+@ROPE_OPS.register("KRoPETriton", devices=("cuda", "cpu"))
+class KRoPETriton(Checked, KRoPETorch):
+    """The reference's tables (a few element-wise ops once per step), applied by the Triton kernel."""
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> TritonRopeTables:
+        return TritonRopeTables(*super().forward(positions, dtype))
+
+
+@ATTENTION_OPS.register("KAttentionTriton", devices=("cuda", "cpu"))
+class KAttentionTriton(Checked, Op):
+    """write_kv, then varlen prefill or split-K decode, over the layer's pages of the KV pool."""
+
+    def __init__(self, operator: KQwen3NextAttention, device: torch.device, streaming: bool = False):
+        super().__init__(operator, device, streaming)
+        self.layer_idx = operator.layer_idx
+        self.scaling = operator.scaling
+        self.num_kv_heads = operator.num_kv_heads
+        self.decode: tri_attention.DecodePlan | None = None
+        self.prefill: tuple[torch.Tensor, torch.Tensor, int] | None = None  # cu_seqlens, kv_lens, max new tokens
+        self._out: dict[tuple, torch.Tensor] = {}  # decode outputs by shape: no allocation in a captured step
+
+    def plan(self, batch: ForwardBatch) -> None:
+        b = self.mark_planned(batch)
+        if all(n == 1 for n in b.seq_lens):
+            # Sized from the planned length (a graph's KV bucket), never from the live lengths: the grid is fixed.
+            self.decode = tri_attention.plan_decode(b.num_seqs, self.num_kv_heads, b.max_kv_len, self.device)
+            self.prefill = None
+            return
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)  # noqa: E731
+        cu = b.cu_seqlens_t if b.cu_seqlens_t is not None else as_t(b.cu_seqlens_host)
+        lens = b.kv_lens_t if b.kv_lens_t is not None else as_t(b.kv_lens)
+        self.decode, self.prefill = None, (cu, lens, max(b.seq_lens))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned."""
+        if not self.planned_for(batch):
+            self.plan(batch)
+        k_cache, v_cache = batch.kv.layer(self.layer_idx)
+        check_pool_device(self.key, "KV cache", k_cache, self.device)
+        tri_attention.write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
+        page = batch.kv.page_size
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        if self.decode is not None:
+            lens = batch.kv_lens_t if batch.kv_lens_t is not None else batch.positions + 1
+            key = (tuple(q.shape), q.dtype)
+            if key not in self._out:
+                self._out[key] = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            return tri_attention.paged_decode(q, k_cache, v_cache, lens, batch.block_tables, page, self.scaling,
+                                              self.decode, out=self._out[key])
+        cu, lens, max_new = self.prefill
+        return tri_attention.paged_prefill(q, k_cache, v_cache, cu, lens, batch.block_tables, page, self.scaling,
+                                           max_new)
+
+
+@ROUTER_OPS.register("KRouterTriton", devices=("cuda", "cpu"))
+class KRouterTriton(Checked, KRouterTorch):
+    """Top-k softmax routing in one launch, and the gated sum of the routed and shared experts in one launch."""
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tri_router.route(router_logits, self.top_k, self.norm_topk_prob)
+
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
+        return tri_router.gated_sum(routed, shared, shared_gate)
+
+    forward = route

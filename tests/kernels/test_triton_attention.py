@@ -1,0 +1,185 @@
+"""The Triton paged attention (write_kv, varlen prefill over a cached prefix, split-K decode) against the torch
+reference kernels (ktrans/kernels/torch/attention.py), on random caches with pages out of order.
+
+Sizes are awkward on purpose: odd token counts, T=1, KV lengths that are not multiples of the page or of the split,
+a prefix that ends mid-page, a head_dim that is not a power of two, pad rows that point at the pool's pad page.
+Tolerances: fp32 within atol 2e-5 / rtol 1e-4 (the scores and softmax are fp32 in both; only the order of the
+sums differs); bf16 at the real shapes (gpu) within atol 1.5e-2 / rtol 1e-2 (the probabilities are rounded to
+bf16 before the PV product, as FlashAttention does). The interpreted runs use small head dims and few heads.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktrans.kernels.torch import attention as ref
+
+tri = pytest.importorskip("ktrans.kernels.triton.attention")
+
+pytestmark = pytest.mark.triton
+FP32 = dict(atol=2e-5, rtol=1e-4)
+BF16 = dict(atol=1.5e-2, rtol=1e-2)
+
+
+class Cache:
+    """A random KV pool of `pages` usable pages plus the pad page, and sequences whose pages are shuffled."""
+
+    def __init__(self, kv_lens, page, hkv, d, dtype, device, spare_pages=3):
+        need = [-(-n // page) for n in kv_lens]
+        self.num_pages = sum(need) + spare_pages
+        self.page, self.pad_page = page, self.num_pages
+        rows = (self.num_pages + 1) * page
+        self.k = torch.randn(rows, hkv, d, dtype=torch.float32).to(dtype).to(device)
+        self.v = torch.randn(rows, hkv, d, dtype=torch.float32).to(dtype).to(device)
+        perm = torch.randperm(self.num_pages).tolist()
+        width = max(need) + 1  # one -1 column past the longest sequence
+        self.tables = torch.full((len(kv_lens), width), -1, dtype=torch.int64)
+        at = 0
+        for i, n in enumerate(need):
+            self.tables[i, :n] = torch.tensor(perm[at: at + n])
+            at += n
+        self.tables = self.tables.to(device)
+
+    def slots(self, seq, positions):
+        return [int(self.tables[seq, p // self.page]) * self.page + p % self.page for p in positions]
+
+
+def _cu(news):
+    out = [0]
+    for n in news:
+        out.append(out[-1] + n)
+    return out
+
+
+def _prefill_case(news, kv_lens, hq, hkv, d, page, dtype, device):
+    c = Cache(kv_lens, page, hkv, d, dtype, device)
+    q = torch.randn(sum(news), hq, d).to(dtype).to(device)
+    cu = _cu(news)
+    want = ref.paged_attention(q.float(), c.k.float(), c.v.float(), cu, kv_lens, c.tables, page, d ** -0.5)
+    got = tri.paged_prefill(q, c.k, c.v, torch.tensor(cu, device=device), torch.tensor(kv_lens, device=device),
+                            c.tables, page, d ** -0.5, max(news))
+    return got.float(), want
+
+
+@pytest.mark.parametrize("hq,hkv,d,page", [(4, 2, 32, 4), (8, 1, 24, 16)])
+def test_prefill_over_cached_prefix(triton_device, hq, hkv, d, page):
+    # (new, kv_len): a fresh odd prompt, a chunk after a prefix ending mid-page, a 1-token chunk after a prefix,
+    # a 1-token prompt, a chunk longer than a query block.
+    news, kv_lens = [5, 3, 1, 1, 37], [5, 12, 7, 1, 41]
+    got, want = _prefill_case(news, kv_lens, hq, hkv, d, page, torch.float32, triton_device)
+    torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
+def test_prefill_single_token(triton_device):
+    got, want = _prefill_case([1], [1], 2, 2, 16, 4, torch.float32, triton_device)
+    torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
+def _decode_case(kv_lens, hq, hkv, d, page, dtype, device, plan_len=None, plan=None, pad_rows=0):
+    c = Cache(kv_lens, page, hkv, d, dtype, device)
+    b = len(kv_lens)
+    tables, lens = c.tables, list(kv_lens)
+    if pad_rows:
+        # As the runner pads a graph bucket: a 2-token sequence whose only page is the pad page.
+        pad = torch.full((pad_rows, tables.shape[1]), -1, dtype=torch.int64, device=device)
+        pad[:, 0] = c.pad_page
+        tables, lens = torch.cat([tables, pad]), lens + [2] * pad_rows
+    q = torch.randn(b + pad_rows, hq, d).to(dtype).to(device)
+    want = ref.paged_attention_decode(q.float(), c.k.float(), c.v.float(), lens, tables, page, d ** -0.5)
+    plan = plan or tri.plan_decode(b + pad_rows, hkv, plan_len or max(lens), torch.device(device))
+    got = tri.paged_decode(q, c.k, c.v, torch.tensor(lens, device=device), tables, page, d ** -0.5, plan)
+    return got.float(), want, plan
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (2, 1, 128)])  # 128: the merge runs in two chunks of dims
+def test_decode_split_k_uneven_lengths(triton_device, hq, hkv, d):
+    # Splits of 24 keys (not a multiple of the page or of the kernel's key block): lengths 1, within one split,
+    # across several, and one longer than all but the last split covers.
+    got, want, plan = _decode_case([1, 7, 50, 95], hq, hkv, d, 4, torch.float32, triton_device,
+                                   plan=tri.DecodePlan(num_splits=4, split_tokens=24))
+    torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
+def test_decode_planned_for_a_longer_bucket_with_pad_rows(triton_device):
+    # The plan is made for a graph's KV bucket (longer than any live sequence): splits past a length are empty.
+    got, want, plan = _decode_case([3, 29, 18], 8, 2, 24, 8, torch.float32, triton_device, plan_len=512,
+                                   pad_rows=2)
+    assert plan.num_splits * plan.split_tokens >= 512
+    torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
+def test_plan_decode_depends_on_sizes_only():
+    cpu = torch.device("cpu")
+    p = tri.plan_decode(1, 2, 32768, cpu)
+    assert p.num_splits * p.split_tokens >= 32768 and p.split_tokens % tri.DECODE_BLOCK_N == 0
+    assert tri.plan_decode(1, 2, 1, cpu) == tri.DecodePlan(1, tri.DECODE_BLOCK_N)
+    assert tri.plan_decode(256, 2, 32768, cpu).num_splits == 1  # enough programs without splitting
+
+
+def test_write_kv_then_mixed_batch_by_separate_calls(triton_device):
+    """A mixed step: write every new token's K/V (pad row into the pad page), then its prefill sequences through
+    the varlen kernel and its decode sequences through the split-K kernel, against the reference doing the same."""
+    page, hq, hkv, d = 4, 4, 2, 16
+    news, kv_lens = [3, 1, 6, 1], [3, 10, 9, 5]  # sequences 1 and 3 are decode steps
+    c = Cache(kv_lens, page, hkv, d, torch.float32, triton_device)
+    k_ref, v_ref = c.k.clone(), c.v.clone()
+    slots = []
+    for i, (n, L) in enumerate(zip(news, kv_lens)):
+        slots += c.slots(i, range(L - n, L))
+    slots.append(c.pad_page * page + 1)  # a pad row
+    slots_t = torch.tensor(slots, device=triton_device)
+    t = len(slots)
+    k_new, v_new = torch.randn(t, hkv, d).to(triton_device), torch.randn(t, hkv, d).to(triton_device)
+    tri.write_kv(c.k, c.v, slots_t, k_new, v_new)
+    ref.write_kv(k_ref, v_ref, slots_t, k_new, v_new)
+    assert torch.equal(c.k, k_ref) and torch.equal(c.v, v_ref)
+
+    pre, dec = [0, 2], [1, 3]
+    q_pre = torch.randn(news[0] + news[2], hq, d).to(triton_device)
+    cu = _cu([news[i] for i in pre])
+    lens_pre = [kv_lens[i] for i in pre]
+    got = tri.paged_prefill(q_pre, c.k, c.v, torch.tensor(cu, device=triton_device),
+                            torch.tensor(lens_pre, device=triton_device), c.tables[pre], page, d ** -0.5, 6)
+    want = ref.paged_attention(q_pre, k_ref, v_ref, cu, lens_pre, c.tables[pre], page, d ** -0.5)
+    torch.testing.assert_close(got, want, **FP32)
+    q_dec = torch.randn(2, hq, d).to(triton_device)
+    lens_dec = torch.tensor([kv_lens[i] for i in dec], device=triton_device)
+    got = tri.paged_decode(q_dec, c.k, c.v, lens_dec, c.tables[dec], page, d ** -0.5,
+                           tri.plan_decode(2, hkv, 16, torch.device(triton_device)))
+    want = ref.paged_attention_decode(q_dec, k_ref, v_ref, lens_dec, c.tables[dec], page, d ** -0.5)
+    torch.testing.assert_close(got, want, **FP32)
+
+
+# ---- real shapes (head_dim 256, 16 query / 2 KV heads, page 16), compiled on the GPU ----
+
+
+@pytest.mark.gpu
+def test_prefill_real_shapes_bf16():
+    news, kv_lens = [1, 301, 77, 640], [1, 1301, 77, 1000]
+    got, want = _prefill_case(news, kv_lens, 16, 2, 256, 16, torch.bfloat16, "cuda")
+    torch.testing.assert_close(got, want, **BF16)
+
+
+@pytest.mark.gpu
+def test_decode_real_shapes_bf16_with_pad_rows():
+    got, want, _ = _decode_case([1, 17, 4099, 777, 2048, 9001], 16, 2, 256, 16, torch.bfloat16, "cuda",
+                                plan_len=16384, pad_rows=2)
+    torch.testing.assert_close(got, want, **BF16)
+
+
+@pytest.mark.gpu
+def test_decode_graph_capture_reads_lengths_from_the_device():
+    """Captured once for a bucket, replayed with other lengths written into the same tensor: same as eager."""
+    c = Cache([4000] * 4, 16, 2, 256, torch.bfloat16, "cuda")
+    q = torch.randn(4, 16, 256, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([4000, 1, 333, 2500], device="cuda")
+    plan = tri.plan_decode(4, 2, 4096, torch.device("cuda"))
+    out = torch.empty_like(q)
+    tri.paged_decode(q, c.k, c.v, lens, c.tables, 16, 0.0625, plan, out=out)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tri.paged_decode(q, c.k, c.v, lens, c.tables, 16, 0.0625, plan, out=out)
+    lens.copy_(torch.tensor([17, 3999, 64, 1024], device="cuda"))
+    g.replay()
+    want = ref.paged_attention_decode(q.float(), c.k.float(), c.v.float(), lens, c.tables, 16, 0.0625)
+    torch.testing.assert_close(out.float(), want, **BF16)

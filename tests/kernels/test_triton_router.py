@@ -1,0 +1,42 @@
+"""The Triton router (top-k over the softmax, renormalised or not) and the MoE block's gated sum against the
+torch ops of ktrans/operators/moe.py (`route`, and routed + sigmoid(gate) * shared).
+
+Expert counts are not powers of two, k is odd, T=1 is covered. The ids must be identical: each row's logits are a
+random permutation of distinct multiples of 1/64 (exact in bf16 too, so no ties for the two to break apart); weights within atol 1e-6 in fp32 (the same softmax, summed in another order), and within
+one bf16 ulp (atol 4e-3 / rtol 8e-3) in bf16 on the GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktrans.operators.moe import route
+
+tri = pytest.importorskip("ktrans.kernels.triton.router")
+
+pytestmark = pytest.mark.triton
+CASES = [pytest.param(torch.float32, id="fp32"),
+         pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", CASES)
+@pytest.mark.parametrize("t,e,k", [(1, 12, 1), (9, 33, 5), (4, 512, 10)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_topk_softmax(triton_device, dtype, t, e, k, renorm):
+    logits = torch.stack([(torch.randperm(e) - e // 2).float() / 64 for _ in range(t)]).to(dtype).to(triton_device)
+    want_ids, want_w = route(logits, k, renorm)
+    got_ids, got_w = tri.route(logits, k, renorm)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == dtype
+    assert torch.equal(got_ids, want_ids)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=8e-3)
+    torch.testing.assert_close(got_w, want_w, **tol)
+
+
+@pytest.mark.parametrize("dtype", CASES)
+@pytest.mark.parametrize("t,h", [(1, 40), (7, 130)])
+def test_gated_sum(triton_device, dtype, t, h):
+    routed, shared = (torch.randn(t, h).to(dtype).to(triton_device) for _ in range(2))
+    gate = torch.randn(t, 1).to(dtype).to(triton_device)
+    want = routed + torch.sigmoid(gate) * shared
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(tri.gated_sum(routed, shared, gate), want, **tol)
