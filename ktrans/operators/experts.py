@@ -35,7 +35,7 @@ EXPERT_OPS = OpRegistry("experts")
 EXPERT_OPS.declare("KExpertsCPU", devices=("cpu",), module="ktrans.operators.experts_cpu",
                    provided_by="the C++ CPU expert kernels (ktrans._cpu, issue 5)")
 EXPERT_OPS.declare("KExpertsMarlin", devices=("cuda",), module="ktrans.operators.experts_marlin",
-                   provided_by="the GPU kernels issue")
+                   provided_by="ktrans.operators.experts_marlin (the Triton MoE on the GGUF blocks; needs triton)")
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
