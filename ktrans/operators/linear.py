@@ -22,7 +22,7 @@ LINEAR_OPS.declare("KLinearCPUInfer", devices=("cpu",), module="ktrans.operators
                    provided_by="the C++ CPU kernels issue (ktrans._cpu dense quantized linear)")
 
 
-@LINEAR_OPS.register("KLinearTorch", devices=("cpu", "cuda"))
+@LINEAR_OPS.register("KLinearTorch", devices=("cpu", "cuda"), float_weights=True)
 class KLinearTorch(Op):
     """y = x W^T (+ b) with W in the model dtype: the reference every other linear op is compared with."""
 

@@ -64,6 +64,14 @@ class Matrix:
         return F.linear(x.to(self.dense.dtype), self.dense)
 
 
+def keep_buffers(module: torch.nn.Module, tag: str, packed: PackedWeight | None, dense: torch.Tensor | None = None
+                 ) -> None:
+    """Register the tensors an op holds as (non-persistent) buffers, so what counts a model's memory sees them."""
+    tensors = packed.planes() if packed is not None else {"w": dense}
+    for name, t in tensors.items():
+        module.register_buffer(f"{tag}_{name}", t, persistent=False)
+
+
 def load_matrix(key: str, raw: RawTensor, dtype: torch.dtype, device: torch.device) -> Matrix:
     """A stored tensor as the GPU op keeps it (see the module docstring)."""
     name, (n, k) = raw.type_name, raw.shape
@@ -98,6 +106,8 @@ class KLinearMarlin(Op):
             raise ValueError(f"{self.key}: {', '.join(r.name for r in raws)} have shapes "
                              f"{[tuple(r.shape) for r in raws]}, expected {(self.n_out, self.n_in)} in all")
         self.parts = [load_matrix(self.key, r, dtype, self.device) for r in raws]
+        for i, part in enumerate(self.parts):
+            keep_buffers(self, f"part{i}", part.packed, part.dense)
         # HF row j is row order[j] of the concatenated parts: their outputs are scattered by the inverse
         self.place = None if order is None else torch.argsort(order).to(self.device)
         if len(self.specs) > 1:

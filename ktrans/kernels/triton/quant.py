@@ -16,6 +16,8 @@ kernel (ktrans.kernels.triton.moe_quant). The oracle is ktrans.kernels.torch.qua
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -147,6 +149,7 @@ def plane_args(w: PackedWeight) -> tuple[torch.Tensor, ...]:
     return w.lo, stand_in(w.hi), w.d, stand_in(w.sc)
 
 
+@functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
     if device.type == "cuda" and not interpreting():
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -154,11 +157,13 @@ def _sms(device: torch.device) -> int:
 
 
 def tiles(m: int) -> tuple[int, int, int, int]:
-    """(MODE, BM, BN, num_warps) for M rows of activations."""
+    """(MODE, BM, BN, num_warps) for M rows of activations. The interpreter pays per program, not per element:
+    it gets wider row tiles."""
+    wide = 2 if interpreting() else 1
     if m <= 4:
-        return 0, triton.next_power_of_2(m), 64, 4
+        return 0, triton.next_power_of_2(m), 64 * wide, 4
     if m <= 32:
-        return 1, (16 if m <= 16 else 32), 64, 4
+        return 1, (16 if m <= 16 else 32), 64 * wide, 4
     return 2, (64 if m <= 64 else 128), 128, 8
 
 

@@ -62,6 +62,9 @@ class PackedWeight:
     def device(self) -> torch.device:
         return self.lo.device
 
+    def planes(self) -> dict[str, torch.Tensor]:
+        return {"lo": self.lo, "hi": self.hi, "d": self.d, "sc": self.sc}
+
     def to(self, device: torch.device | str) -> "PackedWeight":
         mv = lambda t: t.to(device)  # noqa: E731
         return PackedWeight(self.qtype, self.n, self.k, mv(self.lo), mv(self.hi), mv(self.d), mv(self.sc),
@@ -172,10 +175,12 @@ def repack(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], device: torch.
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Matrices of one type and row length stacked along N (a fused projection stored as two tensors)."""
+    """Matrices (or stacks of as many experts) of one type and row length stacked along N: a fused projection
+    stored as two tensors, or the experts' gate and up as one [E, 2I, H] stack."""
     first = parts[0]
-    if any(p.qtype != first.qtype or p.k != first.k or p.experts is not None for p in parts):
-        raise ValueError("concat_rows needs single matrices of one type and row length")
-    cat = lambda ts: torch.cat(ts, dim=1)  # noqa: E731  [NSB, N, w] along N
+    if any(p.qtype != first.qtype or p.k != first.k or p.experts != first.experts for p in parts):
+        raise ValueError("concat_rows needs matrices of one type, row length and expert count")
+    cat = lambda ts: torch.cat(ts, dim=-2)  # noqa: E731  [.., NSB, N, w] along N
     return PackedWeight(first.qtype, sum(p.n for p in parts), first.k, cat([p.lo for p in parts]),
-                        cat([p.hi for p in parts]), cat([p.d for p in parts]), cat([p.sc for p in parts]))
+                        cat([p.hi for p in parts]), cat([p.d for p in parts]), cat([p.sc for p in parts]),
+                        first.experts)
