@@ -25,6 +25,7 @@ import time
 import torch
 
 from ktrans.kernels.triton.moe_quant import moe_quant
+from ktrans.kernels.triton.quant import plane_args
 from ktrans.kernels.triton.quant_layout import PackedWeight, concat_rows, packable, repack
 from ktrans.operators.experts import EXPERT_OPS, KExpertsTorch, layer_index
 from ktrans.operators.linear_marlin import check_device, keep_buffers
@@ -83,6 +84,7 @@ class KExpertsMarlin(KExpertsTorch):
                                 "bytes": sum(w.numel() * w.element_size() for w in self.w.values())}
             return
         self.gate_up, self.down = self._pack(raws)
+        plane_args(self.down)  # makes the stand-in planes now, not inside a CUDA graph capture
         keep_buffers(self, "gate_up", self.gate_up)
         keep_buffers(self, "down", self.down)
         if self.device.type == "cuda":

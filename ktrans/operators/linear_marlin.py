@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ktrans.kernels.triton import interpreting, unavailable_reason
-from ktrans.kernels.triton.quant import qlinear
+from ktrans.kernels.triton.quant import plane_args, qlinear
 from ktrans.kernels.triton.quant_layout import PackedWeight, packable, repack
 from ktrans.operators.base import Op
 from ktrans.operators.linear import LINEAR_OPS
@@ -76,7 +76,9 @@ def load_matrix(key: str, raw: RawTensor, dtype: torch.dtype, device: torch.devi
     """A stored tensor as the GPU op keeps it (see the module docstring)."""
     name, (n, k) = raw.type_name, raw.shape
     if packable(name, k):
-        return Matrix(repack(raw.data, name, (n, k), device), None, name)
+        packed = repack(raw.data, name, (n, k), device)
+        plane_args(packed)  # makes the stand-in planes now, not inside a CUDA graph capture
+        return Matrix(packed, None, name)
     if name in _FLOATS:
         floats = raw.data.contiguous().view(_FLOATS[name]).reshape(n, k)
         return Matrix(None, floats.to(device=device, dtype=dtype), name)

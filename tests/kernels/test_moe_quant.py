@@ -85,3 +85,28 @@ def test_prefill_tiles_and_bf16(triton_device):
     for b, e in enumerate(bexp.tolist()):
         got = per_block[b][per_block[b] < ids.numel()].long()
         assert (e >= 0) == (got.numel() > 0) and bool((flat[got] == e).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_captured_in_a_cuda_graph(t):
+    """Both block paths replay from a CUDA graph with new routing and activations written into the captured
+    buffers, and give what an eager call gives (the captured call reads nothing back to the host)."""
+    from ktrans.kernels.triton.moe_quant import moe_quant
+
+    dev = torch.device("cuda")
+    gate_up, down, _ = _layer(dev)
+    ids, weights = _routing(t, dev)
+    x = torch.randn(t, H, device=dev).to(torch.bfloat16) * 1e-3
+    moe_quant(x, ids, weights, gate_up, down)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_quant(x, ids, weights, gate_up, down)
+    ids2, weights2 = _routing(t + 100, dev)
+    ids.copy_(ids2)
+    weights.copy_(weights2)
+    x.copy_(torch.randn(t, H, device=dev).to(torch.bfloat16) * 1e-3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe_quant(x, ids, weights, gate_up, down))

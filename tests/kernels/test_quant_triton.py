@@ -65,3 +65,22 @@ def test_gemm_prefill_tile(qtype, triton_device):
     y = qlinear(x, w)
     assert y.shape == (m, n) and _err(y, quant_linear(x, w)) < 1e-2
     assert torch.isfinite(dequantize_packed(w.to("cpu"))).all()
+
+
+@pytest.mark.gpu
+def test_gemv_captured_in_a_cuda_graph():
+    """The split-K GEMV replays from a CUDA graph on new activations as an eager call computes them."""
+    from ktrans.kernels.triton.quant import qlinear
+
+    dev = torch.device("cuda")
+    w = _weight("Q4_K", 2048, 2048, dev)
+    x = torch.randn(1, 2048, device=dev).to(torch.bfloat16)
+    qlinear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w)
+    x.copy_(torch.randn(1, 2048, device=dev).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, qlinear(x, w)) and _err(y, quant_linear(x, w)) < 1e-2

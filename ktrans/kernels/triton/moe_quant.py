@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant import QT_CODE, plane_args, superblock_dot, tiles
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
@@ -118,6 +119,8 @@ def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
         mode, bm = (1, 16) if p <= 16 * e else (2, 64)
         rows, bexp = align(ids, e, bm)
     _, _, bn, warps = tiles(bm)
+    if bm == 1 and not interpreting():
+        bn //= 2  # the per-pair path has no split K: narrower tiles, more programs in flight
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(p, hidden, dtype=torch.float32, device=x.device)  # skipped pairs add nothing
     rw = weights.reshape(-1)

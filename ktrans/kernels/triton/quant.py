@@ -142,10 +142,19 @@ def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, MN, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_STAND_INS: dict[tuple, torch.Tensor] = {}
+
+
 def plane_args(w: PackedWeight) -> tuple[torch.Tensor, ...]:
     """The four planes as kernel arguments; a type without `hi` or `sc` passes a one-element stand-in (never
-    read) rather than an empty tensor."""
-    stand_in = lambda t: t if t.numel() else torch.zeros(1, dtype=t.dtype, device=t.device)  # noqa: E731
+    read, made once per dtype and device) rather than an empty tensor."""
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            return t
+        key = (t.dtype, t.device)
+        if key not in _STAND_INS:
+            _STAND_INS[key] = torch.zeros(1, dtype=t.dtype, device=t.device)
+        return _STAND_INS[key]
     return w.lo, stand_in(w.hi), w.d, stand_in(w.sc)
 
 
@@ -177,8 +186,9 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     m, n, nsb = x.shape[0], w.n, w.k // QK
     mode, bm, bn, warps = tiles(m)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    if split is None:
-        split = max(1, min(nsb, (2 * _sms(x.device)) // grid_nm)) if mode < 2 else 1
+    if split is None:  # a decode GEMV streams with no software pipelining: enough programs per SM keep enough
+        # loads in flight (8 per SM; a 2048-row matrix at K=2048 has only 32 row tiles)
+        split = max(1, min(nsb, triton.cdiv(8 * _sms(x.device), grid_nm))) if mode < 2 else 1
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
