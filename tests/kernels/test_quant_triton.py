@@ -2,7 +2,8 @@
 planes, multiply in float64) for every packed type, at awkward shapes: N not a multiple of any row tile, M across the
 three multiply paths, with and without split K. Interpreted without a GPU (marked `triton`).
 
-Tolerances, relative Frobenius error against the float64 reference on the same (bf16-rounded) activations:
+Tolerances, relative Frobenius error against the float64 reference on the same (bf16-rounded) activations (and, read
+back through one-hot activations, the kernel's weights are gguf-py's within one fp32 rounding):
 - M <= 32 (fp32 products of the integer codes, scales applied in fp32): 2e-5 with fp32 out, 1e-2 with bf16 out
   (the output rounding);
 - M > 32 (weights rounded to bf16 inside the tile): 1e-2.
@@ -84,3 +85,23 @@ def test_gemv_captured_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, qlinear(x, w)) and _err(y, quant_linear(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_weights_are_gguf_py_values(qtype, triton_device):
+    """One-hot activations through the fp32 path read single weights back out of the kernel: gguf-py's dequantized
+    values, within one fp32 rounding (the kernel's s*q - m may fuse into one multiply-add)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ktrans.kernels.triton.quant import qlinear
+    from tests.kernels.test_quant_layout import ROWS
+
+    k, cols = 512, [0, 37, 300, 511]
+    raw = random_blocks(qtype, ROWS, k, seed=9)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))[:, cols].T
+    w = repack(torch.from_numpy(raw), qtype, (ROWS, k), triton_device)
+    x = torch.zeros(len(cols), k, device=triton_device)
+    x[torch.arange(len(cols)), cols] = 1.0
+    got = qlinear(x, w).cpu()
+    assert torch.allclose(got, want, rtol=2 ** -22, atol=2 ** -22 * float(want.abs().max()))

@@ -28,15 +28,16 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 QT_CODE = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3}
 # Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw bits; interpreted, the operands are rounded to
 # bf16 and multiplied in fp32 instead (the same values, so the same results up to summation order).
-DOT_F32: tl.constexpr = tl.constexpr(interpreting())
-
-
-@triton.jit
-def to_dot(v):
-    """v rounded to bf16, as a tl.dot operand."""
-    if DOT_F32:
+if interpreting():
+    @triton.jit
+    def to_dot(v):
+        """v rounded to bf16, as a tl.dot operand (fp32 holding bf16 values, for the interpreter)."""
         return v.to(tl.bfloat16).to(tl.float32)
-    return v.to(tl.bfloat16)
+else:
+    @triton.jit
+    def to_dot(v):
+        """v rounded to bf16, as a tl.dot operand."""
+        return v.to(tl.bfloat16)
 
 
 @triton.jit
