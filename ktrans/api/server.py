@@ -150,13 +150,16 @@ def placement_lines(injection) -> list[str]:
 def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules: str | None = None) -> str:
     c, model = engine.model_config, engine.model
     weights: dict[str, int] = {}
-    for p in model.parameters():
+    for p in (*model.parameters(), *model.buffers()):  # buffers: the quantized GPU ops' packed planes
         weights[str(p.device)] = weights.get(str(p.device), 0) + p.numel() * p.element_size()
     kv, st = engine.kv, engine.states
     n_attn, n_lin = len(c.full_attention_layers), len(c.linear_attention_layers)
     memory = {d: [f"weights {_mib(b)}"] for d, b in weights.items()}
     memory.setdefault(str(kv.k[0].device if kv.k else "cpu"), []).append(f"KV cache {_mib(kv.nbytes)}")
     memory.setdefault(str(st.conv[0].device if st.conv else "cpu"), []).append(f"DeltaNet states {_mib(st.nbytes)}")
+    for d in memory:
+        if d.startswith("cuda"):
+            memory[d].append(f"{_mib(torch.cuda.memory_allocated(d))} allocated by torch in all")
     placement = f"rules {rules}" if rules else f"every module on {opts.device} (the default rules)"
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     lines = [

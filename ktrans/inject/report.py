@@ -4,7 +4,9 @@ It injects a meta-device model (no weights read, no device required: a GPU rule 
 box), then groups modules that differ only in layer index (`model.layers.{0..47}.mlp.experts`). Weight bytes are
 GGUF-like: matrices at --weight_dtype (bf16, or a GGUF quant such as q4_k), while what llama.cpp keeps in F32
 (norms, routers, the DeltaNet conv and gates) counts 4 bytes. With a GGUF file (`tensor_type`), each tensor counts
-at the type the file stores it in (Q4_K_M mixes Q4_K, Q6_K and F32), unless --weight_dtype is given. KV memory
+at the type the file stores it in (Q4_K_M mixes Q4_K, Q6_K and F32), unless --weight_dtype is given, or unless the
+op holding it dequantizes it into the model dtype (KLinearTorch, KExpertsTorch: registered with float_weights),
+which then counts as bf16. KV memory
 counts only the full-attention layers; DeltaNet state is per slot, one slot per running request (--max_batch_size).
 """
 from __future__ import annotations
@@ -160,6 +162,15 @@ def _describe(p: Placed, phase: str) -> str:
     return f"{dev} {name}{mark}" + (" (streamed)" if op.streams(phase) else "")
 
 
+def _float_weights(op, device) -> bool:
+    """Whether the op(s) holding `op`'s weights on `device` keep them as floats in the model dtype (KLinearTorch,
+    KExpertsTorch) rather than as the file stores them."""
+    if op is None or op.OPS is None:
+        return False
+    names = {op.op_names[p] for p in (PREFILL, GENERATE) if op.devices[p] == device and not op.streams(p)}
+    return any(getattr(op.OPS.info(n), "float_weights", False) for n in names if n)
+
+
 @functools.lru_cache(maxsize=2)
 def meta_model(config: ModelConfig):
     """The meta tree of `config`, kept for the next report: the 80B tree has ~99k modules and takes seconds to
@@ -199,9 +210,10 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
             devices = [p.module._ktrans_device]
             if p.rule is None and not specs and not p.module._buffers:
                 continue  # a container (decoder layer, ModuleList): nothing of its own to place
-        nbytes = sum(spec_bytes(s, bpe, tensor_type) for s in specs)
-        for dev in devices:
-            add(dev, "weights", nbytes)
+        per_dev = [sum(spec_bytes(s, bpe, None if _float_weights(op, dev) else tensor_type) for s in specs)
+                   for dev in devices]
+        for dev, n in zip(devices, per_dev):
+            add(dev, "weights", n)
         kind = type(op).__name__ if op is not None else f"kept {p.orig_class}"
         out = (str(op.out_devices[GENERATE]) if op is not None and op.explicit_out else
                str(p.out_devices[GENERATE]) if op is None and p.rule is not None and "out_device" in p.rule.kwargs
@@ -213,7 +225,7 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
         if row is None:
             row = groups[key] = Row(pattern, [], kind, key[2], key[3], key[4], out)
         row.indices.append(idx)
-        row.bytes += nbytes * len(devices)
+        row.bytes += sum(per_dev)
     report.rows = list(groups.values())
 
     for p in inj.placed:

@@ -142,6 +142,7 @@ class OpInfo:
     cls: type[Op] | None = None     # None while only declared
     module: str | None = None       # the module that defines (registers) a declared op
     provided_by: str = ""           # what brings it, for the "not built yet" message
+    float_weights: bool = False     # holds its weights as floats in the model dtype whatever the file stores
 
 
 class OpRegistry:
@@ -152,15 +153,18 @@ class OpRegistry:
         self._ops: dict[str, OpInfo] = {}
         self._aliases: dict[str, str] = {}
 
-    def register(self, name: str, devices: tuple[str, ...], aliases: tuple[str, ...] = ()) -> Callable:
-        """Class decorator: `@EXPERT_OPS.register("KExpertsCPU", devices=("cpu",))`. Replaces a declaration."""
+    def register(self, name: str, devices: tuple[str, ...], aliases: tuple[str, ...] = (),
+                 float_weights: bool = False) -> Callable:
+        """Class decorator: `@EXPERT_OPS.register("KExpertsCPU", devices=("cpu",))`. Replaces a declaration.
+        float_weights: the op dequantizes a quantized checkpoint into the model dtype (`ktrans rules show` then
+        counts its weights at that dtype, not at the file's types)."""
 
         def deco(cls: type[Op]) -> type[Op]:
             info = self._ops.get(name)
             if info is not None and info.cls is not None and info.cls is not cls:
                 raise ValueError(f"{self.family} op {name!r} is registered twice ({info.cls} and {cls})")
             self._ops[name] = OpInfo(name, tuple(devices), cls, info.module if info else None,
-                                     info.provided_by if info else "")
+                                     info.provided_by if info else "", float_weights)
             for a in aliases:
                 self._aliases[a] = name
             cls.op_name = name

@@ -22,6 +22,8 @@ host-to-device copy per layer (a pinned staging buffer is future work).
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,9 +37,17 @@ EXPERT_OPS = OpRegistry("experts")
 EXPERT_OPS.declare("KExpertsCPU", devices=("cpu",), module="ktrans.operators.experts_cpu",
                    provided_by="the C++ CPU expert kernels (ktrans._cpu, issue 5)")
 EXPERT_OPS.declare("KExpertsMarlin", devices=("cuda",), module="ktrans.operators.experts_marlin",
-                   provided_by="the GPU kernels issue")
+                   provided_by="ktrans.operators.experts_marlin (the Triton MoE on the GGUF blocks; needs triton)")
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def layer_index(key: str, op: str) -> int:
+    """The layer of an experts module name (`model.layers.7.mlp.experts` -> 7): GGUF stores experts per layer."""
+    m = re.search(r"layers\.(\d+)\.", key)
+    if not m:
+        raise ValueError(f"{op}: cannot tell the layer of {key!r}")
+    return int(m.group(1))
 
 
 class ExpertsOp(Op):
@@ -66,7 +76,7 @@ class ExpertsOp(Op):
         return self.sync()
 
 
-@EXPERT_OPS.register("KExpertsTorch", devices=("cpu", "cuda"))
+@EXPERT_OPS.register("KExpertsTorch", devices=("cpu", "cuda"), float_weights=True)
 class KExpertsTorch(ExpertsOp):
     """The reference expert op: float weights in the model dtype, stacked per projection like GGUF's ffn_*_exps
     (gate, up [E, I, H]; down [E, H, I]).

@@ -20,14 +20,13 @@ the fields it leaves out take their defaults from the KTRANS_* environment varia
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 import numpy as np
 import torch
 
 from ktrans.kernels import cpu, cpu_stream
-from ktrans.operators.experts import EXPERT_OPS, ExpertsOp
+from ktrans.operators.experts import EXPERT_OPS, ExpertsOp, layer_index
 from ktrans.runtime.batch import current_batch
 from ktrans.weights import quants as Q
 from ktrans.weights.source import WeightSource
@@ -39,18 +38,11 @@ QUANTS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "F32")
 _TORCH_FLOAT = cpu.TORCH_FLOAT
 
 
-def _layer_index(key: str) -> int:
-    m = re.search(r"layers\.(\d+)\.", key)
-    if not m:
-        raise ValueError(f"KExpertsCPU: cannot tell the layer of {key!r}")
-    return int(m.group(1))
-
-
 @EXPERT_OPS.register("KExpertsCPU", devices=("cpu",))
 class KExpertsCPU(ExpertsOp):
     def __init__(self, operator, device, streaming: bool = False, quant: str | None = None):
         super().__init__(operator, device, streaming)
-        self.layer = _layer_index(operator.key)
+        self.layer = layer_index(operator.key, "KExpertsCPU")
         quant = (quant or getattr(operator, "options", {}).get("quant") or "").upper() or None
         if quant is not None and quant not in QUANTS:
             raise ValueError(f"{self.key}: KExpertsCPU quant must be one of {QUANTS}, got {quant!r}")

@@ -1,8 +1,9 @@
 """KTransformersLinear: a torch.nn.Linear replaced by a phase-aware operator with a choice of kernels.
 
-KLinearTorch (F.linear on float weights, CPU or CUDA) and KLinearCPUInfer (the C++ quantized dense kernel on the
-stored GGUF blocks, ktrans.operators.linear_cpu) are built. KLinearMarlin (quantized GPU GEMM) is declared: rules may
-name it, and building a model with it fails with "not built yet" until its module registers it. KTransformers' VLinearMarlin maps to KLinearMarlin.
+KLinearTorch (F.linear on float weights, CPU or CUDA), KLinearCPUInfer (the C++ quantized dense kernel on the
+stored GGUF blocks, ktrans.operators.linear_cpu) and KLinearMarlin (the Triton quantized GEMV/GEMM on the GGUF blocks
+repacked for the GPU, ktrans.operators.linear_marlin; on the CPU only under Triton's interpreter) are built; the last
+two are imported when a rule names them. KTransformers' VLinearMarlin maps to KLinearMarlin.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from ktrans.weights.source import WeightSource
 
 LINEAR_OPS = OpRegistry("linear")
 LINEAR_OPS.declare("KLinearMarlin", devices=("cuda",), module="ktrans.operators.linear_marlin",
-                   provided_by="the GPU kernels issue (Marlin on GGUF-requantized weights)",
+                   provided_by="ktrans.operators.linear_marlin (Triton kernels on the GGUF blocks; needs triton)",
                    aliases=("VLinearMarlin",))
 LINEAR_OPS.declare("KLinearCPUInfer", devices=("cpu",), module="ktrans.operators.linear_cpu",
                    provided_by="the C++ CPU kernels issue (ktrans._cpu dense quantized linear)")
 
 
-@LINEAR_OPS.register("KLinearTorch", devices=("cpu", "cuda"))
+@LINEAR_OPS.register("KLinearTorch", devices=("cpu", "cuda"), float_weights=True)
 class KLinearTorch(Op):
     """y = x W^T (+ b) with W in the model dtype: the reference every other linear op is compared with."""
 

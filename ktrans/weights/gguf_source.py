@@ -315,16 +315,36 @@ class GGUFSource(WeightSource):
         c = self.config
         read = self._raw_torch if raw else (lambda name: self._float(name).float())
         qkv, z = read(f"blk.{i}.attn_qkv.weight"), read(f"blk.{i}.attn_gate.weight")
-        nk, dk, dv, r = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, \
-            c.linear_num_value_heads // c.linear_num_key_heads
         if qkv.shape[0] != c.conv_dim or z.shape[0] != c.linear_value_dim:
             raise GGUFError(f"{self.path}: blk.{i}.attn_qkv.weight / attn_gate.weight have {qkv.shape[0]} / "
                             f"{z.shape[0]} rows, expected {c.conv_dim} / {c.linear_value_dim} for this config")
+        return self._qkvz_grouped(qkv, z)
+
+    def _qkvz_grouped(self, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Rows [q(all heads) | k | v] and z -> per key head [q_h | k_h | v_h | z_h]."""
+        c = self.config
+        nk, dk, dv, r = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim, \
+            c.linear_num_value_heads // c.linear_num_key_heads
         h = qkv.shape[1]
         q, k, v = qkv.split([nk * dk, nk * dk, nk * r * dv])
         grouped = torch.cat([q.reshape(nk, dk, h), k.reshape(nk, dk, h), v.reshape(nk, r * dv, h),
                              z.reshape(nk, r * dv, h)], 1)
         return grouped.reshape(-1, h)
+
+    def get_raw_parts(self, hf_name: str) -> tuple[list[RawTensor], torch.Tensor | None]:
+        """The split in_proj_qkvz as its two stored tensors (attn_qkv, attn_gate: their types may differ) and the
+        order of HF's rows in their concatenation; any other tensor as get_raw gives it."""
+        gname, how, layer = self._locate(hf_name)
+        if how != "regroup_qkvz":
+            return [self.get_raw(hf_name)], None
+        parts = []
+        for name in (gname, f"blk.{layer}.attn_gate.weight"):
+            info, data = self.file.info(name), self._raw_torch(name)
+            parts.append(RawTensor(name, info.ggml_type, tuple(info.shape), data))
+        n_qkv, n_z = parts[0].shape[0], parts[1].shape[0]
+        rows = torch.arange(n_qkv + n_z)[:, None]
+        order = self._qkvz_grouped(rows[:n_qkv], rows[n_qkv:])[:, 0]
+        return parts, order
 
     def _fused_attention_rows(self, which: str) -> tuple[int, int]:
         """(first row, rows) of q (with its gate), k or v in a fused attention attn_qkv tensor."""

@@ -101,6 +101,13 @@ class WeightSource(ABC):
         ggml_type, data = float_bytes(t)
         return RawTensor(name, ggml_type, tuple(t.shape), data)
 
+    def get_raw_parts(self, name: str) -> tuple[list[RawTensor], torch.Tensor | None]:
+        """Tensor `name` as the stored tensors it is made of, each as stored, and the order of HF's rows in their
+        concatenation (None: the parts are HF's rows in order). One part, `get_raw(name)`, except where a format
+        splits one HF tensor into tensors of different types (GGUF's attn_qkv + attn_gate), which get_raw could
+        only hand back as floats."""
+        return [self.get_raw(name)], None
+
     def get_raw_experts(self, layer: int, kind: str) -> RawExperts:
         """Stacked experts as stored. This default stacks a float checkpoint's per-expert matrices, which costs a
         copy; GGUF stores them stacked already."""

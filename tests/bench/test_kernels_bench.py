@@ -25,3 +25,23 @@ def test_cases_run_and_report(monkeypatch, capsys):
     assert "skipped by family" not in by_case
     assert any("skipped" in r and "no_such_family" in r["skipped"] for r in rows)
     assert capsys.readouterr().out.count("\n") == len(rows)
+
+
+def test_quant_family_registers_its_cases_and_runs_the_small_one(capsys):
+    """The quant family's cases exist (the GPU runs them); the one small enough runs interpreted here and reports
+    the packed weight bytes; the full-size ones say they need CUDA."""
+    import pytest
+
+    pytest.importorskip("triton")
+    import ktrans.bench.kernels_quant  # noqa: F401  registers the cases
+
+    names = [c.name for c in kernels.CASES if c.family == "quant"]
+    for want in ("gemv q4_k deltanet layer projections M=1", "gemm q4_k in_proj_qkvz [12288x2048] M=4096",
+                 "moe q4_k layer E=512 top-10 B=1", "moe q4_k layer E=512 top-10 B=16",
+                 "moe q4_k layer E=512 top-10 B=256"):
+        assert want in names
+    rows = kernels.run(["quant"], "in_proj_ba", reps=1, as_json=True, device="cpu")
+    small = next(r for r in rows if r.get("case") == "gemv q4_k deltanet.in_proj_ba [64x2048] M=1")
+    assert small["bytes"] == 64 * 2048 * 148 // 256 + (2048 + 64) * 2, small
+    rows = kernels.run(["quant"], "moe q4_k layer E=512 top-10 B=1", reps=1, as_json=True, device="cpu")
+    assert "CUDA only" in rows[-1]["error"]

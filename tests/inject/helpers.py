@@ -25,7 +25,11 @@ def injected(ckpt: Path, rule_set, dtype=torch.float32, default_device: str | No
 
 
 def cpu_variant(name: str) -> str:
-    """A shipped file with every device set to cpu and the reference expert and linear ops (the C++ ops are compared
-    with them in their own tests, within a quantization bound): the same operators and structure, exact, runnable here."""
+    """A shipped file with every device set to cpu and the reference expert and linear ops (the C++ and Triton ops are
+    compared with them in their own tests, within a quantization bound): the same operators and structure, exact,
+    runnable here."""
     text = (RULES_DIR / name).read_text().replace('"cuda"', '"cpu"')
-    return text.replace('"KExpertsCPU"', '"KExpertsTorch"').replace('"KLinearCPUInfer"', '"KLinearTorch"')
+    for op, ref in (("KExpertsCPU", "KExpertsTorch"), ("KLinearCPUInfer", "KLinearTorch"),
+                    ("KExpertsMarlin", "KExpertsTorch"), ("KLinearMarlin", "KLinearTorch")):
+        text = text.replace(f'"{op}"', f'"{ref}"')
+    return text

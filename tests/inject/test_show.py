@@ -125,9 +125,8 @@ def test_compress():
     assert compress([1, 2, 5]) == "1..2,5" and compress([4]) == "4"
 
 
-def test_show_takes_the_tensor_types_of_a_gguf_file(capsys, tmp_path):
-    """A Q4_K_M file mixes types (here, at the tiny model's widths, Q5_0 and Q8_0 experts beside F32 norms): each
-    tensor counts at its stored type, not at bf16."""
+def _tiny_q4_k_m(capsys, tmp_path):
+    """(path, GGUFFile, stored bytes per tensor, the experts' stored bytes) of the tiny model as a Q4_K_M file."""
     from ktrans.weights.gguf_source import GGUFSource
 
     out = tmp_path / "tiny.gguf"
@@ -135,7 +134,13 @@ def test_show_takes_the_tensor_types_of_a_gguf_file(capsys, tmp_path):
     capsys.readouterr()
     file = GGUFSource(out).file
     stored = {n: i.nbytes for n, i in file.tensors.items()}
-    experts = sum(b for n, b in stored.items() if "_exps." in n)
+    return out, file, stored, sum(b for n, b in stored.items() if "_exps." in n)
+
+
+def test_show_takes_the_tensor_types_of_a_gguf_file(capsys, tmp_path):
+    """A Q4_K_M file mixes types (here, at the tiny model's widths, Q5_0 and Q8_0 experts beside F32 norms): each
+    tensor counts at its stored type, not at bf16."""
+    out, file, stored, experts = _tiny_q4_k_m(capsys, tmp_path)
     assert len({file.info(n).type_name for n in stored if "_exps." in n}) >= 2  # a real mix
     rep = show(capsys, "Qwen3Next-cpu.yaml", "--gguf_path", str(out))
     assert rep["weight_dtype"] == "gguf"
@@ -148,3 +153,20 @@ def test_show_takes_the_tensor_types_of_a_gguf_file(capsys, tmp_path):
     assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-cpu.yaml"),
                  "--gguf_path", str(out)]) == 0
     assert f"weights: as stored in {out}" in capsys.readouterr().out
+
+
+def test_show_gpu_rules_count_the_quantized_ops_at_the_file_types(capsys, tmp_path):
+    """Qwen3Next-gpu.yaml keeps the GGUF's blocks on the GPU (KLinearMarlin, KExpertsMarlin): its GPU memory is the
+    file's tensors at their stored types; the same rules with the reference ops count what those hold, bf16."""
+    out, file, stored, experts = _tiny_q4_k_m(capsys, tmp_path)
+    n_layers = file.metadata["qwen3next.block_count"]
+    key = f"model.layers.{{0..{n_layers - 1}}}.mlp.experts"
+    rep = show(capsys, "Qwen3Next-gpu.yaml", "--gguf_path", str(out))
+    assert rows(rep)[key]["bytes"] == experts
+    gpu = rep["memory"]["cuda:0"]["weights"]
+    assert abs(gpu - sum(stored.values())) < 0.02 * sum(stored.values())
+    torch_rules = tmp_path / "torch.yaml"
+    torch_rules.write_text((RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
+                           .replace('"KLinearMarlin"', '"KLinearTorch"').replace('"KExpertsMarlin"', '"KExpertsTorch"'))
+    ref = show(capsys, str(torch_rules), "--gguf_path", str(out))
+    assert rows(ref)[key]["bytes"] > 2 * experts  # dequantized to bf16 at load

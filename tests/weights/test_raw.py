@@ -117,3 +117,26 @@ def test_random_state_bf16_gguf_experts_are_views(tmp_path):
     src = GGUFSource(write_gguf(tmp_path / "b.gguf", config, random_state_dict(config, 0), "bf16"))
     raws = [src.get_raw(f"model.layers.0.mlp.experts.{e}.up_proj.weight") for e in range(config.num_experts)]
     assert all(r.type_name == "BF16" and is_view(r.data) for r in raws)
+
+
+def test_split_qkvz_of_two_types_comes_in_parts(tmp_path):
+    """Q4_K_M at the tiny widths stores attn_qkv and attn_gate in different types (Q8_0 / Q5_0 fallbacks in some
+    layers): get_raw_parts hands both as stored, views of the file, and the order of HF's rows in their concat."""
+    from ktrans.config import ModelConfig
+    from ktrans.model.tiny import preset_config
+
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    src = GGUFSource(write_gguf(tmp_path / "q.gguf", config, random_state_dict(config, 1), "q4_k_m"))
+    mixed = 0
+    for i in range(config.num_hidden_layers):
+        name = f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"
+        if name not in src:
+            continue
+        parts, order = src.get_raw_parts(name)
+        assert len(parts) == 2 and all(is_view(p.data) for p in parts)
+        mixed += parts[0].type_name != parts[1].type_name
+        rows = torch.cat([decode(p) for p in parts])
+        assert torch.equal(rows[order], src.get(name).float())
+    assert mixed > 0
+    parts, order = src.get_raw_parts("model.layers.0.mlp.shared_expert.up_proj.weight")
+    assert order is None and len(parts) == 1

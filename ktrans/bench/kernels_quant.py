@@ -1,0 +1,141 @@
+"""`ktrans bench kernels --family quant`: the Triton quantized linears and MoE (ktrans.kernels.triton.quant,
+moe_quant) at the 80B model's shapes (hidden 2048; configs/qwen3-next-80b-a3b.json), on random GGUF blocks repacked
+on the device.
+
+- GEMV at M=1 (decode) of one DeltaNet layer's and one attention layer's projections at Q4_K, each projection alone
+  and the layer's set in one call; bytes = the packed weights the kernels read (Q4_K: 4.625 bits per weight, the
+  GGUF's 4.5 plus fp16 d/dmin beside byte-wide scales). Peer: cuBLAS on the same matrices in bf16.
+- GEMM at M=4096 (prefill) with flops = 2 M N K. Peer: cuBLAS bf16.
+- One MoE layer (512 experts, hidden 2048, intermediate 512, top-10, Q4_K) at B = 1, 16, 256 tokens; bytes = the
+  distinct routed experts' packed weights. Peer (B <= 16): KExpertsTorch's gathered bf16 bmm.
+- The on-device repack of one MoE layer's blocks (the GGUF bytes already on the GPU): bytes = blocks read plus
+  planes written. The host-to-device copy of those blocks comes on top (a layer is ~0.9 GB at Q4_K).
+"""
+from __future__ import annotations
+
+import torch
+
+from ktrans.bench.kernels import Timed, case
+
+H, I_MOE, E, TOP_K = 2048, 512, 512, 10
+# (name, N, K) of one layer's projections (Qwen3-Next-80B-A3B)
+DELTANET = (("in_proj_qkvz", 12288, 2048), ("in_proj_ba", 64, 2048), ("out_proj", 2048, 4096))
+ATTENTION = (("q_proj", 8192, 2048), ("k_proj", 512, 2048), ("v_proj", 512, 2048), ("o_proj", 2048, 4096))
+SHARED = (("shared_expert.gate_up", 1024, 2048), ("shared_expert.down", 2048, 512))
+_BLOCK = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,)), "Q8_0": (34, (0,)), "Q5_K": (176, (0, 2))}
+
+
+def random_blocks(qtype: str, rows: int, k: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of random ggml blocks whose fp16 scales are finite and small."""
+    size, offsets = _BLOCK[qtype]
+    per_block = 256 if qtype != "Q8_0" else 32
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, k // per_block, size), dtype=torch.uint8, device=device, generator=g)
+    for off in offsets:
+        d = (torch.rand(rows, k // per_block, device=device, generator=g) * 1e-3).to(torch.float16)
+        raw[:, :, off:off + 2] = d.view(torch.uint8).reshape(rows, k // per_block, 2)
+    return raw.reshape(rows, -1)
+
+
+def _full_size_only(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise RuntimeError("a full-size case: CUDA only (Triton's interpreter would take hours)")
+
+
+def _packed(qtype: str, n: int, k: int, device: torch.device, seed: int = 0):
+    from ktrans.kernels.triton.quant_layout import repack
+
+    return repack(random_blocks(qtype, n, k, device, seed), qtype, (n, k), device)
+
+
+def _gemv_case(shapes, m: int, qtype: str = "Q4_K"):
+    def setup(device: torch.device) -> Timed:
+        from ktrans.kernels.triton.quant import qlinear
+
+        if sum(n for _, n, _ in shapes) * m > 64:  # all but in_proj_ba at M=1, the CPU smoke case
+            _full_size_only(device)
+
+        ws = [_packed(qtype, n, k, device, s) for s, (_, n, k) in enumerate(shapes)]
+        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _, n, k in shapes]
+        xs = {k: torch.randn(m, k, device=device, dtype=torch.bfloat16) for _, _, k in shapes}
+        io = sum(m * (k + n) * 2 for _, n, k in shapes)
+        flops = sum(2 * m * n * k for _, n, k in shapes)
+
+        def fn():
+            for w, (_, _, k) in zip(ws, shapes):
+                qlinear(xs[k], w)
+
+        def peer():
+            for w, (_, _, k) in zip(dense, shapes):
+                torch.matmul(xs[k], w.T)
+
+        return Timed(fn, sum(w.nbytes for w in ws) + io, flops if m > 16 else 0, peer, "bf16_cublas")
+    return setup
+
+
+for _group, _shapes in (("deltanet", DELTANET), ("attention", ATTENTION), ("shared_expert", SHARED)):
+    for _one in _shapes:
+        case("quant", f"gemv q4_k {_group}.{_one[0]} [{_one[1]}x{_one[2]}] M=1", ("decode",))(_gemv_case((_one,), 1))
+    case("quant", f"gemv q4_k {_group} layer projections M=1", ("decode",))(_gemv_case(_shapes, 1))
+case("quant", "gemv q6_k deltanet.in_proj_qkvz [12288x2048] M=1", ("decode",))(_gemv_case(DELTANET[:1], 1, "Q6_K"))
+case("quant", "gemv q4_k deltanet.in_proj_qkvz [12288x2048] M=16", ("decode",))(_gemv_case(DELTANET[:1], 16))
+for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
+    case("quant", f"gemm q4_k {_one[0]} [{_one[1]}x{_one[2]}] M=4096", ("prefill",))(_gemv_case((_one,), 4096))
+
+
+def _moe_case(tokens: int, down_type: str = "Q4_K"):
+    def setup(device: torch.device) -> Timed:
+        from ktrans.kernels.triton.moe_quant import moe_quant
+        from ktrans.kernels.triton.quant_layout import concat_rows, repack
+
+        _full_size_only(device)
+        def stack(qtype, rows, cols, seed):
+            raw = torch.stack([random_blocks(qtype, rows, cols, device, seed + 7 * e) for e in range(E)])
+            return repack(raw, qtype, (E, rows, cols), device)
+
+        gate_up = concat_rows([stack("Q4_K", I_MOE, H, 1), stack("Q4_K", I_MOE, H, 2)])
+        down = stack(down_type, H, I_MOE, 3)
+        g = torch.Generator(device="cpu").manual_seed(tokens)
+        ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)]).to(device)
+        weights = torch.rand(tokens, TOP_K, device=device)
+        x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16) * 0.1
+        distinct = int(torch.unique(ids).numel())
+        per_expert = (gate_up.nbytes + down.nbytes) // E
+        io = tokens * H * 2 * 2 + tokens * TOP_K * (I_MOE * 2 + H * 4)
+
+        peer = None
+        if tokens <= 16:
+            bf = [torch.randn(E, r, c, device=device, dtype=torch.bfloat16) * 0.01
+                  for r, c in ((I_MOE, H), (I_MOE, H), (H, I_MOE))]
+
+            def peer():  # KExpertsTorch's decode path: the k experts' matrices gathered per token, bmm
+                xs = x[:, None, :].expand(tokens, TOP_K, H).reshape(-1, H, 1)
+                flat = ids.reshape(-1)
+                h = torch.nn.functional.silu(torch.bmm(bf[0][flat], xs)) * torch.bmm(bf[1][flat], xs)
+                return (torch.bmm(bf[2][flat], h).view(tokens, TOP_K, H) * weights[:, :, None]).sum(1)
+
+        return Timed(lambda: moe_quant(x, ids, weights, gate_up, down), distinct * per_expert + io,
+                     2 * tokens * TOP_K * 3 * H * I_MOE if tokens > 16 else 0, peer, "gathered_bf16")
+    return setup
+
+
+for _b in (1, 16, 256):
+    case("quant", f"moe q4_k layer E=512 top-10 B={_b}", ("decode",) if _b <= 16 else ("prefill",))(_moe_case(_b))
+case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1", ("decode",))(_moe_case(1, "Q6_K"))
+
+
+@case("quant", "repack q4_k moe layer on device (gate+up+down, E=512)", ("load",))
+def _repack_layer(device: torch.device) -> Timed:
+    from ktrans.kernels.triton.quant_layout import repack
+
+    _full_size_only(device)
+    raws = [torch.stack([random_blocks("Q4_K", r, c, device, e) for e in range(E)])
+            for r, c in ((I_MOE, H), (I_MOE, H), (H, I_MOE))]
+    shapes = ((E, I_MOE, H), (E, I_MOE, H), (E, H, I_MOE))
+    out_bytes = sum(raw.numel() for raw in raws) * 148 // 144
+
+    def fn():
+        for raw, shape in zip(raws, shapes):
+            repack(raw, "Q4_K", shape, device)
+
+    return Timed(fn, sum(raw.numel() for raw in raws) + out_bytes)

@@ -1,0 +1,130 @@
+"""The routed experts of one MoE layer on GGUF-quantized weights (the packed layout of
+ktrans.kernels.triton.quant_layout), in Triton:
+
+    out[t] = sum_j w[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]),  e = ids[t, j]
+
+Two grouped kernel launches over the layer's (token, slot) pairs: gate and up as one [E, 2I, H] stack with SiLU*mul
+in the epilogue (h [T*k, I]), then down with the routing weight in the epilogue (y [T*k, H] fp32); a sum over the k
+slots gives out. Each program takes one block of pairs routed to one expert and one tile of output columns, and
+decodes that expert's super-blocks as the dense kernel does (ktrans.kernels.triton.quant.superblock_dot).
+
+How pairs become blocks:
+- few tokens (decode): one pair per block, in routing order, the block's expert read from the ids on the device;
+- more: pairs sorted by expert and each expert's run padded to the block height (moe_align, with torch ops on the
+  device: argsort, a scatter-add count, cumsums, searchsorted). The grid is the bound cdiv(T*k, BM) + E blocks;
+  blocks past the last expert's run exit at once.
+Neither reads the routing back to the host and every buffer's size follows from T alone, so a decode step with the
+layer can be captured in a CUDA graph. The oracle is ktrans.kernels.torch.moe.moe_experts on dequantized weights.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.quant import QT_CODE, plane_args, superblock_dot, tiles
+from ktrans.kernels.triton.quant_layout import QK, PackedWeight
+
+DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
+
+
+@triton.jit
+def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc,
+                P, N, N_ROWS, NSB, X_DIV, stride_x, stride_o, QT: tl.constexpr, MODE: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr):
+    """One block of BM pairs (rows_ptr: pair ids, P where padded) on expert bexp_ptr[block] (< 0: no work) times
+    output columns pid_n*BN..; GATED: columns n of gate and N + n of up -> silu(g) * u; else times the pair's
+    routing weight."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_b)
+    if e >= 0:
+        pairs = tl.load(rows_ptr + pid_b * BM + tl.arange(0, BM))
+        mask_m = pairs < P
+        tok = tl.where(mask_m, pairs // X_DIV, 0)
+        e64 = e.to(tl.int64)
+        lo, hi, d, sc = lo_ptr + e64 * s_lo, hi_ptr + e64 * s_hi, d_ptr + e64 * s_d, sc_ptr + e64 * s_sc
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if GATED:
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for sb in range(NSB):
+            acc = superblock_dot(acc, x_ptr, tok, mask_m, stride_x, lo, hi, d, sc, sb, N_ROWS, offs_n, mask_n,
+                                 QT, MODE)
+            if GATED:
+                acc_u = superblock_dot(acc_u, x_ptr, tok, mask_m, stride_x, lo, hi, d, sc, sb, N_ROWS, offs_n + N,
+                                       mask_n, QT, MODE)
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+        else:
+            acc = acc * tl.load(rw_ptr + tl.where(mask_m, pairs, 0), mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        ptrs = out_ptr + tl.where(mask_m, pairs, 0)[:, None] * stride_o + offs_n[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def align(ids: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block experts) for pairs sorted by expert in runs padded to bm: rows [n_blocks * bm] pair ids (P
+    where padded), block experts [n_blocks] (-1 past the last run). Device ops only; sizes from len(ids) alone."""
+    p = ids.numel()
+    dev = ids.device
+    flat = ids.reshape(-1).to(torch.int64)
+    valid = flat >= 0
+    key = torch.where(valid, flat, n_experts)  # skipped pairs (negative ids) sort last, into no block
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts[n_experts] = 0
+    padded = (counts + bm - 1) // bm * bm
+    pad_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    dest = pad_end[skey] - padded[skey] + torch.arange(p, device=dev) - start[skey]
+    n_blocks = triton.cdiv(p, bm) + n_experts
+    rows = torch.full((n_blocks * bm + bm,), p, dtype=torch.int32, device=dev)  # a spare block for skipped pairs
+    dest = torch.where(skey < n_experts, dest, n_blocks * bm)  # skipped: into the spare block's first row, unread
+    rows.scatter_(0, dest, order.to(torch.int32))
+    first = torch.arange(n_blocks, device=dev) * bm
+    bexp = torch.searchsorted(pad_end[:n_experts], first, right=True)
+    bexp = torch.where(first < pad_end[n_experts - 1], bexp, -1).to(torch.int32)
+    return rows[:n_blocks * bm], bexp
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, bexp: torch.Tensor, rw: torch.Tensor,
+            w: PackedWeight, p: int, n: int, x_div: int, mode: int, bm: int, bn: int, warps: int, gated: bool) -> None:
+    lo, hi, d, sc = plane_args(w)
+    strides = [t.stride(0) if t.numel() > 1 else 0 for t in (lo, hi, d, sc)]
+    grid = (bexp.numel(), triton.cdiv(n, bn))
+    _moe_kernel[grid](x, out, rows, bexp, rw, lo, hi, d, sc, *strides, p, n, w.n,
+                      w.k // QK, x_div, x.stride(0), out.stride(0), QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn,
+                      GATED=gated, num_warps=warps)
+
+
+def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: PackedWeight,
+              down: PackedWeight) -> torch.Tensor:
+    """x [T, H]; ids, weights [T, k]; gate_up: a stack [E, 2I, H] (gate rows, then up rows); down [E, H, I].
+    Returns [T, H] in x's dtype."""
+    t, k = ids.shape
+    e, inter, hidden = gate_up.experts, gate_up.n // 2, down.n
+    if x.shape != (t, gate_up.k) or down.k != inter or down.experts != e:
+        raise ValueError(f"moe_quant: x {tuple(x.shape)}, gate_up [{e}, {gate_up.n}, {gate_up.k}], down "
+                         f"[{down.experts}, {down.n}, {down.k}] do not fit")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    p = t * k
+    if t <= DIRECT_MAX_TOKENS:
+        mode, bm = 0, 1
+        rows = torch.arange(p, dtype=torch.int32, device=x.device)
+        bexp = ids.reshape(-1).to(torch.int32)
+    else:
+        mode, bm = (1, 16) if p <= 16 * e else (2, 64)
+        rows, bexp = align(ids, e, bm)
+    _, _, bn, warps = tiles(bm)
+    if bm == 1 and not interpreting():
+        bn //= 2  # the per-pair path has no split K: narrower tiles, more programs in flight
+    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    y = torch.zeros(p, hidden, dtype=torch.float32, device=x.device)  # skipped pairs add nothing
+    rw = weights.reshape(-1)
+    rw = rw if rw.is_contiguous() else rw.contiguous()
+    _launch(x, h, rows, bexp, rw, gate_up, p, inter, k, mode, bm, bn, warps, True)
+    _launch(h, y, rows, bexp, rw, down, p, hidden, 1, mode, bm, bn, warps, False)
+    return y.view(t, k, hidden).sum(1).to(x.dtype)

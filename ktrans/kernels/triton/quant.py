@@ -1,0 +1,203 @@
+"""Triton GEMV / GEMM on GGUF-quantized weights in the packed layout (ktrans.kernels.triton.quant_layout):
+y = x W^T, x [M, K] bf16 (or fp16 / fp32), W [N, K] Q4_K, Q5_K, Q6_K or Q8_0, fp32 accumulate, y in x's dtype.
+
+The weights are never expanded in memory: each program decodes one super-block (256 weights) of its row tile at a
+time, sub-block by sub-block, from contiguous plane runs. Three ways to multiply, chosen by M:
+
+- M <= 4 (decode): products and sums in fp32 on the CUDA cores, each sub-block's integer codes dotted with x and
+  then scaled: y = sum_S (d*sc_S) (x_S . q_S) - (dmin*m_S) sum(x_S). Exact up to fp32 rounding.
+- M <= 32: the same factoring with the code dot on tensor cores (bf16 x, integer codes exact in bf16).
+- larger M (prefill): each sub-block dequantized to bf16 and fed to tl.dot, accumulating into one fp32 tile; the
+  weights are rounded to bf16 (as a bf16 model's KLinearTorch rounds them at load).
+
+When the row tiles alone would not fill the GPU (decode of a 2048-row matrix), K is split across programs and a
+second small kernel sums the fp32 partials (deterministic, no atomics). `superblock_dot` is shared with the MoE
+kernel (ktrans.kernels.triton.moe_quant). The oracle is ktrans.kernels.torch.quant.quant_linear.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.quant_layout import QK, PackedWeight
+
+QT_CODE = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3}
+# Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw bits; interpreted, the operands are rounded to
+# bf16 and multiplied in fp32 instead (the same values, so the same results up to summation order).
+if interpreting():
+    @triton.jit
+    def to_dot(v):
+        """v rounded to bf16, as a tl.dot operand (fp32 holding bf16 values, for the interpreter)."""
+        return v.to(tl.bfloat16).to(tl.float32)
+else:
+    @triton.jit
+    def to_dot(v):
+        """v rounded to bf16, as a tl.dot operand."""
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _sub_x(x_ptr, offs_m, mask_m, stride_xm, k0, SUB: tl.constexpr):
+    """Activations of one sub-block: [BM, SUB] fp32."""
+    offs_k = k0 + tl.arange(0, SUB)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _mul_add(acc, x, q, s, m, MODE: tl.constexpr, HAS_MIN: tl.constexpr):
+    """acc [BM, BN] += x [BM, SUB] @ (s q - m)^T, q [BN, SUB] integer codes, s, m [BN] fp32."""
+    if MODE == 2:
+        w = q.to(tl.float32) * s[:, None]
+        if HAS_MIN:
+            w = w - m[:, None]
+        acc = tl.dot(to_dot(x), tl.trans(to_dot(w)), acc)
+    else:
+        if MODE == 1:
+            part = tl.dot(to_dot(x), tl.trans(to_dot(q.to(tl.float32))))
+        else:
+            part = tl.sum(x[:, None, :] * q.to(tl.float32)[None, :, :], axis=2)
+        acc += part * s[None, :]
+        if HAS_MIN:
+            acc -= tl.sum(x, axis=1)[:, None] * m[None, :]
+    return acc
+
+
+@triton.jit
+def superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n,
+                   QT: tl.constexpr, MODE: tl.constexpr):
+    """acc [BM, BN] += the products of super-block `sb` (weights sb*256 .. +256) of rows offs_n; the plane
+    pointers are those of one matrix (an expert's, in the MoE)."""
+    row = sb * N + offs_n  # [BN] index of (super-block, row) in every plane
+    k0 = sb * 256
+    if QT == 3:  # Q8_0: int8 codes in element order, one fp16 scale per 32
+        for S in tl.static_range(8):
+            i = tl.arange(0, 32)
+            q = tl.load(lo_ptr + row[:, None] * 256 + S * 32 + i[None, :], mask=mask_n[:, None], other=0)
+            s = tl.load(d_ptr + row * 8 + S, mask=mask_n, other=0.0).to(tl.float32)
+            x = _sub_x(x_ptr, offs_m, mask_m, stride_xm, k0 + S * 32, 32)
+            acc = _mul_add(acc, x, q.to(tl.int32), s, s, MODE, False)
+    elif QT == 2:  # Q6_K: 16 sub-blocks of 16, signed int8 scales, codes - 32
+        i = tl.arange(0, 16)
+        wa = tl.load(lo_ptr + row[:, None] * 32 + i[None, :], mask=mask_n[:, None], other=0)
+        wb = tl.load(lo_ptr + row[:, None] * 32 + 16 + i[None, :], mask=mask_n[:, None], other=0)
+        h = tl.load(hi_ptr + row[:, None] * 16 + i[None, :], mask=mask_n[:, None], other=0)
+        d = tl.load(d_ptr + row, mask=mask_n, other=0.0).to(tl.float32)
+        for S in tl.static_range(16):
+            if S < 8:
+                low = (wa >> (4 * S)) & 15
+            else:
+                low = (wb >> (4 * (S - 8))) & 15
+            q = (low | (((h >> (2 * S)) & 3) << 4)) - 32
+            s = d * tl.load(sc_ptr + row * 16 + S, mask=mask_n, other=0).to(tl.float32)
+            x = _sub_x(x_ptr, offs_m, mask_m, stride_xm, k0 + S * 16, 16)
+            acc = _mul_add(acc, x, q, s, s, MODE, False)
+    else:  # Q4_K / Q5_K: 8 sub-blocks of 32, six-bit scales and mins times the fp16 d and dmin
+        i = tl.arange(0, 32)
+        words = tl.load(lo_ptr + row[:, None] * 32 + i[None, :], mask=mask_n[:, None], other=0)
+        if QT == 1:
+            hb = tl.load(hi_ptr + row[:, None] * 32 + i[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+        d = tl.load(d_ptr + row * 2, mask=mask_n, other=0.0).to(tl.float32)
+        dmin = tl.load(d_ptr + row * 2 + 1, mask=mask_n, other=0.0).to(tl.float32)
+        for S in tl.static_range(8):
+            q = (words >> (4 * S)) & 15
+            if QT == 1:
+                q = q | (((hb >> S) & 1) << 4)
+            s = d * tl.load(sc_ptr + row * 16 + S, mask=mask_n, other=0).to(tl.float32)
+            m = dmin * tl.load(sc_ptr + row * 16 + 8 + S, mask=mask_n, other=0).to(tl.float32)
+            x = _sub_x(x_ptr, offs_m, mask_m, stride_xm, k0 + S * 32, 32)
+            acc = _mul_add(acc, x, q, s, m, MODE, True)
+    return acc
+
+
+@triton.jit
+def _qlinear_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, stride_xm, stride_om,
+                    stride_os, QT: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    sb0 = pid_k * SB_PER
+    for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
+        acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
+                             mask_n, QT, MODE)
+    ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, MN, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_STAND_INS: dict[tuple, torch.Tensor] = {}
+
+
+def plane_args(w: PackedWeight) -> tuple[torch.Tensor, ...]:
+    """The four planes as kernel arguments; a type without `hi` or `sc` passes a one-element stand-in (never
+    read, made once per dtype and device) rather than an empty tensor."""
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            return t
+        key = (t.dtype, t.device)
+        if key not in _STAND_INS:
+            _STAND_INS[key] = torch.zeros(1, dtype=t.dtype, device=t.device)
+        return _STAND_INS[key]
+    return w.lo, stand_in(w.hi), w.d, stand_in(w.sc)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small, but enough that the tests take the split-K path
+
+
+def tiles(m: int) -> tuple[int, int, int, int]:
+    """(MODE, BM, BN, num_warps) for M rows of activations. The interpreter pays per program, not per element:
+    it gets wider row tiles."""
+    wide = 2 if interpreting() else 1
+    if m <= 4:
+        return 0, triton.next_power_of_2(m), 64 * wide, 4
+    if m <= 32:
+        return 1, (16 if m <= 16 else 32), 64 * wide, 4
+    return 2, (64 if m <= 64 else 128), 128, 8
+
+
+def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype. `split`: K splits (default: enough programs to fill the device)."""
+    if x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"qlinear: x is {tuple(x.shape)}, the weight is [{w.n}, {w.k}]")
+    if w.experts is not None:
+        raise ValueError("qlinear takes one matrix; the experts' kernel is ktrans.kernels.triton.moe_quant")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, n, nsb = x.shape[0], w.n, w.k // QK
+    mode, bm, bn, warps = tiles(m)
+    grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    if split is None:  # a decode GEMV streams with no software pipelining: enough programs per SM keep enough
+        # loads in flight (8 per SM; a 2048-row matrix at K=2048 has only 32 row tiles)
+        split = max(1, min(nsb, triton.cdiv(8 * _sms(x.device), grid_nm))) if mode < 2 else 1
+    sb_per = triton.cdiv(nsb, split)
+    split = triton.cdiv(nsb, sb_per)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    _qlinear_kernel[grid](x, dst, *plane_args(w), m, n, nsb, sb_per, x.stride(0), n, m * n,
+                          QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn, num_warps=warps)
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
+    return out

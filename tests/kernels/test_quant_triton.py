@@ -1,0 +1,107 @@
+"""The Triton quantized GEMV / GEMM (ktrans.kernels.triton.quant) against the torch reference (dequantize the packed
+planes, multiply in float64) for every packed type, at awkward shapes: N not a multiple of any row tile, M across the
+three multiply paths, with and without split K. Interpreted without a GPU (marked `triton`).
+
+Tolerances, relative Frobenius error against the float64 reference on the same (bf16-rounded) activations (and, read
+back through one-hot activations, the kernel's weights are gguf-py's within one fp32 rounding):
+- M <= 32 (fp32 products of the integer codes, scales applied in fp32): 2e-5 with fp32 out, 1e-2 with bf16 out
+  (the output rounding);
+- M > 32 (weights rounded to bf16 inside the tile): 1e-2.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf.quants")
+from ktrans.kernels.torch.quant import dequantize_packed, quant_linear  # noqa: E402
+from ktrans.kernels.triton.quant_layout import TYPES, repack  # noqa: E402
+from tests.kernels.test_quant_layout import random_blocks  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+
+def _weight(qtype: str, n: int, k: int, device, seed: int = 0):
+    return repack(torch.from_numpy(random_blocks(qtype, n, k, seed)), qtype, (n, k), device)
+
+
+def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemv_every_type(qtype, triton_device):
+    from ktrans.kernels.triton.quant import qlinear
+
+    n, k = 272, 512
+    w = _weight(qtype, n, k, triton_device)
+    for m, split in ((1, None), (3, 1)):
+        x = torch.randn(m, k, device=triton_device).to(torch.bfloat16).float()
+        y = qlinear(x, w, split=split)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert _err(y, quant_linear(x, w)) < 2e-5, (qtype, m)
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_bf16_activations_and_split_k(m, triton_device):
+    from ktrans.kernels.triton.quant import qlinear
+
+    n, k = 528, 768
+    w = _weight("Q4_K", n, k, triton_device, seed=1)
+    x = torch.randn(m, k, device=triton_device).to(torch.bfloat16)
+    ref = quant_linear(x, w)
+    for split in (1, 3):
+        y = qlinear(x, w, split=split)
+        assert y.dtype == torch.bfloat16 and _err(y, ref) < 1e-2, (m, split)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gemm_prefill_tile(qtype, triton_device):
+    """M = 67: the bf16 tensor-core path, two row tiles of 64 (one partial), on a strided activation."""
+    from ktrans.kernels.triton.quant import qlinear
+
+    n, k, m = 136, 256, 67
+    w = _weight(qtype, n, k, triton_device, seed=2)
+    x = torch.randn(m, 2 * k, device=triton_device).to(torch.bfloat16)[:, :k]
+    y = qlinear(x, w)
+    assert y.shape == (m, n) and _err(y, quant_linear(x, w)) < 1e-2
+    assert torch.isfinite(dequantize_packed(w.to("cpu"))).all()
+
+
+@pytest.mark.gpu
+def test_gemv_captured_in_a_cuda_graph():
+    """The split-K GEMV replays from a CUDA graph on new activations as an eager call computes them."""
+    from ktrans.kernels.triton.quant import qlinear
+
+    dev = torch.device("cuda")
+    w = _weight("Q4_K", 2048, 2048, dev)
+    x = torch.randn(1, 2048, device=dev).to(torch.bfloat16)
+    qlinear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qlinear(x, w)
+    x.copy_(torch.randn(1, 2048, device=dev).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, qlinear(x, w)) and _err(y, quant_linear(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_weights_are_gguf_py_values(qtype, triton_device):
+    """One-hot activations through the fp32 path read single weights back out of the kernel: gguf-py's dequantized
+    values, within one fp32 rounding (the kernel's s*q - m may fuse into one multiply-add)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ktrans.kernels.triton.quant import qlinear
+    from tests.kernels.test_quant_layout import ROWS
+
+    k, cols = 512, [0, 37, 300, 511]
+    raw = random_blocks(qtype, ROWS, k, seed=9)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))[:, cols].T
+    w = repack(torch.from_numpy(raw), qtype, (ROWS, k), triton_device)
+    x = torch.zeros(len(cols), k, device=triton_device)
+    x[torch.arange(len(cols)), cols] = 1.0
+    got = qlinear(x, w).cpu()
+    assert torch.allclose(got, want, rtol=2 ** -22, atol=2 ** -22 * float(want.abs().max()))

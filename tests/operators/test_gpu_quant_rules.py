@@ -1,0 +1,125 @@
+"""Qwen3Next-gpu.yaml with the quantized GPU ops (KLinearMarlin, KExpertsMarlin) against the same rules with the
+reference ops (KLinearTorch, KExpertsTorch, which dequantize the same blocks to floats), on a tiny model written as
+a Q4_K_M GGUF at widths that fill whole 256-weight super-blocks (so its matrices are Q4_K / Q6_K as in the 80B file).
+
+Interpreted (`triton`, the ops placed on the CPU): one layer's experts op, resident and streaming, 2 tokens (the
+per-pair fp32 path), within 2e-5 relative Frobenius error of the reference; an F32 file, where both ops keep floats,
+within 1e-6 of the reference model. The whole model is too slow interpreted: on a GPU (`gpu`), as shipped in
+bfloat16, its logits teacher-forced over 8 prompt tokens then 8 decode steps are within 0.05 of the reference
+rules' (both sides compute in bf16, rounded differently: weights dequantized to bf16 against fp32 dequantization
+in the kernels).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+from ktrans.config import RULES_DIR, ModelConfig  # noqa: E402
+from ktrans.inject import build_injected_model, parse_rules  # noqa: E402
+from ktrans.model.tiny import preset_config, random_state_dict  # noqa: E402
+from ktrans.operators.experts import EXPERT_OPS  # noqa: E402
+from ktrans.operators.linear import LINEAR_OPS  # noqa: E402
+from ktrans.weights.gguf_source import GGUFSource  # noqa: E402
+from ktrans.weights.gguf_writer import write_gguf  # noqa: E402
+from tests.kernels.test_cpu_experts_op import _all_logits, rel  # noqa: E402
+from tests.model.helpers import SMALL_VOCAB  # noqa: E402
+
+GPU_RULES = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
+TORCH_RULES = GPU_RULES.replace('"KLinearMarlin"', '"KLinearTorch"').replace('"KExpertsMarlin"', '"KExpertsTorch"')
+WIDTHS = dict(hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256, num_experts=8)
+
+
+def test_shipped_gpu_rules_use_the_quantized_ops():
+    assert '"KLinearMarlin"' in GPU_RULES and '"KExpertsMarlin"' in GPU_RULES and "KLinearTorch" not in GPU_RULES
+
+
+def _gguf(tmp_path_factory, quant: str) -> tuple[ModelConfig, GGUFSource]:
+    config = ModelConfig.from_hf_dict({**preset_config("tiny"), **SMALL_VOCAB, **WIDTHS}, source="tiny-256")
+    path = write_gguf(tmp_path_factory.mktemp("q") / f"t-{quant}.gguf", config, random_state_dict(config, 7), quant)
+    return config, GGUFSource(path)
+
+
+def _models(config, source, device: str, dtype: torch.dtype):
+    """(reference, quantized) models under the shipped GPU rules placed on `device`."""
+    with _placeable(device):
+        return [build_injected_model(config, parse_rules(r.replace('"cuda"', f'"{device}"'), "t.yaml"), source,
+                                     dtype)[0] for r in (TORCH_RULES, GPU_RULES)]
+
+
+@contextlib.contextmanager
+def _placeable(device: str):
+    """Rules place the quantized ops on CUDA only; interpreted, the tests put them on the CPU."""
+    import ktrans.operators.experts_marlin  # noqa: F401  registers both ops
+    import ktrans.operators.linear_marlin  # noqa: F401
+
+    with pytest.MonkeyPatch.context() as mp:
+        if device == "cpu":
+            mp.setattr(LINEAR_OPS.info("KLinearMarlin"), "devices", ("cuda", "cpu"))
+            mp.setattr(EXPERT_OPS.info("KExpertsMarlin"), "devices", ("cuda", "cpu"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    return _gguf(tmp_path_factory, "q4_k_m")
+
+
+def _experts(config, source, op: str, device: str, streaming: bool = False):
+    from ktrans.model.qwen3_next import Qwen3NextExperts
+    from ktrans.operators.experts import KTransformersExperts
+
+    with torch.device("meta"):
+        orig = Qwen3NextExperts(config)
+    with _placeable(device):
+        experts = KTransformersExperts("model.layers.1.mlp.experts", orig, config, prefill_device=device,
+                                       generate_device=device, prefill_op=op, generate_op=op)
+    experts.build_ops(source)
+    experts.load(source, torch.float32)
+    return experts
+
+
+@pytest.mark.triton
+def test_experts_op_and_its_streaming_twin_against_the_reference(q4_k_m):
+    """Layer 1's experts from the Q4_K_M file: the resident op (blocks repacked at load), the streaming op (only the
+    routed experts repacked, per call) and KExpertsTorch on the dequantized blocks, 2 tokens."""
+    from ktrans.operators.experts_marlin import KExpertsMarlin
+
+    config, source = q4_k_m
+    ref, ours = _experts(config, source, "KExpertsTorch", "cpu"), _experts(config, source, "KExpertsMarlin", "cpu")
+    assert ours.op.gate_up is not None and set(ours.op.load_report["types"]) <= {"Q4_K", "Q6_K"}
+    streamed = KExpertsMarlin(ours, torch.device("cpu"), streaming=True)
+    streamed.source, streamed.dtype = source, torch.float32
+    x = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.1
+    ids = torch.tensor([[0, 2, 5, 7], [2, 5, 0, 6]])
+    w = torch.rand(ids.shape)
+    want = ref(x, ids, w)
+    assert rel(ours(x, ids, w), want) < 2e-5
+    assert rel(streamed(x, ids, w), want) < 2e-5
+    assert streamed.last_stream["experts"] == 5 and streamed.gate_up is None
+
+
+@pytest.mark.gpu
+def test_model_teacher_forced_on_the_gpu(q4_k_m):
+    config, source = q4_k_m
+    ref, model = _models(config, source, "cuda", torch.bfloat16)
+    layer = model.model.layers[0]
+    assert type(layer.mlp.experts.op).__name__ == "KExpertsMarlin" and layer.mlp.experts.op.gate_up is not None
+    assert set(layer.mlp.experts.op.load_report["types"]) <= {"Q4_K", "Q6_K"}
+    assert layer.mlp.shared_expert.up_proj.op.parts[0].packed is not None  # the blocks, not floats
+    prompt = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    err = rel(_all_logits(model, prompt), _all_logits(ref, prompt))
+    assert err < 0.05, err
+
+
+def test_float_checkpoint_runs_as_the_reference(tmp_path_factory):
+    """An F32 GGUF: both quantized ops keep floats and compute what the reference ops compute (no Triton kernel
+    runs, but the ops' modules import triton)."""
+    pytest.importorskip("triton")
+    config, source = _gguf(tmp_path_factory, "f32")
+    ref, model = _models(config, source, "cpu", torch.float32)
+    assert model.model.layers[0].mlp.experts.op.gate_up is None
+    prompt = list(range(5, 17))
+    assert rel(_all_logits(model, prompt), _all_logits(ref, prompt)) < 1e-6
