@@ -154,7 +154,7 @@ class ModelRunner:
                  "state_slots": b, "kv_lens": b, "cu_seqlens": b + 1}
         meta = dict(seq_lens=f.seq_lens, cached_lens=f.cached_lens, kv=self.kv, states=self.states,
                     is_decode=f.is_decode, slots=f.slots, kv_len_bucket=kv_len_bucket,
-                    num_live=live if b > live else None)
+                    num_live=live if b > live else None, emits=f.emits)
 
         def views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
             out = {f: buf[o[f]: o[f] + n] for f, n in sizes.items()}

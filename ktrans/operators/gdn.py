@@ -42,6 +42,8 @@ class DeltaNetPlan:
     decode_rows: torch.Tensor | slice | None  # token rows of the decode sequences (slice(None): every row)
     decode_slots: torch.Tensor | None         # [n] their state slots, on the op's device
     prefill: list[tuple[int, int, int, bool]]  # (start, end, slot, fresh) of every other sequence
+    # per prefill entry: (n, slot) pairs, the state after its first n tokens also goes to that slot (SeqChunk.emit)
+    emits: list[tuple[tuple[int, int], ...]] | None = None
 
 
 def plan_deltanet(batch: ForwardBatch, device: torch.device) -> DeltaNetPlan:
@@ -57,9 +59,12 @@ def plan_deltanet(batch: ForwardBatch, device: torch.device) -> DeltaNetPlan:
     else:
         rows = slot_t = None
     step_set = set(steps)
-    prefill = [(cu[i], cu[i + 1], slots[i], batch.cached_lens[i] == 0)
-               for i in range(batch.num_seqs) if i not in step_set]
-    return DeltaNetPlan(rows, slot_t, prefill)
+    others = [i for i in range(batch.num_seqs) if i not in step_set]
+    prefill = [(cu[i], cu[i + 1], slots[i], batch.cached_lens[i] == 0) for i in others]
+    emits = None
+    if batch.emits is not None:
+        emits = [tuple((pos - batch.cached_lens[i], slot) for pos, slot in batch.emits[i]) for i in others]
+    return DeltaNetPlan(rows, slot_t, prefill, emits)
 
 
 def deltanet_core(layout, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
@@ -91,12 +96,17 @@ def deltanet_core(layout, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
         core[rows] = gated_delta_rule_decode(qc, kc, vc, g[rows], beta[rows], ssm_state)
         conv_pool.index_copy_(0, slots, conv_state.to(conv_pool.dtype))
         ssm_pool.index_copy_(0, slots, ssm_state)
-    for s, e, slot, fresh in plan.prefill:
-        y, conv_out = causal_conv1d(mixed[s:e], conv_weight, None if fresh else conv_pool[slot])
-        qc, kc, vc = split(y)
-        core[s:e], ssm_out = chunk_gated_delta_rule(qc, kc, vc, g[s:e], beta[s:e], None if fresh else ssm_pool[slot])
-        conv_pool[slot] = conv_out.to(conv_pool.dtype)
-        ssm_pool[slot] = ssm_out
+    for j, (s, e, slot, fresh) in enumerate(plan.prefill):
+        conv_in, ssm_in = (None, None) if fresh else (conv_pool[slot], ssm_pool[slot])
+        # States the prefix cache snapshots inside the chunk: the sequence runs in pieces that end there.
+        cuts = plan.emits[j] if plan.emits else ()
+        for a_, b_, to in [(s + p0, s + p1, dst) for (p0, _), (p1, dst) in zip(((0, None),) + cuts, cuts)] + \
+                [(s + (cuts[-1][0] if cuts else 0), e, slot)]:
+            y, conv_in = causal_conv1d(mixed[a_:b_], conv_weight, conv_in)
+            qc, kc, vc = split(y)
+            core[a_:b_], ssm_in = chunk_gated_delta_rule(qc, kc, vc, g[a_:b_], beta[a_:b_], ssm_in)
+            conv_pool[to] = conv_in.to(conv_pool.dtype)
+            ssm_pool[to] = ssm_in
     return core
 
 

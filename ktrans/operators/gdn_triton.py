@@ -15,7 +15,7 @@ import torch
 
 from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton.conv import causal_conv1d_varlen
-from ktrans.kernels.triton.gated_delta import ChunkPlan, chunk_gated_delta_rule_varlen, plan_chunks
+from ktrans.kernels.triton.gated_delta import CHUNK, ChunkPlan, chunk_gated_delta_rule_varlen, plan_chunks
 from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
 from ktrans.operators.attention import check_pool_device
 from ktrans.operators.gdn import GDN_OPS, KGatedDeltaNetTorch, plan_deltanet
@@ -25,6 +25,7 @@ from ktrans.runtime.batch import ForwardBatch
 # The chunk table of the step last planned, shared by every DeltaNet layer of that step (one host-to-device copy
 # per step, not per layer). Keyed by the batch object itself: a step's layers all see the same one.
 _last_chunks: list[tuple[ForwardBatch, ChunkPlan]] = []
+_last_emits: list[tuple[ForwardBatch, ChunkPlan]] = []  # the same for a step whose sequences emit states
 
 
 def _chunk_plan(batch: ForwardBatch, prefill: list[tuple[int, int, int, bool]], device: torch.device) -> ChunkPlan:
@@ -33,6 +34,43 @@ def _chunk_plan(batch: ForwardBatch, prefill: list[tuple[int, int, int, bool]], 
     plan = plan_chunks(prefill, device)
     _last_chunks[:] = [(batch, plan)]
     return plan
+
+
+def _emit_plan(batch: ForwardBatch, step, device: torch.device) -> ChunkPlan:
+    """The chunked rule's table for a step whose sequences also emit states (SeqChunk.emit): chunks aligned to
+    absolute multiples of 64, each boundary that an emit names storing the state into its slot, the others none."""
+    starts, emit = [], []
+    for (s, e, _slot, _fresh), cuts in zip(step.prefill, step.emits):
+        pos = _cached_len(batch, s)
+        starts.append(pos)
+        want = {pos + n: slot for n, slot in cuts}
+        if any(p % CHUNK for p in want):
+            raise ValueError(f"emitted states must sit at multiples of {CHUNK} tokens, got {sorted(want)}")
+        first = pos // CHUNK + 1
+        emit.append([want.get(p * CHUNK, -1) for p in range(first, (pos + e - s) // CHUNK + 1)])
+    return plan_chunks(step.prefill, device, starts, emit)
+
+
+def _cached_len(batch: ForwardBatch, row: int) -> int:
+    """The cached length of the sequence whose tokens start at flat row `row`."""
+    return batch.cached_lens[batch.cu_seqlens_host.index(row)]
+
+
+def _emitted_windows(mixed: torch.Tensor, conv_pool: torch.Tensor, step) -> list[tuple[int, torch.Tensor]]:
+    """The conv windows of the emitted states: the K-1 inputs before each emit position, [C, K-1] oldest first,
+    read before the conv kernel overwrites a sequence's carried window (which a window near the start includes)."""
+    width = conv_pool.shape[-1]
+    out = []
+    for (s, _e, slot, fresh), cuts in zip(step.prefill, step.emits):
+        if not cuts:
+            continue
+        carried = conv_pool.new_zeros(conv_pool.shape[1:]) if fresh else conv_pool[slot].clone()
+        for n, dst in cuts:
+            rows = mixed[max(s, s + n - width): s + n].t()
+            if rows.shape[1] < width:
+                rows = torch.cat([carried[:, rows.shape[1]:].to(rows.dtype), rows], dim=1)
+            out.append((dst, rows))
+    return out
 
 
 @GDN_OPS.register("KGatedDeltaNetTriton", devices=("cpu", "cuda"))
@@ -45,11 +83,17 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
             raise RuntimeError(f"{operator.key}: KGatedDeltaNetTriton cannot run on {device}: {why}")
         super().__init__(operator, device, streaming)
         self.chunks: ChunkPlan | None = None
+        self.emit_chunks: ChunkPlan | None = None
 
     def plan(self, batch: ForwardBatch) -> None:
         batch = self.mark_planned(batch)
         self.step = plan_deltanet(batch, self.device)
         self.chunks = _chunk_plan(batch, self.step.prefill, self.device) if self.step.prefill else None
+        self.emit_chunks = None
+        if self.step.emits:
+            if not (_last_emits and _last_emits[0][0] is batch):
+                _last_emits[:] = [(batch, _emit_plan(batch, self.step, self.device))]
+            self.emit_chunks = _last_emits[0][1]
 
     def forward(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -68,12 +112,17 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
             gated_delta_decode(mixed, a, b, self.A_log, self.dt_bias, conv_w, conv_pool, ssm_pool, step.decode_slots,
                                self.num_k_heads, self.head_k_dim, rows=rows, out=core)
         if self.chunks is not None:
+            windows = _emitted_windows(mixed, conv_pool, step) if step.emits else None
             y = causal_conv1d_varlen(mixed, conv_w, conv_pool, self.chunks)
             kd, hk, dk = self.key_dim, self.num_k_heads, self.head_k_dim
             q = y[:, :kd].view(t, hk, dk)
             k = y[:, kd:2 * kd].view(t, hk, dk)
             v = y[:, 2 * kd:].view(t, self.num_v_heads, self.head_v_dim)
-            chunk_gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, ssm_pool, self.chunks, out=core)
+            chunk_gated_delta_rule_varlen(q, k, v, a, b, self.A_log, self.dt_bias, ssm_pool,
+                                          self.emit_chunks or self.chunks, out=core)
+            if windows is not None:
+                for slot, window in windows:
+                    conv_pool[slot] = window.to(conv_pool.dtype)
         core = rms_norm_gated(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight,
                               self.eps)
         return core.reshape(t, self.value_dim)

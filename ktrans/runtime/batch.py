@@ -38,6 +38,9 @@ class SeqChunk:
     state_slot: int
     pages: list[int]
     logits: str = "last"  # "last" (next-token logits), "all" (every new token: prompt scoring) or "none"
+    # (position, state slot) pairs: after tokens [0, position) the sequence's DeltaNet state is also written to that
+    # slot (the prefix cache's snapshots inside a prefill chunk; cached_len < position < cached_len + len(token_ids))
+    emit: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -58,6 +61,7 @@ class ForwardBatch:
     cu_seqlens_t: torch.Tensor | None = None   # [B + 1] int64 cu_seqlens on the batch's device (ModelRunner batches)
     kv_len_bucket: int = 0       # decode kernels gather KV up to at least this (a CUDA graph's fixed length)
     num_live: int | None = None  # sequences before the pad rows of a padded decode batch (None: all are live)
+    emits: list[tuple[tuple[int, int], ...]] | None = None  # per sequence, SeqChunk.emit (None: no sequence emits)
     _cu: torch.Tensor | None = field(default=None, repr=False)
     _on: dict | None = field(default=None, repr=False)  # device -> copy of this batch there (shared by all copies)
 
@@ -155,6 +159,7 @@ class ForwardBatch:
             input_ids=as_t(f.input_ids), positions=as_t(f.positions), seq_lens=f.seq_lens, cached_lens=f.cached_lens,
             state_slots=as_t(f.slots), block_tables=tables.to(device), slot_mapping=as_t(f.slot_mapping),
             logits_indices=as_t(f.logits_indices), kv=kv, states=states, is_decode=f.is_decode, slots=f.slots,
+            emits=f.emits,
         )
 
 
@@ -172,6 +177,7 @@ class FlatChunks:
     cu_seqlens: list[int]        # B + 1 offsets
     slots: list[int]             # state slot per sequence
     is_decode: bool
+    emits: list[tuple[tuple[int, int], ...]] | None = None  # SeqChunk.emit per sequence, None when none emits
 
 
 def flatten(chunks: list[SeqChunk], kv: KVPool, is_decode: bool | None = None) -> FlatChunks:
@@ -203,6 +209,15 @@ def flatten(chunks: list[SeqChunk], kv: KVPool, is_decode: bool | None = None) -
         f.kv_lens.append(end)
         f.cu_seqlens.append(offset + n)
         f.slots.append(c.state_slot)
+        if c.emit:
+            for pos, _slot in c.emit:
+                if not c.cached_len < pos < end:
+                    raise ValueError(f"a state emitted at position {pos} lies outside the chunk's open span "
+                                     f"({c.cached_len}, {end})")
+            if f.emits is None:
+                f.emits = [()] * (len(f.slots) - 1)
+        if f.emits is not None:
+            f.emits.append(tuple(c.emit))
     f.is_decode = all(n == 1 and c > 0 for n, c in zip(f.seq_lens, f.cached_lens)) if is_decode is None else is_decode
     return f
 

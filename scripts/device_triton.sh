@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The Triton kernels on the lent H200 machine (issues 15 and 16): their gpu- and triton-marked tests compiled, then
+# `ktrans bench kernels` (CUDA-graph replay, cold L2; fla-core as the GDN peer when its wheel is carried in .whl).
+#   bash scripts/device_triton.sh [TEST_FILES...]   (default: every kernels/operators test that names triton/quant)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+files=("$@")
+if [ ${#files[@]} -eq 0 ]; then
+  mapfile -t files < <(ls tests/kernels/test_*triton*.py tests/kernels/test_*quant*.py tests/operators/test_*triton*.py \
+    tests/operators/test_*marlin*.py tests/operators/test_gpu_quant_rules.py tests/bench/test_kernels_*.py 2>/dev/null)
+fi
+echo "== tests: ${files[*]}"
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" "${files[@]}" 2>&1 \
+  | tee "$OUT/triton_tests.txt" | tail -${TAIL:-30}
+echo "== ktrans bench kernels"
+timeout "${BENCH_TIMEOUT:-200}" ktrans bench kernels --json --reps "${REPS:-20}" ${BENCH_ARGS:-} > "$OUT/kernels.jsonl" 2> "$OUT/kernels.err"
+echo "rc $?"
+python3 - "$OUT/kernels.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    keep = {k: v for k, v in r.items() if k not in ("device", "hbm_gb_per_s", "bytes")}
+    print(" ".join(f"{k}={v}" for k, v in keep.items()))
+PY
+tail -c 600 "$OUT/kernels.err"
