@@ -174,6 +174,10 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--prefix_cache_max_snapshots", type=int, default=32,
                    help="DeltaNet state snapshots the prefix cache keeps (state slots beyond --max_batch_size; "
                         "the startup summary states their memory)")
+    s.add_argument("--prefix_cache_snapshot_interval", type=int, default=0,
+                   help="also snapshot the DeltaNet state every N prompt tokens inside a prefill chunk (a multiple "
+                        "of 64 and of --page_size; 0: only at chunk ends), so a long prompt's prefixes are "
+                        "reusable without small chunks")
     s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs, one per batch-size bucket (default: on where the "
                         "model's batches are on a GPU)")

@@ -47,6 +47,7 @@ class ServeOptions:
     use_cuda_graph: bool | None = None  # None: on where the model's batches are on a GPU
     enable_prefix_cache: bool = True
     prefix_cache_max_snapshots: int = 32
+    prefix_cache_snapshot_interval: int = 0
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
     device: str = "cpu"
 
@@ -106,6 +107,7 @@ def engine_config(opts: ServeOptions, model) -> EngineConfig:
                         cache_lens=cache_lens, max_model_len=opts.max_model_len, max_new_tokens=opts.max_new_tokens,
                         max_queued_requests=opts.max_queued_requests, enable_prefix_cache=opts.enable_prefix_cache,
                         prefix_cache_max_snapshots=opts.prefix_cache_max_snapshots,
+                        prefix_cache_snapshot_interval=opts.prefix_cache_snapshot_interval,
                         use_cuda_graph=opts.use_cuda_graph)
 
 

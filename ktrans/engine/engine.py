@@ -49,6 +49,7 @@ class EngineConfig:
     use_cuda_graph: bool | None = None  # decode steps replay CUDA graphs; None: where the model's batches are on a GPU
     enable_prefix_cache: bool = True  # reuse KV pages and DeltaNet snapshots of shared prefixes
     prefix_cache_max_snapshots: int = 32  # DeltaNet state slots the prefix cache keeps, beyond max_batch_size
+    prefix_cache_snapshot_interval: int = 0  # also snapshot every this many prompt tokens inside a chunk (0: off)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "chunk_size", "page_size", "cache_lens", "max_new_tokens"):
@@ -61,6 +62,10 @@ class EngineConfig:
         if self.enable_prefix_cache and self.prefix_cache_max_snapshots <= 0:
             raise ValueError(f"--prefix_cache_max_snapshots must be positive with the prefix cache on, got "
                              f"{self.prefix_cache_max_snapshots} (or turn it off: --no-enable_prefix_cache)")
+        n = self.prefix_cache_snapshot_interval
+        if n < 0 or (n and (n % 64 or n % self.page_size)):
+            raise ValueError(f"--prefix_cache_snapshot_interval must be 0 (off) or a multiple of 64 and of "
+                             f"--page_size {self.page_size}, got {n}")
 
     @property
     def num_snapshot_slots(self) -> int:
@@ -154,7 +159,8 @@ class Engine:
         # even when the embedding sits on the CPU, which then reads the batch's pinned host twin.
         self.device = next((d for d in pool_devices(model) if d.type == "cuda"), next(model.parameters()).device)
         self.cache = CacheManager.from_pools(self.kv, self.states, snaps)  # who holds which page and slot
-        self.prefix_cache = PrefixCache(self.cache) if config.enable_prefix_cache else None
+        self.prefix_cache = (PrefixCache(self.cache, config.prefix_cache_snapshot_interval)
+                             if config.enable_prefix_cache else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.chunk_size, config.page_size),
                                    self.cache, self.prefix_cache)
         capacity = num_pages * config.page_size
@@ -334,7 +340,7 @@ class Engine:
         if not sched.chunks:
             return
         # 2. batch into the runner's buffers, 3. plan and forward
-        logits = self.runner.step([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits)
+        logits = self.runner.step([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits, c.emit)
                                    for c in sched.chunks])
         self.runner.wait_end()
         rows = self._rows_per_chunk(sched.chunks, logits)

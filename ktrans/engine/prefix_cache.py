@@ -96,6 +96,10 @@ class Match:
         return self.kv_len if self.num_tokens < self.kv_len < num_tokens else None
 
 
+# States are emitted where the DeltaNet kernels' chunks end (ktrans/kernels/triton/gated_delta.py CHUNK)
+EMIT_ALIGN = 64
+
+
 @dataclass
 class PrefixCacheStats:
     """Running totals for /metrics (vLLM's prefix_cache_queries and _hits count tokens)."""
@@ -110,11 +114,20 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, cache: CacheManager):
+    def __init__(self, cache: CacheManager, snapshot_interval: int = 0, align: int = EMIT_ALIGN):
+        """snapshot_interval: also snapshot every this many prompt tokens inside a prefill chunk (0: off); a multiple
+        of `align` (where the DeltaNet kernels can emit a state; tests of the tree alone use smaller ones) and of the
+        page size (a snapshot inside a chunk has no tail)."""
         if cache.num_snapshot_slots <= 0:
             raise ValueError("a prefix cache needs snapshot slots (CacheManager num_snapshot_slots > 0)")
+        if snapshot_interval < 0 or (snapshot_interval and (snapshot_interval % align
+                                                            or snapshot_interval % cache.page_size)):
+            raise ValueError(f"--prefix_cache_snapshot_interval must be 0 (off) or a multiple of {align} and of "
+                             f"the page size {cache.page_size}, got {snapshot_interval}")
         self.cache = cache
         self.page_size = cache.page_size
+        self.snapshot_interval = snapshot_interval
+        self._emitting: dict[Request, list[tuple[int, int]]] = {}  # slots the next forward writes, per request
         self._seq = itertools.count()
         self.root = Node((), [], None, 0, next(self._seq))
         self._clock = 0
@@ -218,9 +231,44 @@ class PrefixCache:
         return min(n, cut - start)
 
     # ---- taking snapshots -----------------------------------------------------------------------------------------
+    def emits_for(self, req: Request, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """Where a prefill chunk [start, end) also emits its DeltaNet state, as (position, snapshot slot) pairs for
+        SeqChunk.emit: every multiple of --prefix_cache_snapshot_interval inside the chunk, within the prompt, that
+        the tree holds no snapshot at yet. The slots are taken now (the forward writes them); on_computed hangs
+        them in the tree, release gives back what a failed step left."""
+        n = self.snapshot_interval
+        if not n or end - start <= 1:
+            return ()
+        out = []
+        tokens = req.all_token_ids
+        for pos in range((start // n + 1) * n, min(end, req.num_prompt_tokens + 1), n):
+            if pos >= end or self._has_snapshot(tokens, pos):
+                continue
+            slot = self._snapshot_slot()
+            if slot is None:
+                break
+            out.append((pos, slot))
+        if out:
+            self._emitting.setdefault(req, []).extend(out)
+        return tuple(out)
+
+    def _has_snapshot(self, tokens: list[int], pos: int) -> bool:
+        """Whether the tree holds a snapshot at exactly tokens[:pos] (pos a multiple of the page size)."""
+        P, node, i = self.page_size, self.root, 0
+        while i < pos:
+            child = node.children.get(tuple(tokens[i: i + P]))
+            if child is None or child.depth > pos or tuple(tokens[i: child.depth]) != child.key:
+                return False
+            node, i = child, child.depth
+        return () in node.snapshots
+
     def on_computed(self, req: Request, start: int, end: int) -> None:
-        """A chunk [start, end) of the request is computed: a prefill chunk's end gets a snapshot; decode steps
-        (one token past the prompt) do not, the reply's end gets one at release."""
+        """A chunk [start, end) of the request is computed: the states it emitted go into the tree, and a prefill
+        chunk's end gets a snapshot; decode steps (one token past the prompt) do not, the reply's end gets one at
+        release."""
+        pending = self._emitting.pop(req, None)
+        for pos, slot in pending or ():
+            self._insert(req, pos, slot)
         if end - start > 1 or end <= req.num_prompt_tokens:
             self._insert(req, end)
 
@@ -228,6 +276,8 @@ class PrefixCache:
         """The request lets go of its memory (finished, aborted or preempted): when `keep`, its computed tokens go
         into the tree first (pages, and a snapshot at their end); then its lock goes."""
         self._cuts.pop(req, None)
+        for _pos, slot in self._emitting.pop(req, ()):  # its step did not complete: nothing was written there
+            self.cache.free_slot(slot)
         if keep and req.slot is not None and req.num_computed_tokens > 0:
             self._insert(req, req.num_computed_tokens)
         node = self._holds.pop(req, None)
@@ -235,9 +285,10 @@ class PrefixCache:
             node.lock -= 1
             self._prune(node)
 
-    def _insert(self, req: Request, end: int) -> None:
+    def _insert(self, req: Request, end: int, filled: int | None = None) -> None:
         """Tokens [0, end) of the request: its whole pages into the tree (where the tree lacks them), a snapshot of
-        its slot at `end`, and its lock moved to the node the snapshot hangs on."""
+        its slot at `end` (or the snapshot slot `filled`, which the forward wrote: an emitted state), and its lock
+        moved to the node the snapshot hangs on."""
         P, tokens = self.page_size, req.all_token_ids
         k = end // P
         node, i, now = self.root, 0, self._tick()
@@ -261,14 +312,17 @@ class PrefixCache:
         self._hold(req, node)
         tail = tuple(tokens[k * P : end])
         snap = node.snapshots.get(tail)
+        if snap is not None and filled is not None:
+            self.cache.free_slot(filled)  # taken meanwhile (another request emitted or ended there)
         if snap is None:
-            slot = self._snapshot_slot()
+            slot = self._snapshot_slot() if filled is None else filled
             if slot is None:
                 return
             page = req.pages[k] if tail else None
             if page is not None:
                 self._take([page])
-            self.cache.copy_slot(req.slot, slot)
+            if filled is None:
+                self.cache.copy_slot(req.slot, slot)
             snap = node.snapshots[tail] = Snapshot(node, tail, slot, page)
             self._snapshots.add(snap)
             self.stats.snapshots_taken += 1

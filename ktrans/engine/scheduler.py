@@ -23,7 +23,8 @@ one point of a recurrence that cannot be rebuilt from KV pages, nor the KV from 
 With a prefix cache (`ktrans/engine/prefix_cache.py`) the scheduler calls it at four points:
 - admission: a request starts at its deepest cached snapshot (shared pages, its own copy of the state);
 - chunk sizing: a chunk ends where the request branches off a cached path (`clip`), so a snapshot covers it;
-- `advance`: a prefill chunk's end is snapshotted;
+- `advance`: a prefill chunk's end is snapshotted, and with --prefix_cache_snapshot_interval the states its
+  forward emitted at each multiple of the interval inside it (`emits_for`, when the chunk is made);
 - `_release` (finish, abort, preemption): before the decref, the tree takes its own reference to the pages
   and a snapshot of the state, so a preempted request resumes from where it was, and a chat's next turn from
   the end of this reply.
@@ -61,6 +62,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     logits: str  # "last", "all" (prompt scoring) or "none" (a prefill chunk that is not the last)
+    emit: tuple[tuple[int, int], ...] = ()  # (position, snapshot slot): states the prefix cache snapshots inside it
 
     @property
     def token_ids(self) -> list[int]:
@@ -180,7 +182,8 @@ class Scheduler:
             mode = "all"
         else:
             mode = "last" if start + n == req.num_tokens else "none"
-        return ScheduledChunk(req, start, n, mode)
+        emit = self.prefix.emits_for(req, start, start + n) if self.prefix is not None else ()
+        return ScheduledChunk(req, start, n, mode, emit)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.pages_for(num_tokens) - len(req.pages)

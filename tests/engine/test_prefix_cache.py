@@ -47,6 +47,8 @@ class FakeModel:
     def run(self, chunk) -> int:
         req, start, end = chunk.request, chunk.start, chunk.start + chunk.num_tokens
         toks = req.all_token_ids
+        emitted = dict(chunk.emit)
+        assert all(start < pos < end for pos in emitted), f"emits {emitted} outside the chunk {start}..{end}"
         state = 0 if start == 0 else int(self.ssm[req.slot, 0, 0, 0].item())
         assert state == fp(toks[:start]), f"{req.request_id} starts at {start} from a state of other tokens"
         for t in range(start):
@@ -54,16 +56,20 @@ class FakeModel:
         for t in range(start, end):
             state = (state * 31 + toks[t] + 1) % MOD
             self.k[self.row(req, t)].fill_(state)
+            if t + 1 in emitted:  # the state after tokens [0, t + 1) also goes to a snapshot slot
+                self.ssm[emitted[t + 1]].fill_(state)
         self.ssm[req.slot].fill_(state)
         self.computed += end - start
         return state % 50 + 1  # the "sampled" token: a function of the whole sequence, as greedy decoding is
 
 
-def make(pages=32, slots=3, budget=16, page_size=4, snapshots=4, prefix=True) -> Scheduler:
+def make(pages=32, slots=3, budget=16, page_size=4, snapshots=4, prefix=True, interval=0) -> Scheduler:
+    """interval: --prefix_cache_snapshot_interval, aligned to the page size here (the engine: to 64 too)."""
     kv = KVPool(CONFIG, pages, page_size)
     states = StatePool(CONFIG, slots + (snapshots if prefix else 0))
     cache = CacheManager.from_pools(kv, states, snapshots if prefix else 0)
-    return Scheduler(SchedulerConfig(slots, budget, page_size), cache, PrefixCache(cache) if prefix else None)
+    pc = PrefixCache(cache, interval, align=page_size) if prefix else None
+    return Scheduler(SchedulerConfig(slots, budget, page_size), cache, pc)
 
 
 def req(name: str, tokens: list[int], max_tokens: int = 4) -> Request:
@@ -230,13 +236,58 @@ def test_preempted_request_resumes_from_its_deepest_surviving_snapshot():
     assert s.cache.all_free
 
 
+def test_snapshots_inside_a_chunk_serve_shorter_prefixes_without_small_chunks():
+    """With an interval of 8, one 30-token chunk leaves snapshots at 8, 16 and 24 besides its end: a later prompt
+    sharing 20 tokens resumes from 16, one sharing 9 from 8; without the interval both would compute from 0."""
+    for interval, want in ((8, (16, 8)), (0, (0, 0))):
+        s = make(pages=40, budget=64, snapshots=8, interval=interval)
+        model = FakeModel(s.cache)
+        base = [(7 * i) % 9 + 1 for i in range(30)]
+        first = req("first", base)
+        s.add(first)
+        out = s.schedule()
+        assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 30)]  # one chunk: no cut at the interval
+        assert [p for p, _ in out.chunks[0].emit] == ([8, 16, 24] if interval else [])
+        for c in out.chunks:
+            model.run(c)
+            s.advance(c)
+        drain(s, model)
+        check_accounting(s)
+        for name, shared, start in (("twenty", 20, want[0]), ("nine", 9, want[1])):
+            r = req(name, base[:shared] + [9, 9, 9])
+            s.add(r)
+            out = s.schedule()
+            assert out.chunks[0].start == start, (interval, name)
+            for c in out.chunks:
+                model.run(c)  # checks that the state it starts from is that of its own first `start` tokens
+                s.advance(c)
+            drain(s, model)
+            check_accounting(s)
+        s.prefix.flush()
+        assert s.cache.all_free
+
+
+def test_a_failed_step_gives_its_emitted_slots_back():
+    s = make(pages=40, budget=64, snapshots=4, interval=4)
+    r = req("r", list(range(1, 20)))
+    s.add(r)
+    out = s.schedule()
+    assert len(out.chunks[0].emit) == 4 and s.cache.num_free_snapshot_slots == 0
+    s.finish(r, RequestStatus.FINISHED_ERROR)  # the forward failed: nothing was written to those slots
+    assert s.cache.num_free_snapshot_slots == 4 and s.prefix.num_snapshots == 0
+    s.prefix.flush()
+    assert s.cache.all_free
+
+
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]), pages=st.integers(10, 40),
-       slots=st.integers(1, 4), budget=st.sampled_from([1, 3, 8, 32]), snapshots=st.integers(1, 6))
+       slots=st.integers(1, 4), budget=st.sampled_from([1, 3, 8, 32]), snapshots=st.integers(1, 6),
+       interval_pages=st.sampled_from([0, 0, 1, 3]))
 def test_random_workloads_compute_their_own_tokens_and_leak_nothing(seed, page_size, pages, slots, budget,
-                                                                    snapshots):
+                                                                    snapshots, interval_pages):
     rnd = random.Random(seed)
-    s = make(pages=pages, slots=slots, budget=budget, page_size=page_size, snapshots=snapshots)
+    s = make(pages=pages, slots=slots, budget=budget, page_size=page_size, snapshots=snapshots,
+             interval=interval_pages * page_size)
     model = FakeModel(s.cache)
     capacity = pages * page_size
     bases = [[rnd.randint(1, 9) for _ in range(rnd.randint(1, capacity // 3))] for _ in range(3)]

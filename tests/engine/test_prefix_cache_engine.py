@@ -154,3 +154,30 @@ def test_cache_off_and_flush(tiny, reference):
     assert run(on, [p], 4)[0].num_cached_tokens == 0  # nothing left to hit
     with pytest.raises(ValueError, match="prefix_cache_max_snapshots"):
         EngineConfig(prefix_cache_max_snapshots=0)
+
+
+def test_snapshot_interval_serves_prefixes_inside_one_chunk(tiny, reference):
+    """--prefix_cache_snapshot_interval 64: a 300-token prompt computed as one chunk leaves snapshots at 64, 128,
+    192 and 256; prompts sharing its first 200 or 70 tokens resume from 192 and 64 and decode as alone. Without
+    the interval they find no snapshot (the only one sits at 300) and compute from 0."""
+    _, tok = tiny
+    base = words(tok, "ctx", 200)[:300]
+    assert len(base) == 300
+    for interval, want in ((64, [192, 64]), (0, [0, 0])):
+        e = engine(tiny, page_size=16, chunk_size=512, prefix_cache_snapshot_interval=interval)
+        assert run(e, [base], 3)[0].token_ids == reference(base, 3)
+        assert e.prefix_cache.stats.snapshots_taken >= (5 if interval else 1)
+        for shared, start in zip((200, 70), want):
+            prompt = base[:shared] + words(tok, "tail", 2)
+            out = run(e, [prompt], 4)[0]
+            assert out.num_cached_tokens == start, (interval, shared)
+            assert out.token_ids == reference(prompt, 4), (interval, shared)
+        e.prefix_cache.flush()
+        assert pools_full(e)
+
+
+def test_snapshot_interval_must_fit_the_kernels_and_pages(tiny):
+    with pytest.raises(ValueError, match="prefix_cache_snapshot_interval"):
+        engine(tiny, page_size=16, prefix_cache_snapshot_interval=100)
+    with pytest.raises(ValueError, match="prefix_cache_snapshot_interval"):
+        engine(tiny, page_size=48, prefix_cache_snapshot_interval=64)
