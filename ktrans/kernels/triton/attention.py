@@ -194,7 +194,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # ---- decode --------------------------------------------------------------------------------------------------------
 
 DECODE_BLOCK_N = 64      # keys per step of a decode program
-MIN_SPLIT_TOKENS = 256   # below this a split's fixed cost (its q load, its partial write) outweighs more parallelism
+# A split's fixed costs (its q load, its partials written and merged, the pipeline's fill) want long splits; the GPU
+# wants about two programs per SM. Both are guesses to measure on the device (bench `decode 32k`).
+MIN_SPLIT_TOKENS = 512
+PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -206,9 +209,10 @@ class DecodePlan:
 
 
 def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) -> DecodePlan:
-    """Split the planned maximum length so that rows * kv_heads * splits fills the GPU about three times over."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = triton.cdiv(3 * sms, max(1, rows * kv_heads))
+    """Split the planned maximum length so that rows * kv_heads * splits gives each SM about PROGRAMS_PER_SM
+    programs, each split at least MIN_SPLIT_TOKENS long. (The CPU figure only makes the interpreted tests split.)"""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, rows * kv_heads))
     splits = max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS)))
     split_tokens = triton.cdiv(triton.cdiv(max(max_len, 1), splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
     return DecodePlan(triton.cdiv(max(max_len, 1), split_tokens), split_tokens)
