@@ -358,6 +358,15 @@ PYBIND11_MODULE(_cpu, m) {
 #endif
         },
         py::arg("p"), py::arg("n"), "madvise(MADV_HUGEPAGE) on the 2 MiB pages inside [p, p + n); True if applied.");
+  m.def("drop_pages",
+        [](uintptr_t p, size_t n) {
+          // The whole 4 KiB pages inside [p, p + n) leave this process's page tables (MADV_DONTNEED). Only for a
+          // file mapping that was never written: its pages fault back in from the file if read again, while an
+          // anonymous range would read back as zeros (the Python side checks which it is).
+          const uintptr_t g = uintptr_t(4096), lo = (p + g - 1) & ~(g - 1), hi = (p + n) & ~(g - 1);
+          return hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) == 0;
+        },
+        py::arg("p"), py::arg("n"), "madvise(MADV_DONTNEED) on the pages inside [p, p + n); True if applied.");
   m.def("read_tasks",
         [](std::shared_ptr<ThreadPool> pool, const std::vector<std::vector<std::pair<uintptr_t, size_t>>>& tasks,
            const std::string& isa) {

@@ -23,7 +23,7 @@ import torch
 
 from ktrans import _cpu  # ImportError here means the package was installed without its build
 from ktrans.kernels.host_memory import (_HUGEPAGE_MIN_BYTES, host_rss, hugepage_buffer,  # noqa: F401 (re-exported)
-                                        in_hugepages, thp_mode)
+                                        in_hugepages, release_file_pages, thp_mode)
 
 # ggml type ids of the formats the kernels read (ktrans.weights.quants has the full table).
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
@@ -430,6 +430,7 @@ class CPUMoE(_Tuned):
         huge = hugepages and thp_mode() in ("always", "madvise") and min(sizes) >= _HUGEPAGE_MIN_BYTES
         x16 = repack and _cpu.reads_x16(isa)
         kinds, weights, advised, self.repack_s = [], [], [], 0.0
+        self.released_bytes = 0  # source pages of a GGUF mapping let go once copied (host_memory.release_file_pages)
         for t, ty, (rows, cols), n in zip(mats, self.types, shapes, sizes):
             if x16 and ty in _X16 and rows % 16 == 0 and cols % 256 == 0:
                 src = t.contiguous()
@@ -444,6 +445,8 @@ class CPUMoE(_Tuned):
             else:
                 dst, ok = t.contiguous(), False
                 kinds.append(ty)
+            if dst.data_ptr() != t.data_ptr():  # a copy: the file pages it was read from need not stay resident
+                self.released_bytes += release_file_pages(t)
             weights.append(dst)
             advised.append(ok)
         self.weights = tuple(weights)
@@ -539,11 +542,13 @@ class CPULinear(_Tuned):
         self.pool = pool or get_pool()
         kind, self.layout = self.type, _TYPE_NAMES[self.type]
         # repack: Q4_K / Q5_K rows 16 at a time, as CPUMoE does for its experts (the same kernels read them), into a
-        # buffer of their own (the stored blocks are left as they are: a GGUF map's pages then go cold)
+        # buffer of their own; the stored blocks' pages of a GGUF map are let go, so the weights stay resident once
+        self.released_bytes = 0
         if (repack and self.type in _X16 and n_out % 16 == 0 and n_in % 256 == 0 and _cpu.reads_x16(isa)):
             big = nbytes >= _HUGEPAGE_MIN_BYTES
             dst = hugepage_buffer(nbytes)[0] if big else torch.empty(nbytes, dtype=torch.uint8)
             _cpu.repack_x16(self.pool, self.type, self.weight.data_ptr(), dst.data_ptr(), n_out, n_in)
+            self.released_bytes = release_file_pages(self.weight)
             self.weight, (kind, self.layout) = dst, _X16[self.type]
         self._lin = _cpu.Linear(self.pool, n_out, n_in, self.weight.data_ptr(), kind, isa, self._config.native())
 

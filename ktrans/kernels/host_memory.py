@@ -2,6 +2,10 @@
 
 Huge pages: a decode step's scattered expert rows miss the TLB far less often in 2 MiB pages than in the 4 KiB pages
 of a GGUF file's mmap, so CPUMoE copies (or repacks) its matrices into buffers advised before first touch.
+
+Once copied, the source pages of the file's mapping are let go (`release_file_pages`): the experts are then resident
+once, in the copy, instead of twice (the copy plus the mapped file pages the copy read). A later read of the source
+(a streaming prefill op reading the same blocks) faults them back in from the file.
 """
 from __future__ import annotations
 
@@ -24,6 +28,34 @@ def host_rss() -> tuple[int | None, int | None]:
     except OSError:
         pass
     return fields.get("VmRSS"), fields.get("VmHWM")
+
+
+def _file_mapping(addr: int, n: int) -> str | None:
+    """The file whose mapping holds [addr, addr + n) in this process, or None (anonymous memory, several mappings,
+    or no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    ok = addr + n <= hi and path.startswith("/") and not path.endswith("(deleted)")
+                    return path if ok and "w" not in parts[1] else None
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def release_file_pages(t: torch.Tensor) -> int:
+    """Drop the resident pages of t's bytes from this process when they are a read-only file mapping (a GGUF
+    tensor read in place); bytes released, 0 when t is anything else (anonymous memory would read back as zeros)."""
+    n = t.numel() * t.element_size()
+    if n < (1 << 20) or not t.is_contiguous() or t.device.type != "cpu":
+        return 0
+    if _file_mapping(t.data_ptr(), n) is None:
+        return 0
+    return n if _cpu.drop_pages(t.data_ptr(), n) else 0
 
 
 def thp_mode() -> str | None:
