@@ -1,7 +1,8 @@
 """The Triton MoE on packed GGUF experts (ktrans.kernels.triton.moe_quant) against the torch reference MoE
 (ktrans.kernels.torch.moe.moe_experts) on gguf-py's dequantized weights, in float64: the per-pair path (3 tokens),
-the sorted padded blocks (20 tokens: BM=16 integer-code dots; 80 for the bf16 dequant-tile path), with an expert nobody routes to, a
-skipped slot (id -1) and a strided activation. Marked `triton` (interpreted without a GPU).
+the sorted padded blocks (20 tokens: BM=16 integer-code dots; 80 for the bf16 dequant-tile path), with an expert
+nobody routes to, a skipped slot (id -1) and a strided activation. Marked `triton` (interpreted without a GPU); on a
+GPU also replayed from CUDA graphs.
 
 Tolerance, relative Frobenius error: 2e-5 on the fp32 paths (up to 4 tokens, fp32 activations), 2e-2 where x and h
 enter the tensor-core dot as bf16 (more tokens) or the output is bf16.
