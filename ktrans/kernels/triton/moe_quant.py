@@ -73,7 +73,9 @@ def align(ids: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, tor
     valid = flat >= 0
     key = torch.where(valid, flat, n_experts)  # skipped pairs (negative ids) sort last, into no block
     counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts[n_experts] = 0
+    # the skipped pairs' bin emptied on the device (`counts[n_experts] = 0` copies a host scalar in: refused inside
+    # a CUDA-graph capture)
+    counts = torch.cat([counts[:n_experts], counts.new_zeros(1)])
     padded = (counts + bm - 1) // bm * bm
     pad_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts

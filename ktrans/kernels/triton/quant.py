@@ -21,11 +21,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
 QT_CODE = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3}
+_STAGES: dict[tuple, tuple] = {}  # (device, type, mode, BM, BN) -> the pipelining stages that fit its shared memory
 # Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw bits; interpreted, the operands are rounded to
 # bf16 and multiplied in fp32 instead (the same values, so the same results up to summation order).
 if interpreting():
@@ -194,9 +196,20 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
-    _qlinear_kernel[grid](x, dst, *plane_args(w), m, n, nsb, sb_per, x.stride(0), n, m * n,
-                          QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn, num_warps=warps)
+    key = (x.device, w.qtype, mode, bm, bn)
+    for stages in _STAGES.get(key, (None, 2, 1)):
+        try:
+            grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+            extra = {} if stages is None else {"num_stages": stages}
+            _qlinear_kernel[grid](x, dst, *plane_args(w), m, n, nsb, sb_per, x.stride(0), n, m * n,
+                                  QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn, num_warps=warps, **extra)
+            _STAGES[key] = (stages,)
+            break
+        except OutOfResources:
+            # Triton's default pipelining stages the prefill tiles in more shared memory than some GPUs have
+            # (237,568 B asked on an H200's 232,448 at BM = BN = 128): fewer stages, found once per shape and kept
+            if stages == 1:
+                raise
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
