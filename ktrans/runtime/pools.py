@@ -62,9 +62,11 @@ class KVPool:
         return -(-num_tokens // self.page_size)
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
+        """KV bytes per token of `layers` full-attention layers (default all of them)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(config.full_attention_layers) * config.num_key_value_heads * config.head_dim * elem
+        n = len(config.full_attention_layers) if layers is None else layers
+        return 2 * n * config.num_key_value_heads * config.head_dim * elem
 
     @property
     def nbytes(self) -> int:
@@ -102,11 +104,12 @@ class StatePool:
         return self.conv[i], self.ssm[i]
 
     @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
+        """State bytes per slot of `layers` linear-attention layers (default all of them)."""
         elem = torch.empty((), dtype=dtype).element_size()
         conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * elem
         ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-        return len(config.linear_attention_layers) * (conv + ssm)
+        return (len(config.linear_attention_layers) if layers is None else layers) * (conv + ssm)
 
     @property
     def nbytes(self) -> int:

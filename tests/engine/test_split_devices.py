@@ -29,13 +29,17 @@ TWO_GPU = RULES_DIR / "Qwen3Next-serve-2gpu.yaml"
 CPU, GPU0, GPU1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
 
 
-def two_gpu_text(layers: int, on_cpu: bool) -> str:
-    """The shipped 2-GPU rules with the ranges 0-23 / 24-47 cut to halves of `layers` (< 20); on_cpu: every device
-    cpu and the reference experts (exact against the plain model)."""
-    text = TWO_GPU.read_text()
+def cut_ranges(text: str, layers: int) -> str:
+    """A 2-GPU rule file with its ranges 0-23 / 24-47 cut to the halves of a model of `layers` (< 20) layers."""
     half = layers // 2
-    text = text.replace("([0-9]|1[0-9]|2[0-3])", f"[0-{half - 1}]").replace("(2[4-9]|3[0-9]|4[0-7])",
-                                                                           f"({'|'.join(map(str, range(half, layers)))})")
+    return text.replace("([0-9]|1[0-9]|2[0-3])", f"[0-{half - 1}]").replace(
+        "(2[4-9]|3[0-9]|4[0-7])", f"({'|'.join(map(str, range(half, layers)))})")
+
+
+def two_gpu_text(layers: int, on_cpu: bool, name: str = "Qwen3Next-serve-2gpu.yaml") -> str:
+    """A shipped 2-GPU file cut to `layers`; on_cpu: every device cpu and the reference experts (exact against the
+    plain model)."""
+    text = cut_ranges((RULES_DIR / name).read_text(), layers)
     if on_cpu:
         text = text.replace('"cuda:0"', '"cpu"').replace('"cuda:1"', '"cpu"').replace('"KExpertsCPU"', '"KExpertsTorch"')
     return text
@@ -123,40 +127,44 @@ def test_cache_manager_copies_every_part(config, groups):
     assert all(torch.equal(t[q * 4: q * 4 + 3], t[p * 4: p * 4 + 3]) for t in (*kv.k, *kv.v))
 
 
-# Teacher-forced steps of three sequences: chunked prefill, a mixed step (two decode rows beside a prefill chunk),
-# then pure decode steps. (tokens, cached_len) per sequence per step; None: the sequence sits the step out.
+# Teacher-forced steps of three sequences: chunked prefill, mixed steps (decode rows beside prefill chunks), then
+# pure decode steps feeding fixed tokens (the reference's, whatever either model would pick).
 PROMPTS = [[(7 * i + 3) % 500 for i in range(19)], [(5 * i + 11) % 500 for i in range(6)],
            [(3 * i + 2) % 500 for i in range(13)]]
-FED = [[(11 * i + 1) % 500 for i in range(6)] for _ in PROMPTS]  # the reference's tokens fed back
 
 
-def _steps():
-    """Each step: [(seq, token_ids, cached_len)]."""
-    steps = [[(0, PROMPTS[0][:8], 0), (1, PROMPTS[1], 0)],                    # prefill, one prompt in chunks
-             [(0, PROMPTS[0][8:], 8), (1, FED[1][:1], 6), (2, PROMPTS[2][:5], 0)],  # mixed
-             [(0, FED[0][:1], 19), (1, FED[1][1:2], 7), (2, PROMPTS[2][5:], 5)]]      # mixed
-    for s in range(1, 5):  # pure decode
-        steps.append([(0, FED[0][s:s + 1], 19 + s), (1, FED[1][s + 1:s + 2], 7 + s), (2, FED[2][s - 1:s], 13 + s - 1)])
-    return steps
+def steps(n_decode: int) -> list[list[tuple[int, list[int], int]]]:
+    """Each step: [(sequence, token ids, cached length)]."""
+    fed = [[(11 * i + 7 * j + 1) % 500 for i in range(n_decode + 2)] for j in range(len(PROMPTS))]
+    out = [[(0, PROMPTS[0][:8], 0), (1, PROMPTS[1], 0)],                           # prefill, seq 0 in chunks
+           [(0, PROMPTS[0][8:], 8), (1, fed[1][:1], 6), (2, PROMPTS[2][:5], 0)],    # mixed
+           [(0, fed[0][:1], 19), (1, fed[1][1:2], 7), (2, PROMPTS[2][5:], 5)]]      # mixed
+    for s in range(1, n_decode + 1):  # pure decode
+        out.append([(0, fed[0][s:s + 1], 19 + s), (1, fed[1][s + 1:s + 2], 7 + s), (2, fed[2][s - 1:s], 12 + s)])
+    return out
 
 
-def run_steps(model, kv, states) -> list[torch.Tensor]:
+def run_steps(model, kv, states, n_decode: int = 4, device="cpu", cuda_graph: bool = False) -> list[torch.Tensor]:
+    """Logits of every step (every token's), on the CPU, through a ModelRunner as the engine builds one."""
     cache = CacheManager.from_pools(kv, states)
-    runner = ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=32, max_pages_per_seq=8, device="cpu")
-    pages = [cache.alloc_pages(8) for _ in PROMPTS]
+    pages_per_seq = kv.pages_for(19 + n_decode + 1)
+    runner = ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=32, max_pages_per_seq=pages_per_seq,
+                         device=device, cuda_graph=cuda_graph)
+    pages = [cache.alloc_pages(pages_per_seq) for _ in PROMPTS]
     slots = [cache.alloc_slot() for _ in PROMPTS]
     out = []
-    for step in _steps():
+    for step in steps(n_decode):
         chunks = [SeqChunk(list(t), c, slots[i], pages[i], logits="all") for i, t, c in step]
-        out.append(runner.step(chunks).clone())
+        out.append(runner.step(chunks).float().cpu().clone())
+    runner.wait_end()
     return out
 
 
 def test_split_logits_equal_unsplit_through_the_runner(models, config, groups):
     plain, split = models
     assert layer_devices(split) == {i: CPU for i in range(config.num_hidden_layers)}
-    whole = run_steps(plain, KVPool(config, 24, 4), StatePool(config, 3))
-    parts = run_steps(split, make_kv_pool(config, 24, 4, torch.float32, groups, device_of=lambda d: CPU),
+    whole = run_steps(plain, KVPool(config, 21, 4), StatePool(config, 3))
+    parts = run_steps(split, make_kv_pool(config, 21, 4, torch.float32, groups, device_of=lambda d: CPU),
                       make_state_pool(config, 3, torch.float32, groups, device_of=lambda d: CPU))
     assert len(whole) == 7
     for a, b in zip(whole, parts):
