@@ -203,3 +203,59 @@ def test_rules_show_reports_two_gpus(capsys, tmp_path, config):
     experts = mem["cpu"]["weights"]
     assert experts == 48 * c.num_experts * 3 * h * c.moe_intermediate_size * 2
     assert not rep["warnings"]
+
+
+def test_engine_on_split_pools_generates_the_unsplit_tokens(models, groups, monkeypatch):
+    """The engine itself (scheduler, prefix cache snapshots and hits, chunked prefill, batched decode) over pools
+    split as the 2-GPU rules place the layers: greedy tokens equal the unsplit engine's, and a shared prefix is
+    served from the cache (its DeltaNet snapshot copied between slots of both parts)."""
+    import ktrans.engine.engine as engine_mod
+    from ktrans.engine.engine import Engine, EngineConfig
+    from ktrans.engine.sampler import SamplingParams
+
+    from ..model.helpers import default_tokenizer
+
+    plain, split = models
+    tok = default_tokenizer()
+    shared = [(13 * i + 5) % 500 for i in range(40)]
+    prompts = [shared + [(3 * i + k) % 500 for i in range(5 + 7 * k)] for k in range(3)]
+    config = EngineConfig(max_batch_size=2, chunk_size=24, cache_lens=256, page_size=8)
+    real_make_pools = engine_mod.make_pools
+
+    def split_pools(model, num_pages, page_size, num_slots):
+        dtype = next(model.parameters()).dtype
+        return (make_kv_pool(model.config, num_pages, page_size, dtype, groups, device_of=lambda d: CPU),
+                make_state_pool(model.config, num_slots, dtype, groups, device_of=lambda d: CPU))
+
+    outs, hits = [], []
+    for model, make in ((plain, real_make_pools), (split, split_pools)):
+        monkeypatch.setattr(engine_mod, "make_pools", make)
+        engine = Engine(model, tok, config)
+        assert isinstance(engine.kv, SplitKVPool) == (model is split)
+        tokens = []
+        for p in prompts:  # one after another, so the later ones hit the first one's prefix
+            out, _ = engine.generate(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            tokens.append(out.token_ids)
+        outs.append(tokens)
+        hits.append(engine.prefix_cache.stats.hit_tokens)
+        assert engine.cache.num_used_pages == engine.prefix_cache.num_pages  # only the cache holds pages now
+    assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])
+    assert hits[0] == hits[1] > 0
+
+
+def test_devices_of_a_tree_injected_with_the_two_gpu_rules(config):
+    """On the meta tree (no GPU needed): where each layer's pool part goes, which GPUs the runner keeps index
+    buffers on, and that the layer containers of the second range hand their output on where they are."""
+    from ktrans.engine.runner import model_gpus
+    from ktrans.inject import compute_devices
+
+    model = build_model(config)
+    inject(model, rules(two_gpu_text(config.num_hidden_layers, on_cpu=False)))
+    half = config.num_hidden_layers // 2
+    assert layer_devices(model) == {i: GPU0 if i < half else GPU1 for i in range(config.num_hidden_layers)}
+    assert set(compute_devices(model)) == {GPU0, GPU1, CPU} and model_gpus(model) == [GPU0, GPU1]
+    layers = model.model.layers
+    assert [layers[i]._ktrans_device for i in (0, half - 1, half, -1)] == [GPU0, GPU0, GPU1, GPU1]
+    assert layers[half - 1]._ktrans_out["generate"] == GPU0 and layers[half]._ktrans_out["generate"] == GPU1
+    assert model.model._ktrans_out["prefill"] == GPU1  # the last layer's output stays where the final norm runs
+    assert model.lm_head.devices["generate"] == GPU1 and model.model.embed_tokens.devices["generate"] == GPU0
