@@ -204,8 +204,8 @@ class Qwen3NextModel(nn.Module):
 
 def hand_off(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     """`t` on `device`: without blocking the host from one GPU to another (the copy is ordered on both devices'
-    streams), blocking where the CPU is on either side."""
-    if t is None or t.device == device:
+    streams), blocking where the CPU is on either side. Anything but a tensor passes as it is."""
+    if not isinstance(t, torch.Tensor) or t.device == device:
         return t
     return t.to(device, non_blocking=t.device.type == "cuda" and device.type == "cuda")
 
