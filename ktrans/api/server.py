@@ -112,19 +112,30 @@ def engine_config(opts: ServeOptions, model) -> EngineConfig:
 
 
 def cache_lens_for_fraction(model, fraction: float, num_slots: int) -> int:
-    """KV tokens that fit in `fraction` of the free memory of the model's device, after the state slots."""
+    """KV tokens that fit in `fraction` of the free memory of each device holding KV pages or DeltaNet slots, after
+    its state slots: the least over those devices (a model split over GPUs has a pool part on each)."""
+    from ktrans.inject import layer_devices
 
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"--cache_memory_fraction must be in (0, 1], got {fraction}")
+    c = model.config
     p = next(model.parameters())
-    if p.device.type == "cuda":
-        free = torch.cuda.mem_get_info(p.device)[0]
-    else:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        free = int(meminfo["MemAvailable"].split()[0]) * 1024
-    budget = fraction * free - num_slots * StatePool.bytes_per_slot(model.config, p.dtype)
-    tokens = int(budget // KVPool.bytes_per_token(model.config, p.dtype))
-    if tokens <= 0:
+    where = layer_devices(model) or {0: p.device}
+    tokens = None
+    for dev in dict.fromkeys(where.values()):
+        if dev.type == "cuda":
+            free = torch.cuda.mem_get_info(dev)[0]
+        else:
+            meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+            free = int(meminfo["MemAvailable"].split()[0]) * 1024
+        n_attn = sum(where.get(i) == dev for i in c.full_attention_layers)
+        n_lin = sum(where.get(i) == dev for i in c.linear_attention_layers)
+        per_token = KVPool.bytes_per_token(c, p.dtype, n_attn)
+        budget = fraction * free - num_slots * StatePool.bytes_per_slot(c, p.dtype, n_lin)
+        fit = int(budget // per_token) if per_token else None
+        if fit is not None:
+            tokens = fit if tokens is None else min(tokens, fit)
+    if tokens is None or tokens <= 0:
         raise ValueError(f"--cache_memory_fraction {fraction} leaves no memory for the KV cache")
     return tokens
 
@@ -157,8 +168,11 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
     kv, st = engine.kv, engine.states
     n_attn, n_lin = len(c.full_attention_layers), len(c.linear_attention_layers)
     memory = {d: [f"weights {_mib(b)}"] for d, b in weights.items()}
-    memory.setdefault(str(kv.k[0].device if kv.k else "cpu"), []).append(f"KV cache {_mib(kv.nbytes)}")
-    memory.setdefault(str(st.conv[0].device if st.conv else "cpu"), []).append(f"DeltaNet states {_mib(st.nbytes)}")
+    for part in kv.parts:  # one part per device under a split by layer range
+        memory.setdefault(str(part.device), []).append(f"KV cache {_mib(part.nbytes)} ({len(part.k)} layers)")
+    for part in st.parts:
+        memory.setdefault(str(part.device), []).append(f"DeltaNet states {_mib(part.nbytes)} "
+                                                       f"({len(part.conv)} layers)")
     for d in memory:
         if d.startswith("cuda"):
             memory[d].append(f"{_mib(torch.cuda.memory_allocated(d))} allocated by torch in all")
@@ -180,7 +194,8 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
     ]
     graphs = engine.runner.graphs
     lines.append(f"  decode     CUDA graphs for batch buckets {graphs.buckets} (captured on first use)" if graphs
-                 else "  decode     eager (no CUDA graphs: --no-use_cuda_graph, or the batches are not on a GPU)")
+                 else "  decode     eager (no CUDA graphs: --no-use_cuda_graph, the batches are not on a GPU, CPU "
+                      "modules in decode, or the model spans several GPUs; the log says which)")
     return "\n".join(lines)
 
 

@@ -10,7 +10,9 @@ through it.
   whoever writes past a shared prefix writes into its own pages.
 - **DeltaNet state slots are owned, never shared**: decode updates a slot in place. `alloc_slot()` /
   `free_slot(slot)`; `copy_slot(src, dst)` (or `copy_slots`) copies every linear-attention layer's conv and
-  recurrent state rows on the pool's device, one batched `index_copy_` per pool tensor, with no host sync.
+  recurrent state rows on the pool's device, one batched `index_copy_` per pool tensor, with no host sync. Under a
+  model split over devices the pools are per device (runtime.pools.SplitKVPool / SplitStatePool) and share these
+  ids: one page or slot id names the same rows in every device's part, so the bookkeeping here is device-blind.
   That is how a state snapshot (a slot the prefix cache keeps) is taken from a request's slot, and how a hit
   gives a request its own copy.
 - **Snapshot slots are a second range of the same pool**: slots [num_slots, num_slots + num_snapshot_slots) are
@@ -198,9 +200,7 @@ class CacheManager:
         """
         if self.states is None:
             raise RuntimeError("this CacheManager has no state pool (made from sizes alone): nothing to copy")
-        if isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor):
-            src_i, dst_i = self._device_index(src), self._device_index(dst)
-        else:
+        if not (isinstance(src, torch.Tensor) or isinstance(dst, torch.Tensor)):
             src, dst = list(src), list(dst)
             if len(src) != len(dst):
                 raise ValueError(f"copy_slots: {len(src)} sources for {len(dst)} destinations")
@@ -212,23 +212,26 @@ class CacheManager:
                 raise ValueError(f"copy_slots: the destinations {dst} repeat a slot")
             if not src:
                 return
-            src_i, dst_i = self._device_index(tuple(src)), self._device_index(tuple(dst))
-        for pool in (self.states.conv, self.states.ssm):
-            for t in pool:
-                t.index_copy_(0, dst_i, t.index_select(0, src_i))
+        # A split pool's tensors sit on several devices: each device reads its own copy of the indices.
+        index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for t in (*self.states.conv, *self.states.ssm):
+            if t.device not in index:
+                index[t.device] = self._device_index(src, t.device), self._device_index(dst, t.device)
+            src_i, dst_i = index[t.device]
+            t.index_copy_(0, dst_i, t.index_select(0, src_i))
 
-    def _device_index(self, idx: tuple[int, ...] | torch.Tensor) -> torch.Tensor:
-        device = self.states.conv[0].device if self.states.conv else self.states.ssm[0].device
+    def _device_index(self, idx: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
         if isinstance(idx, torch.Tensor):
             return idx.to(device=device, dtype=torch.long, non_blocking=True)
-        if (t := self._index_cache.get(idx)) is not None:
+        idx = tuple(idx)
+        if (t := self._index_cache.get((idx, device))) is not None:
             return t
         host = torch.tensor(idx, dtype=torch.long)
         if device.type == "cuda":
             host = host.pin_memory()  # a pinned source lets the copy run async on the stream
         t = host.to(device, non_blocking=True)
         if len(self._index_cache) < 4096:  # (src, dst) pairs recur: a request's slot, a snapshot's slot
-            self._index_cache[idx] = t
+            self._index_cache[(idx, device)] = t
         return t
 
     # ---- numbers for /metrics, the startup summary and the leak checks ------------------------------

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ktrans.inject import pool_devices
+from ktrans.inject import layer_devices
 from ktrans.engine.runner import ModelRunner
 from ktrans.runtime.batch import SeqChunk
-from ktrans.runtime.pools import KVPool, StatePool
+from ktrans.runtime.pools import KVPool, SplitKVPool, SplitStatePool, StatePool, make_kv_pool, make_state_pool
 from ktrans.engine.cache import CacheManager
 from ktrans.engine.prefix_cache import PrefixCache
 from ktrans.engine.grammar import GrammarCompiler, GrammarError, grammar_masks
@@ -136,13 +136,22 @@ class _Tracked:
     sent_prompt_logprobs: bool = False
 
 
-def make_pools(model, num_pages: int, page_size: int, num_slots: int) -> tuple[KVPool, StatePool]:
-    """KV pages and DeltaNet state slots in the model's float dtype, on the devices where attention and DeltaNet
-    run (under rules these need not be the device of the model's first parameter)."""
+def make_pools(model, num_pages: int, page_size: int, num_slots: int
+               ) -> tuple[KVPool | SplitKVPool, StatePool | SplitStatePool]:
+    """KV pages and DeltaNet state slots in the model's float dtype, each layer's on the device where its attention
+    or DeltaNet runs (under rules these need not be the device of the model's first parameter): one pool per
+    device when the rules split the layers over several, sharing page and slot ids."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    kv_device, state_device = pool_devices(model)
-    kv = KVPool(model.config, num_pages, page_size, dtype=dtype, device=kv_device)
-    return kv, StatePool(model.config, num_slots, dtype=dtype, device=state_device)
+    layers = layer_devices(model)
+    kv = make_kv_pool(model.config, num_pages, page_size, dtype, layers)
+    return kv, make_state_pool(model.config, num_slots, dtype, layers)
+
+
+def batch_device(model) -> torch.device:
+    """Where the runner builds a step's batch: the first GPU the layers' pools are on (copies go to the others), else
+    the device of the model's first parameter."""
+    gpus = [d for d in layer_devices(model).values() if d.type == "cuda"]
+    return min(gpus, key=lambda d: d.index or 0) if gpus else next(model.parameters()).device
 
 
 class Engine:
@@ -157,7 +166,7 @@ class Engine:
         self.kv, self.states = make_pools(model, num_pages, config.page_size, config.max_batch_size + snaps)
         # Batches are built where the pools are (attention and DeltaNet run there): on a GPU under the serve rules
         # even when the embedding sits on the CPU, which then reads the batch's pinned host twin.
-        self.device = next((d for d in pool_devices(model) if d.type == "cuda"), next(model.parameters()).device)
+        self.device = batch_device(model)
         self.cache = CacheManager.from_pools(self.kv, self.states, snaps)  # who holds which page and slot
         self.prefix_cache = (PrefixCache(self.cache, config.prefix_cache_snapshot_interval)
                              if config.enable_prefix_cache else None)

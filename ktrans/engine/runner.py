@@ -41,6 +41,13 @@ def plan_operators(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, BaseOperator) and callable(getattr(m, "plan", None))]
 
 
+def model_gpus(model: nn.Module) -> list[torch.device]:
+    """The GPUs the model computes on, cuda:0 first."""
+    from ktrans.inject import compute_devices
+
+    return sorted((d for d in compute_devices(model) if d.type == "cuda"), key=lambda d: d.index or 0)
+
+
 def operator_ops(model: nn.Module, method: str) -> list:
     """Every distinct op of the model's operators that has `method` (reserve: sizes fixed before capture; check:
     failures reported from the CUDA stream)."""
@@ -82,8 +89,12 @@ class ModelRunner:
         pinned = self.device.type == "cuda"
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pinned)
         self.dev = torch.zeros(n, dtype=torch.int64, device=self.device) if pinned else self.host
+        # A model split over several GPUs: each other GPU its own buffer, filled from the pinned host copy by its own
+        # asynchronous copy, so its operators read their step's indices locally (batch.on(dev) finds them there).
+        self.gpus = model_gpus(model) if pinned else []
+        self.others = {d: torch.zeros(n, dtype=torch.int64, device=d) for d in self.gpus if d != self.device}
         self._host_np = self.host.numpy()
-        self._copied: torch.cuda.Event | None = None  # the last host->device copy, before the host copy is reused
+        self._copied: list[torch.cuda.Event] = []  # the last host->device copies, before the host copy is reused
         self._ended: torch.cuda.Event | None = None   # the end of the last forward on the stream
         self._planners = plan_operators(model)
         self._checked = operator_ops(model, "check")
@@ -97,7 +108,12 @@ class ModelRunner:
             from ktrans.engine.graphs import DecodeGraphs, graph_blockers
 
             blockers = graph_blockers(model)
-            if blockers:
+            if len(self.gpus) > 1:
+                # A capture records one device's stream; a step that hands off to another GPU would need a graph
+                # per device segment, joined by events: not built yet.
+                log.warning("decode runs without CUDA graphs: the model spans %d GPUs (%s), and graphs are captured "
+                            "on one device only", len(self.gpus), ", ".join(map(str, self.gpus)))
+            elif blockers:
                 log.warning("decode runs without CUDA graphs: %s compute on the CPU in the generate phase, outside "
                             "what a graph replays (place them on the GPU to capture decode)",
                             ", ".join(blockers[:4]) + (f" and {len(blockers) - 4} more" if len(blockers) > 4 else ""))
@@ -129,8 +145,8 @@ class ModelRunner:
         if t > self.max_num_tokens:
             raise ValueError(f"{t} tokens in a step, the runner holds {self.max_num_tokens} (--chunk_size)")
 
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host buffer (it always has by now)
+        for copied in self._copied:
+            copied.synchronize()  # the previous step's copies have left the host buffer (they always have by now)
         if self._ended is not None:
             # Host cells the last forward's stream work reads (the CPU experts' live rows) are rewritten next: an
             # engine step has sampled, so this never waits there.
@@ -146,9 +162,12 @@ class ModelRunner:
             tables[i, : len(c.pages)] = c.pages
         used = o["block_tables"] + b * self.width
         if self.dev is not self.host:
-            self.dev[:used].copy_(self.host[:used], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied = []
+            for dev, buf in ((self.device, self.dev), *self.others.items()):
+                buf[:used].copy_(self.host[:used], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dev))
+                self._copied.append(event)
 
         sizes = {"input_ids": t, "positions": t, "slot_mapping": t, "logits_indices": len(f.logits_indices),
                  "state_slots": b, "kv_lens": b, "cu_seqlens": b + 1}
@@ -170,6 +189,11 @@ class ModelRunner:
         batch = ForwardBatch(**{f: dev_v[f] for f in ForwardBatch.INDEX_FIELDS}, **meta, _cu=host_v["cu_seqlens"],
                              kv_lens_t=dev_v["kv_lens"], cu_seqlens_t=dev_v["cu_seqlens"])
         batch._on = {self.device: batch, torch.device("cpu"): host_batch}
+        for dev, buf in self.others.items():
+            other_v = views(buf)
+            batch._on[dev] = ForwardBatch(**{f: other_v[f] for f in ForwardBatch.INDEX_FIELDS}, **meta,
+                                          _cu=host_v["cu_seqlens"], kv_lens_t=other_v["kv_lens"],
+                                          cu_seqlens_t=other_v["cu_seqlens"], _on=batch._on)
         host_batch._on = batch._on
         return batch
 
@@ -182,14 +206,18 @@ class ModelRunner:
         """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""
         self.plan(batch)
         logits = self.model(batch)
-        self.mark_end()
+        self.mark_end(logits.device)
         return logits
 
-    def mark_end(self) -> None:
+    def mark_end(self, device: torch.device | None = None) -> None:
+        """Record the end of the forward on the stream of `device` (where the logits are; the runner's device by
+        default). Under a split the last GPU's stream has waited for the others at each hand-off, so its end is
+        the forward's."""
         if self.dev is not self.host:
+            device = device if device is not None and device.type == "cuda" else self.device
             # blocking: a host thread that waits for it sleeps instead of polling a core the CPU experts use
             self._ended = torch.cuda.Event(blocking=True)
-            self._ended.record()
+            self._ended.record(torch.cuda.current_stream(device))
 
     def wait_end(self) -> None:
         """Sleep until the last forward has ended on the GPU (a no-op where the model runs on the CPU). The engine

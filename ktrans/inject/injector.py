@@ -75,6 +75,12 @@ class Injection:
                 out.append((rule, why))
         return out
 
+    def layer_devices(self) -> dict[int, torch.device]:
+        """Layer index -> where its attention or DeltaNet runs (so where its pool part goes), also for a dry run."""
+        return {p.module.layer_idx: p.devices[GENERATE] for p in self.placed
+                if isinstance(p.module, (KQwen3NextAttention, Qwen3NextAttention, KQwen3NextGatedDeltaNet,
+                                         Qwen3NextGatedDeltaNet))}
+
     def devices(self) -> list[torch.device]:
         seen = {self.default_device}
         for p in self.placed:
@@ -267,21 +273,46 @@ def build_injected_model(config: ModelConfig, rules: RuleSet | str | Path, sourc
     return model.eval(), injection
 
 
-def pool_devices(model: nn.Module) -> tuple[torch.device, torch.device]:
-    """(KV pool device, DeltaNet state pool device): where the attention and DeltaNet layers run."""
-    found = {"attention": set(), "deltanet": set()}
+def layer_devices(model: nn.Module) -> dict[int, torch.device]:
+    """Layer index -> the device its attention or DeltaNet runs on, hence where that layer's KV pages or DeltaNet
+    slots live (ktrans.runtime.pools.make_kv_pool / make_state_pool build a pool per device from it)."""
+    out: dict[int, torch.device] = {}
     for m in model.modules():
-        kind = ("attention" if isinstance(m, (KQwen3NextAttention, Qwen3NextAttention)) else
-                "deltanet" if isinstance(m, (KQwen3NextGatedDeltaNet, Qwen3NextGatedDeltaNet)) else None)
-        if kind:
+        if isinstance(m, (KQwen3NextAttention, Qwen3NextAttention, KQwen3NextGatedDeltaNet, Qwen3NextGatedDeltaNet)):
             dev = m.devices[GENERATE] if isinstance(m, BaseOperator) else getattr(m, "_ktrans_device", None)
             if dev is None:
                 dev = next((p.device for p in m.parameters()), torch.device("cpu"))
-            found[kind].add(dev)
+            out[m.layer_idx] = dev
+    return out
+
+
+def pool_devices(model: nn.Module) -> tuple[torch.device, torch.device]:
+    """(KV pool device, DeltaNet state pool device) of a model whose attention layers share one device and whose
+    DeltaNet layers share one; a model split over devices by layer has a pool per device (`layer_devices`)."""
+    config = getattr(model, "config", None)
+    found = layer_devices(model)
     picked = []
-    for kind, devs in found.items():
+    for kind, layers in (("attention", config.full_attention_layers), ("deltanet", config.linear_attention_layers)):
+        devs = {found[i] for i in layers if i in found}
         if len(devs) > 1:
-            raise RuleError(f"{kind} layers are placed on several devices ({', '.join(sorted(map(str, devs)))}); "
-                            f"the {kind} pool lives on one device, so place them all on one")
+            raise RuleError(f"{kind} layers are placed on several devices ({', '.join(sorted(map(str, devs)))}): "
+                            f"their pools are per device, see ktrans.inject.layer_devices")
         picked.append(devs.pop() if devs else torch.device("cpu"))
     return picked[0], picked[1]
+
+
+def compute_devices(model: nn.Module) -> list[torch.device]:
+    """Every device a module of the model computes on in either phase (its operators' and kept modules'), in the
+    order of the module tree: the devices a step's batch needs its index tensors on."""
+    seen: list[torch.device] = []
+    for m in model.modules():
+        if isinstance(m, BaseOperator):
+            devs = list(m.devices.values())
+        elif getattr(m, "_ktrans_device", None) is not None:
+            devs = [m._ktrans_device]
+        else:
+            continue
+        for d in devs:
+            if d not in seen:
+                seen.append(d)
+    return seen

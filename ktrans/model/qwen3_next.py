@@ -189,9 +189,25 @@ class Qwen3NextModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary_emb(batch.positions.to(x.device), x.dtype)
         h, residual = x, None
+        ropes = {x.device: rope}  # the tables on each device the layers run on, copied once per step
         for layer in self.layers:
-            h, residual = layer(h, residual, rope, batch)
+            # A model split by layer range (layers 0-23 on cuda:0, 24-47 on cuda:1): the hidden state and the
+            # residual cross to the next layer's device here, once per boundary, and stay there for its operators.
+            dev = getattr(layer, "_ktrans_device", None)
+            if dev is not None and dev != h.device:
+                h, residual = hand_off(h, dev), hand_off(residual, dev)
+            if h.device not in ropes:
+                ropes[h.device] = type(rope)(*(hand_off(t, h.device) for t in rope))
+            h, residual = layer(h, residual, ropes[h.device], batch)
         return h, residual
+
+
+def hand_off(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """`t` on `device`: without blocking the host from one GPU to another (the copy is ordered on both devices'
+    streams), blocking where the CPU is on either side. Anything but a tensor passes as it is."""
+    if not isinstance(t, torch.Tensor) or t.device == device:
+        return t
+    return t.to(device, non_blocking=t.device.type == "cuda" and device.type == "cuda")
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -207,5 +223,5 @@ class Qwen3NextForCausalLM(nn.Module):
         # Active batch: injected operators whose call carries no batch (norms, linears, experts) read the phase here.
         with batch.active():
             h, residual = self.model(batch)
-            h, residual = h[batch.logits_indices.to(h.device)], residual[batch.logits_indices.to(residual.device)]
+            h, residual = h[batch.on(h.device).logits_indices], residual[batch.on(residual.device).logits_indices]
             return self.lm_head(self.model.norm(h, residual)[0]).float()

@@ -67,7 +67,7 @@ class KAttentionTorch(Op):
 def check_pool_device(key: str, what: str, pool: torch.Tensor, device: torch.device) -> None:
     if pool.device != device:
         raise RuntimeError(f"{key} runs on {device} but its {what} is on {pool.device}: create the pools on the "
-                           f"devices ktrans.inject.pool_devices(model) reports")
+                           f"devices ktrans.inject.layer_devices(model) reports (ktrans.engine.engine.make_pools does)")
 
 
 @register_operator()

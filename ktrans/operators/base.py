@@ -42,14 +42,26 @@ def canonical_device(device: str | torch.device) -> str:
     raise ValueError(f"unknown device {str(device)!r}: use 'cpu', 'cuda' or 'cuda:N'")
 
 
+def use_device(device: torch.device) -> None:
+    """Make the GPU `device` the current CUDA device unless it is already (cudaGetDevice is cheap; setting the
+    device only where it changes keeps a one-GPU step, and its graph capture, free of the call)."""
+    if torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+
+
 def device_type(device: str) -> str:
     return canonical_device(device).split(":")[0]
 
 
 def move(obj: Any, device: torch.device) -> Any:
-    """Tensors (also inside tuples and lists) to `device`; a ForwardBatch becomes its copy there. No-op when there."""
+    """Tensors (also inside tuples and lists) to `device`; a ForwardBatch becomes its copy there. No-op when there.
+
+    A copy from one GPU to another does not block the host (it is ordered on both devices' streams); a copy that
+    involves the CPU stays blocking, since the host may read what arrives (or the source may be pageable)."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device)
+        if obj.device == device:
+            return obj
+        return obj.to(device, non_blocking=obj.device.type == "cuda" and device.type == "cuda")
     if isinstance(obj, ForwardBatch):
         return obj.on(device)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple (the rotary tables) keeps its type
@@ -347,8 +359,14 @@ class BaseOperator(nn.Module):
 
     # ---- running ----
     def phase_device(self) -> tuple[str, torch.device]:
+        """The running phase and this operator's device for it. On a GPU that device is also made the current one:
+        kernels that launch on the current device (Triton's) then run where their tensors are when the model spans
+        several GPUs (a no-op on one GPU)."""
         phase = current_phase()
-        return phase, self.devices[phase]
+        dev = self.devices[phase]
+        if dev.type == "cuda":
+            use_device(dev)
+        return phase, dev
 
     def op_for(self, phase: str) -> Op:
         if phase not in self.impl:

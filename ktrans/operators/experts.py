@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktrans.model.qwen3_next import Qwen3NextExperts
-from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, move, register_operator
+from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, move, register_operator, use_device
 from ktrans.runtime.batch import GENERATE, current_phase
 from ktrans.weights.source import WeightSource
 
@@ -177,6 +177,8 @@ class KTransformersExperts(BaseOperator):
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         phase = current_phase()
         op = self.op_for(phase)
+        if op.device.type == "cuda":
+            use_device(op.device)  # its kernels launch on the current device (the model may span several GPUs)
         dev = op.input_device(x.device)
         op.submit(move(x, dev), move(topk_ids, dev), move(topk_weights, dev))
         self._pending = (phase, op)

@@ -44,6 +44,26 @@ def test_show_runs_on_every_shipped_file_for_80b(capsys, name):
     assert 145e9 < total < 165e9  # ~80B parameters at 2 bytes
 
 
+@pytest.mark.parametrize("name", ["Qwen3Next-serve-2gpu.yaml", "Qwen3Next-2gpu.yaml"])
+def test_two_gpu_files_split_the_80b_evenly(capsys, name):
+    """The 2-GPU files on the real config: each GPU holds half of the 12 attention layers' KV and of the 36 DeltaNet
+    layers' state; their weights differ only by the final norm (cuda:1 has lm_head, cuda:0 the same-sized
+    embedding)."""
+    rep = show(capsys, name, "--cache_lens", "1000", "--max_batch_size", "3", "--weight_dtype", "bf16")
+    assert not rep["warnings"]
+    mem, r = rep["memory"], rows(rep)
+    for gpu in ("cuda:0", "cuda:1"):
+        assert mem[gpu]["kv"] == 1000 * KV_PER_TOKEN // 2 and mem[gpu]["state"] == 3 * STATE_PER_SLOT // 2
+    assert mem["cuda:1"]["weights"] - mem["cuda:0"]["weights"] == 2048 * 4
+    assert r["model.layers.{0..23}"]["generate"] == "cuda:0" and r["model.layers.{24..47}"]["generate"] == "cuda:1"
+    assert r["model.layers.{24..47}"]["out_device"] == "cuda:1" and r["lm_head"]["generate"].startswith("cuda:1")
+    experts = [r[f"model.layers.{{{k}}}.mlp.experts"] for k in ("0..23", "24..47")]
+    assert [e["generate"].split()[0] for e in experts] == (["cpu"] * 2 if "serve" in name else ["cuda:0", "cuda:1"])
+    assert sum(e["bytes"] for e in experts) == EXPERT_BYTES
+    total = sum(m["weights"] for m in mem.values())
+    assert 145e9 < total < 165e9
+
+
 def test_serve_placement_of_80b(capsys):
     rep = show(capsys, "Qwen3Next-serve.yaml")
     experts = rows(rep)["model.layers.{0..47}.mlp.experts"]
