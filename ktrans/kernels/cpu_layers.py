@@ -15,6 +15,9 @@ import torch
 
 from ktrans import _cpu
 
+if not hasattr(_cpu, "gdn_decode"):  # an extension built before these kernels: the ops then report "not built"
+    raise ImportError("ktrans._cpu predates the decode-step layer kernels (csrc/cpu/layers.cpp): rebuild it "
+                      "(`pip install -e .` or `python setup.py build_ext --inplace`)")
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
