@@ -12,6 +12,7 @@
 #include <string>
 
 #include "isa.h"
+#include "layers.h"
 #include "tiles.h"
 #include "moe.h"
 #include "pool.h"
@@ -279,6 +280,56 @@ PYBIND11_MODULE(_cpu, m) {
            },
            py::arg("x"), py::arg("T"), py::arg("ldx"), py::arg("y"), py::arg("ldy"),
            py::call_guard<py::gil_scoped_release>());
+
+  // Decode-step layer kernels (layers.h). Buffers are addresses; ktrans/kernels/cpu_layers.py checks the tensors.
+  m.def("gdn_decode",
+        [](std::shared_ptr<ThreadPool> pool, int64_t B, int hk, int hv, int dk, int dv, int kernel, uintptr_t mixed,
+           int64_t ld_mixed, uintptr_t z, int64_t ld_z, uintptr_t a, uintptr_t b, int64_t ld_ab, uintptr_t rows,
+           int64_t n_rows, uintptr_t slots, int64_t n_slots, uintptr_t A_log, uintptr_t dt_bias, uintptr_t conv_w,
+           uintptr_t norm_w, float eps, uintptr_t conv_pool, bool conv_bf16, uintptr_t ssm_pool, uintptr_t out,
+           int64_t ld_out, const std::string& isa) {
+          GdnDecodeArgs g;
+          g.B = B, g.hk = hk, g.hv = hv, g.dk = dk, g.dv = dv, g.kernel = kernel;
+          g.mixed = ptr<const float>(mixed), g.ld_mixed = ld_mixed, g.z = ptr<const float>(z), g.ld_z = ld_z;
+          g.a = ptr<const float>(a), g.b = ptr<const float>(b), g.ld_ab = ld_ab;
+          g.rows = ptr<const int64_t>(rows), g.n_rows = n_rows, g.slots = ptr<const int64_t>(slots), g.n_slots = n_slots;
+          g.A_log = ptr<const float>(A_log), g.dt_bias = ptr<const float>(dt_bias), g.conv_w = ptr<const float>(conv_w);
+          g.norm_w = ptr<const float>(norm_w), g.eps = eps, g.conv_pool = ptr<void>(conv_pool);
+          g.conv_dtype = conv_bf16 ? PoolDtype::bf16 : PoolDtype::f32, g.ssm_pool = ptr<float>(ssm_pool);
+          g.out = ptr<float>(out), g.ld_out = ld_out;
+          const bool avx512 = select_kernels(isa.c_str()).isa == Isa::avx512;
+          gdn_decode(g, pool.get(), avx512);
+        },
+        py::arg("pool"), py::arg("B"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("kernel"),
+        py::arg("mixed"), py::arg("ld_mixed"), py::arg("z"), py::arg("ld_z"), py::arg("a"), py::arg("b"),
+        py::arg("ld_ab"), py::arg("rows"), py::arg("n_rows"), py::arg("slots"), py::arg("n_slots"), py::arg("A_log"),
+        py::arg("dt_bias"), py::arg("conv_w"), py::arg("norm_w"), py::arg("eps"), py::arg("conv_pool"),
+        py::arg("conv_bf16"), py::arg("ssm_pool"), py::arg("out"), py::arg("ld_out"), py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>(),
+        "One Gated DeltaNet decode step for B sequences in place on the state pools (see csrc/cpu/layers.h); on the "
+        "pool when it has more than one thread (None: this thread). rows = 0: sequence i is token row i.");
+  m.def("attn_decode",
+        [](std::shared_ptr<ThreadPool> pool, int64_t B, int hq, int hkv, int d, int page_size, float scale,
+           uintptr_t q, uintptr_t k_new, uintptr_t v_new, uintptr_t slot_mapping, uintptr_t k_cache, uintptr_t v_cache,
+           bool cache_bf16, int64_t n_cache_rows, uintptr_t kv_lens, uintptr_t block_tables, int64_t ld_bt,
+           uintptr_t out, const std::string& isa) {
+          AttnDecodeArgs t;
+          t.B = B, t.hq = hq, t.hkv = hkv, t.d = d, t.page_size = page_size, t.scale = scale;
+          t.q = ptr<const float>(q), t.k_new = ptr<const float>(k_new), t.v_new = ptr<const float>(v_new);
+          t.slot_mapping = ptr<const int64_t>(slot_mapping), t.k_cache = ptr<void>(k_cache);
+          t.v_cache = ptr<void>(v_cache), t.cache_dtype = cache_bf16 ? PoolDtype::bf16 : PoolDtype::f32;
+          t.n_cache_rows = n_cache_rows, t.kv_lens = ptr<const int64_t>(kv_lens);
+          t.block_tables = ptr<const int64_t>(block_tables), t.ld_bt = ld_bt, t.out = ptr<float>(out);
+          const bool avx512 = select_kernels(isa.c_str()).isa == Isa::avx512;
+          attn_decode(t, pool.get(), avx512);
+        },
+        py::arg("pool"), py::arg("B"), py::arg("hq"), py::arg("hkv"), py::arg("d"), py::arg("page_size"),
+        py::arg("scale"), py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("slot_mapping"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_bf16"), py::arg("n_cache_rows"), py::arg("kv_lens"),
+        py::arg("block_tables"), py::arg("ld_bt"), py::arg("out"), py::arg("isa") = "auto",
+        py::call_guard<py::gil_scoped_release>(),
+        "Write B new tokens' K and V at their slot_mapping rows, then attend each sequence's query heads over its "
+        "kv_lens[i] cached tokens through its block table (see csrc/cpu/layers.h).");
 
   m.attr("AVX2_TILE_MIN_TOKENS") = kAvx2TileMinTokens;
 

@@ -22,6 +22,9 @@ from ktrans.runtime.batch import ForwardBatch
 ATTENTION_OPS = OpRegistry("attention")
 ATTENTION_OPS.declare("KAttentionTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                       provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
+# The C++ paged decode attention (ktrans._cpu) for the CPU placement; prefill takes the torch op's path.
+ATTENTION_OPS.declare("KAttentionCPU", devices=("cpu",), module="ktrans.operators.layers_cpu",
+                      provided_by="the C++ extension ktrans._cpu (built by `pip install -e .`)")
 
 
 @dataclass
