@@ -2,6 +2,8 @@
 # The Triton kernels on the lent H200 machine (issues 15 and 16): their gpu- and triton-marked tests compiled, then
 # `ktrans bench kernels` (CUDA-graph replay, cold L2; fla-core as the GDN peer when its wheel is carried in .whl).
 #   bash scripts/device_triton.sh [TEST_FILES...]   (default: every kernels/operators test that names triton/quant)
+#   E2E=1 ...   then bench e2e at full size, serve placement with the experts on the CPU, reference ops vs the Triton
+#               layer ops vs those plus the quantized linears (rules made by scripts/rules_with_ops.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -24,3 +26,16 @@ for line in open(sys.argv[1]):
     print(" ".join(f"{k}={v}" for k, v in keep.items()))
 PY
 tail -c 600 "$OUT/kernels.err"
+
+if [ -n "${E2E:-}" ]; then
+  F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
+  [ -f "$F" ] || ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out "$F" 2>&1 | tail -1
+  source "$(dirname "$0")/device_common.sh"
+  base=ktrans/optimize_rules/Qwen3Next-serve-cpuexperts.yaml
+  python3 "$(dirname "$0")/rules_with_ops.py" $base /tmp/serve-triton.yaml triton
+  python3 "$(dirname "$0")/rules_with_ops.py" $base /tmp/serve-triton-quant.yaml triton+quant
+  for v in reference:$base triton:/tmp/serve-triton.yaml triton_quant:/tmp/serve-triton-quant.yaml; do
+    KTRANS_CPU_SPIN_US=${KTRANS_CPU_SPIN_US:-20000} e2e "e2e_${v%%:*}" --optimize_config_path "${v#*:}" \
+      --prompt_len 64 --gen_len 64 --batch_sizes ${BATCHES:-1,16} --use_cuda_graph
+  done
+fi
