@@ -27,7 +27,7 @@ from ktrans.engine.runner import ModelRunner
 from ktrans.runtime.batch import SeqChunk
 from ktrans.runtime.pools import KVPool, SplitKVPool, SplitStatePool, StatePool, make_kv_pool, make_state_pool
 from ktrans.engine.cache import CacheManager
-from ktrans.engine.prefix_cache import PrefixCache
+from ktrans.engine.prefix_cache import PrefixCache, check_snapshot_interval
 from ktrans.engine.grammar import GrammarCompiler, GrammarError, grammar_masks
 from ktrans.engine.output import RequestOutput, TextStream
 from ktrans.engine.request import Request, RequestStatus, TokenLogprob
@@ -62,10 +62,7 @@ class EngineConfig:
         if self.enable_prefix_cache and self.prefix_cache_max_snapshots <= 0:
             raise ValueError(f"--prefix_cache_max_snapshots must be positive with the prefix cache on, got "
                              f"{self.prefix_cache_max_snapshots} (or turn it off: --no-enable_prefix_cache)")
-        n = self.prefix_cache_snapshot_interval
-        if n < 0 or (n and (n % 64 or n % self.page_size)):
-            raise ValueError(f"--prefix_cache_snapshot_interval must be 0 (off) or a multiple of 64 and of "
-                             f"--page_size {self.page_size}, got {n}")
+        check_snapshot_interval(self.prefix_cache_snapshot_interval, self.page_size)  # before the model loads
 
     @property
     def num_snapshot_slots(self) -> int:

@@ -100,6 +100,13 @@ class Match:
 EMIT_ALIGN = 64
 
 
+def check_snapshot_interval(n: int, page_size: int, align: int = EMIT_ALIGN) -> None:
+    """--prefix_cache_snapshot_interval: 0 (off) or a multiple of `align` and of the page size."""
+    if n < 0 or (n and (n % align or n % page_size)):
+        raise ValueError(f"--prefix_cache_snapshot_interval must be 0 (off) or a multiple of {align} and of "
+                         f"--page_size {page_size}, got {n}")
+
+
 @dataclass
 class PrefixCacheStats:
     """Running totals for /metrics (vLLM's prefix_cache_queries and _hits count tokens)."""
@@ -120,10 +127,7 @@ class PrefixCache:
         page size (a snapshot inside a chunk has no tail)."""
         if cache.num_snapshot_slots <= 0:
             raise ValueError("a prefix cache needs snapshot slots (CacheManager num_snapshot_slots > 0)")
-        if snapshot_interval < 0 or (snapshot_interval and (snapshot_interval % align
-                                                            or snapshot_interval % cache.page_size)):
-            raise ValueError(f"--prefix_cache_snapshot_interval must be 0 (off) or a multiple of {align} and of "
-                             f"the page size {cache.page_size}, got {snapshot_interval}")
+        check_snapshot_interval(snapshot_interval, cache.page_size, align)
         self.cache = cache
         self.page_size = cache.page_size
         self.snapshot_interval = snapshot_interval

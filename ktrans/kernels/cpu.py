@@ -261,14 +261,17 @@ def default_threads() -> int:
 def spin_us() -> int:
     """How long the process pool's idle workers poll for the next job before sleeping: KTRANS_CPU_SPIN_US, else
     DEFAULT_SPIN_US (STREAM_SPIN_US once the experts run on a GPU stream: `stream_spin_us`)."""
-    env = os.environ.get("KTRANS_CPU_SPIN_US")
-    return max(0, int(env)) if env else DEFAULT_SPIN_US
+    return _spin_env(DEFAULT_SPIN_US)
 
 
 def stream_spin_us() -> int:
     """The polling window while a GPU stream drives the experts: KTRANS_CPU_SPIN_US, else STREAM_SPIN_US."""
+    return _spin_env(STREAM_SPIN_US)
+
+
+def _spin_env(default: int) -> int:
     env = os.environ.get("KTRANS_CPU_SPIN_US")
-    return max(0, int(env)) if env else STREAM_SPIN_US
+    return max(0, int(env)) if env else default
 
 
 # The caller's own work between jobs (the CPU-only placement's dense layers, in torch's threads) needs the cores, so

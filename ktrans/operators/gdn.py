@@ -142,13 +142,19 @@ class KGatedDeltaNetTorch(Op):
         if not self.planned_for(batch):
             self.plan(batch)
         t = mixed.shape[0]
-        conv_pool, _ = batch.states.layer(self.layer_idx)
+        conv_pool, ssm_pool = batch.states.layer(self.layer_idx)
         check_pool_device(self.key, "DeltaNet state", conv_pool, self.device)
-        core = deltanet_core(self, mixed, b, a, self.A_log, self.dt_bias, self.conv_weight.squeeze(1), batch,
-                             self.step)
+        core = self.core(mixed, b, a, conv_pool, ssm_pool, batch)
         core = rms_norm_gated(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight,
                               self.eps)
         return core.reshape(t, self.value_dim)
+
+    def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+             ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The planned step's conv and delta rule on this layer's state pools: [T, Hv, Dv] before the gated norm (the
+        part other kernels replace)."""
+        return deltanet_core(self, mixed, b, a, self.A_log, self.dt_bias, self.conv_weight.squeeze(1), batch,
+                             self.step)
 
 
 @register_operator()

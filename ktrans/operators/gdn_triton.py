@@ -17,9 +17,7 @@ from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton.conv import causal_conv1d_varlen
 from ktrans.kernels.triton.gated_delta import CHUNK, ChunkPlan, chunk_gated_delta_rule_varlen, plan_chunks
 from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
-from ktrans.operators.attention import check_pool_device
 from ktrans.operators.gdn import GDN_OPS, KGatedDeltaNetTorch, plan_deltanet
-from ktrans.operators.norm import rms_norm_gated
 from ktrans.runtime.batch import ForwardBatch
 
 # The chunk table of the step last planned, shared by every DeltaNet layer of that step (one host-to-device copy
@@ -28,12 +26,11 @@ _last_chunks: list[tuple[ForwardBatch, ChunkPlan]] = []
 _last_emits: list[tuple[ForwardBatch, ChunkPlan]] = []  # the same for a step whose sequences emit states
 
 
-def _chunk_plan(batch: ForwardBatch, prefill: list[tuple[int, int, int, bool]], device: torch.device) -> ChunkPlan:
-    if _last_chunks and _last_chunks[0][0] is batch:
-        return _last_chunks[0][1]
-    plan = plan_chunks(prefill, device)
-    _last_chunks[:] = [(batch, plan)]
-    return plan
+def _per_step(cache: list[tuple[ForwardBatch, ChunkPlan]], batch: ForwardBatch, make) -> ChunkPlan:
+    """The table `make()` builds, once per step: the step's layers all see the same batch object."""
+    if not (cache and cache[0][0] is batch):
+        cache[:] = [(batch, make())]
+    return cache[0][1]
 
 
 def _emit_plan(batch: ForwardBatch, step, device: torch.device) -> ChunkPlan:
@@ -88,21 +85,15 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
     def plan(self, batch: ForwardBatch) -> None:
         batch = self.mark_planned(batch)
         self.step = plan_deltanet(batch, self.device)
-        self.chunks = _chunk_plan(batch, self.step.prefill, self.device) if self.step.prefill else None
-        self.emit_chunks = None
-        if self.step.emits:
-            if not (_last_emits and _last_emits[0][0] is batch):
-                _last_emits[:] = [(batch, _emit_plan(batch, self.step, self.device))]
-            self.emit_chunks = _last_emits[0][1]
+        step = self.step
+        self.chunks = _per_step(_last_chunks, batch, lambda: plan_chunks(step.prefill, self.device)) \
+            if step.prefill else None
+        self.emit_chunks = _per_step(_last_emits, batch, lambda: _emit_plan(batch, step, self.device)) \
+            if step.emits else None
 
-    def forward(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        """mixed [T, conv_dim] (q|k|v before the conv), z [T, Hv, Dv], b and a [T, Hv] -> normed core [T, value_dim]."""
-        if not self.planned_for(batch):
-            self.plan(batch)
+    def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
+             ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = mixed.shape[0]
-        conv_pool, ssm_pool = batch.states.layer(self.layer_idx)
-        check_pool_device(self.key, "DeltaNet state", conv_pool, self.device)
         conv_w = self.conv_weight.squeeze(1)
         mixed, a, b = mixed.contiguous(), a.contiguous(), b.contiguous()
         core = mixed.new_empty(t, self.num_v_heads, self.head_v_dim)
@@ -123,6 +114,4 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
             if windows is not None:
                 for slot, window in windows:
                     conv_pool[slot] = window.to(conv_pool.dtype)
-        core = rms_norm_gated(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight,
-                              self.eps)
-        return core.reshape(t, self.value_dim)
+        return core
