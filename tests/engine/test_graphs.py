@@ -68,25 +68,31 @@ def test_replay_against_unpadded_eager_teacher_forced(model):
     runners = [_model_runner(model, graphs) for graphs in (False, True)]
     prompts = [list(range(3, 14)), list(range(40, 87)), list(range(7, 30))]
     pages = [[4 * i + j for j in range(4)] for i in range(3)]
+    decode_teacher_forced(runners, prompts, pages, TOL, "eager")
+
+
+def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> None:
+    """Prefill each prompt on both runners (reference first, graphs second), then 64 decode steps fed the
+    reference's tokens: logits within `tol`, the same argmax wherever the reference's top-2 margin exceeds 2 tol,
+    and the second runner replayed its graphs."""
     for r in runners:
         for slot, (p, pg) in enumerate(zip(prompts, pages)):
             r.step([SeqChunk(p, 0, slot, pg)])
-    lens = [len(p) for p in prompts]
-    tokens = [p[-1] for p in prompts]
+    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
     worst, disagreements = 0.0, []
     for step in range(64):
         chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
         ref, got = (r.step(chunks).float() for r in runners)
         worst = max(worst, float((got - ref).abs().max()))
         top2 = ref.topk(2, dim=-1).values
-        sure = (top2[:, 0] - top2[:, 1]) > 2 * TOL
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * tol
         if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
             disagreements.append(step)
         tokens = ref.argmax(-1).tolist()
         lens = [n + 1 for n in lens]
     assert runners[1].graphs.num_replays >= 60
-    assert worst <= TOL, f"max |logits - eager| = {worst:.4f} over 64 steps"
-    assert not disagreements, f"argmax differs where the margin exceeds {2 * TOL}: steps {disagreements}"
+    assert worst <= tol, f"max |logits - {what}| = {worst:.4f} over 64 steps"
+    assert not disagreements, f"argmax differs where the margin exceeds {2 * tol}: steps {disagreements}"
 
 
 def _model_runner(model, graphs: bool):

@@ -12,7 +12,6 @@ import torch
 
 from ktrans.config import RULES_DIR
 from ktrans.operators.gdn import GDN_OPS
-from ktrans.runtime.batch import SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
 
 from ..inject.helpers import injected, rules
@@ -63,7 +62,7 @@ def test_triton_op_in_cuda_graphs_matches_torch_op():
     from ktrans.model.tiny import preset_config, random_state_dict
     from ktrans.weights.source import StateDictSource
 
-    from ..engine.test_graphs import _model_runner
+    from ..engine.test_graphs import _model_runner, decode_teacher_forced
 
     config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
     text = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
@@ -77,24 +76,7 @@ def test_triton_op_in_cuda_graphs_matches_torch_op():
     runners = [_model_runner(models[0], graphs=False), _model_runner(models[1], graphs=True)]
     prompts = [list(range(3, 14)), list(range(40, 110)), list(range(7, 30))]  # 70 tokens: past one chunk
     pages = [[4 * i + j for j in range(4)] for i in range(3)]
-    for r in runners:
-        for slot, (p, pg) in enumerate(zip(prompts, pages)):
-            r.step([SeqChunk(p, 0, slot, pg)])
-    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
-    worst, disagreements = 0.0, []
-    for step in range(64):
-        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
-        ref, got = (r.step(chunks).float() for r in runners)
-        worst = max(worst, float((got - ref).abs().max()))
-        top2 = ref.topk(2, dim=-1).values
-        sure = (top2[:, 0] - top2[:, 1]) > 2 * GPU_TOL
-        if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
-            disagreements.append(step)
-        tokens = ref.argmax(-1).tolist()
-        lens = [n + 1 for n in lens]
-    assert runners[1].graphs.num_replays >= 60
-    assert worst <= GPU_TOL, f"max |logits - torch op| = {worst:.4f} over 64 steps"
-    assert not disagreements, f"argmax differs where the margin exceeds {2 * GPU_TOL}: steps {disagreements}"
+    decode_teacher_forced(runners, prompts, pages, GPU_TOL, "torch op")
 
 
 @pytest.mark.gpu
