@@ -4,6 +4,7 @@
 #   bash scripts/device_triton.sh [TEST_FILES...]   (default: every kernels/operators test that names triton/quant)
 #   E2E=1 ...   then bench e2e at full size, serve placement with the experts on the CPU, reference ops vs the Triton
 #               layer ops vs those plus the quantized linears (rules made by scripts/rules_with_ops.py)
+#   VARIANTS="triton triton_quant"  only those e2e variants;  NO_KERNELS=1  skips `bench kernels`;  TB=short  tracebacks
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -13,8 +14,9 @@ if [ ${#files[@]} -eq 0 ]; then
     tests/operators/test_*marlin*.py tests/operators/test_gpu_quant_rules.py tests/bench/test_kernels_*.py 2>/dev/null)
 fi
 echo "== tests: ${files[*]}"
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" "${files[@]}" 2>&1 \
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb="${TB:-short}" -m "gpu or triton" "${files[@]}" 2>&1 \
   | tee "$OUT/triton_tests.txt" | tail -${TAIL:-30}
+[ -n "${NO_KERNELS:-}" ] || {
 echo "== ktrans bench kernels"
 timeout "${BENCH_TIMEOUT:-200}" ktrans bench kernels --json --reps "${REPS:-20}" ${BENCH_ARGS:-} > "$OUT/kernels.jsonl" 2> "$OUT/kernels.err"
 echo "rc $?"
@@ -26,6 +28,7 @@ for line in open(sys.argv[1]):
     print(" ".join(f"{k}={v}" for k, v in keep.items()))
 PY
 tail -c 600 "$OUT/kernels.err"
+}
 
 if [ -n "${E2E:-}" ]; then
   F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
@@ -34,7 +37,9 @@ if [ -n "${E2E:-}" ]; then
   base=ktrans/optimize_rules/Qwen3Next-serve-cpuexperts.yaml
   python3 "$(dirname "$0")/rules_with_ops.py" $base /tmp/serve-triton.yaml triton
   python3 "$(dirname "$0")/rules_with_ops.py" $base /tmp/serve-triton-quant.yaml triton+quant
-  for v in reference:$base triton:/tmp/serve-triton.yaml triton_quant:/tmp/serve-triton-quant.yaml; do
+  declare -A rules=([reference]=$base [triton]=/tmp/serve-triton.yaml [triton_quant]=/tmp/serve-triton-quant.yaml)
+  for name in ${VARIANTS:-reference triton triton_quant}; do
+    v=$name:${rules[$name]}
     KTRANS_CPU_SPIN_US=${KTRANS_CPU_SPIN_US:-20000} e2e "e2e_${v%%:*}" --optimize_config_path "${v#*:}" \
       --prompt_len 64 --gen_len 64 --batch_sizes ${BATCHES:-1,16} --use_cuda_graph
   done

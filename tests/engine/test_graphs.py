@@ -95,7 +95,7 @@ def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> Non
     assert not disagreements, f"argmax differs where the margin exceeds {2 * tol}: steps {disagreements}"
 
 
-def _model_runner(model, graphs: bool):
+def _model_runner(model, graphs: bool, max_num_tokens: int = 64, max_pages_per_seq: int = 4):
     from ktrans.engine.runner import ModelRunner
     from ktrans.inject import pool_devices
     from ktrans.runtime.pools import KVPool, StatePool
@@ -103,8 +103,8 @@ def _model_runner(model, graphs: bool):
     kv_dev, state_dev = pool_devices(model)
     kv = KVPool(model.config, 16, 32, torch.bfloat16, kv_dev)
     states = StatePool(model.config, 4, torch.bfloat16, state_dev)
-    return ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=64, max_pages_per_seq=4, device="cuda",
-                       cuda_graph=graphs)
+    return ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=max_num_tokens,
+                       max_pages_per_seq=max_pages_per_seq, device="cuda", cuda_graph=graphs)
 
 
 def test_cpu_experts_on_the_stream_equal_the_blocking_path(monkeypatch):

@@ -36,8 +36,8 @@ def _layer(device, down_type: str = "Q6_K"):
     return concat_rows([gate, up]), down, ref
 
 
-def _routing(t: int, device):
-    g = torch.Generator().manual_seed(t)
+def _routing(t: int, device, seed: int | None = None):
+    g = torch.Generator().manual_seed(t if seed is None else seed)
     ids = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(t)])  # expert E-1: never routed
     weights = torch.rand(t, K, generator=g)
     return ids.to(device), weights.to(device)
@@ -104,7 +104,7 @@ def test_captured_in_a_cuda_graph(t):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe_quant(x, ids, weights, gate_up, down)
-    ids2, weights2 = _routing(t + 100, dev)
+    ids2, weights2 = _routing(t, dev, seed=t + 100)  # new routing, same shape
     ids.copy_(ids2)
     weights.copy_(weights2)
     x.copy_(torch.randn(t, H, device=dev).to(torch.bfloat16) * 1e-3)

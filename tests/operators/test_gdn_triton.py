@@ -73,9 +73,11 @@ def test_triton_op_in_cuda_graphs_matches_torch_op():
                                                               f'generate_op: "{op}"'), op),
                                    StateDictSource(weights), torch.bfloat16)[0]
               for op in ("KGatedDeltaNetTorch", "KGatedDeltaNetTriton")]
-    runners = [_model_runner(models[0], graphs=False), _model_runner(models[1], graphs=True)]
+    # a 70-token prompt in one step, then 64 decode steps: 134 tokens, 5 pages of 32
+    runners = [_model_runner(m, graphs=g, max_num_tokens=128, max_pages_per_seq=5)
+               for m, g in zip(models, (False, True))]
     prompts = [list(range(3, 14)), list(range(40, 110)), list(range(7, 30))]  # 70 tokens: past one chunk
-    pages = [[4 * i + j for j in range(4)] for i in range(3)]
+    pages = [[5 * i + j for j in range(5)] for i in range(3)]
     decode_teacher_forced(runners, prompts, pages, GPU_TOL, "torch op")
 
 

@@ -82,19 +82,20 @@ def _experts(config, source, op: str, device: str, streaming: bool = False):
 
 
 @pytest.mark.triton
-def test_experts_op_and_its_streaming_twin_against_the_reference(q4_k_m):
+def test_experts_op_and_its_streaming_twin_against_the_reference(q4_k_m, triton_device):
     """Layer 1's experts from the Q4_K_M file: the resident op (blocks repacked at load), the streaming op (only the
     routed experts repacked, per call) and KExpertsTorch on the dequantized blocks, 2 tokens."""
     from ktrans.operators.experts_marlin import KExpertsMarlin
 
     config, source = q4_k_m
-    ref, ours = _experts(config, source, "KExpertsTorch", "cpu"), _experts(config, source, "KExpertsMarlin", "cpu")
+    dev = triton_device.type  # the GPU when there is one (Triton runs no CPU tensors there), else interpreted
+    ref, ours = _experts(config, source, "KExpertsTorch", dev), _experts(config, source, "KExpertsMarlin", dev)
     assert ours.op.gate_up is not None and set(ours.op.load_report["types"]) <= {"Q4_K", "Q6_K"}
-    streamed = KExpertsMarlin(ours, torch.device("cpu"), streaming=True)
+    streamed = KExpertsMarlin(ours, triton_device, streaming=True)
     streamed.source, streamed.dtype = source, torch.float32
-    x = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.1
-    ids = torch.tensor([[0, 2, 5, 7], [2, 5, 0, 6]])
-    w = torch.rand(ids.shape)
+    x = (torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.1).to(triton_device)
+    ids = torch.tensor([[0, 2, 5, 7], [2, 5, 0, 6]], device=triton_device)
+    w = torch.rand(ids.shape).to(triton_device)
     want = ref(x, ids, w)
     assert rel(ours(x, ids, w), want) < 2e-5
     assert rel(streamed(x, ids, w), want) < 2e-5
