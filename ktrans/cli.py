@@ -198,6 +198,7 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
     from ktrans.bench.e2e import main as bench_e2e
 
     args.batch_sizes = _parse_ids(args.batch_sizes, "--batch_sizes")
+    args.prefill_lens = _parse_ids(args.prefill_lens, "--prefill_lens") if args.prefill_lens else []
     try:
         return bench_e2e(args)
     except ValueError as e:
@@ -220,6 +221,9 @@ def _add_bench_e2e_parser(bench_sub) -> None:
     b.add_argument("--prompt_len", type=int, default=512, help="prompt tokens per request (random ids)")
     b.add_argument("--gen_len", type=int, default=64, help="new tokens per request (greedy, EOS ignored)")
     b.add_argument("--batch_sizes", default="1,4,16", help="comma-separated numbers of requests run together")
+    b.add_argument("--prefill_lens", default="",
+                   help="comma-separated prompt lengths whose time to first token is also measured, one request "
+                        "each (e.g. 512,4096,16384)")
     b.add_argument("--profile_steps", type=int, default=8,
                    help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
     b.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -48,6 +49,7 @@ class E2EOptions:
     seed: int = 0
     profile_steps: int = 8
     use_cuda_graph: bool | None = None  # as ktrans serve: on where the model's batches are on a GPU
+    prefill_lens: tuple[int, ...] = ()  # more prompt lengths whose time to first token is measured (batch 1)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -56,6 +58,8 @@ class E2EOptions:
             raise ValueError(f"--gen_len must be >= 2 (decode is measured after the first token), got {self.gen_len}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch_sizes must be positive integers, got {self.batch_sizes}")
+        if self.prefill_lens and min(self.prefill_lens) < 1:
+            raise ValueError(f"--prefill_lens must be positive integers, got {self.prefill_lens}")
         if self.profile_steps < 0:
             raise ValueError(f"--profile_steps must be >= 0, got {self.profile_steps}")
 
@@ -222,13 +226,19 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     devices = _cuda_devices(model)
     max_b = max(opts.batch_sizes)
     per_req = opts.prompt_len + opts.gen_len + 1
+    longest = max((n + 3 for n in opts.prefill_lens), default=0)  # a prefill-only request: prompt, 2 tokens
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=opts.chunk_size,
-                                                   cache_lens=max_b * per_req + 16 * max_b, max_new_tokens=opts.gen_len,
-                                                   max_model_len=per_req + 16, use_cuda_graph=opts.use_cuda_graph))
+                                                   cache_lens=max(max_b * per_req, longest) + 16 * max_b,
+                                                   max_new_tokens=opts.gen_len,
+                                                   max_model_len=max(per_req, longest) + 16,
+                                                   use_cuda_graph=opts.use_cuda_graph))
     pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
     bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches
+    full = min(max((opts.prompt_len, *opts.prefill_lens)), opts.chunk_size)
+    if full > 16:  # and one whole chunk: a long prompt's kernels (some ops switch kernels by token count)
+        bench.run(1, full, 2)
 
     results = []
     prefill_tok_s = None
@@ -246,6 +256,11 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     if one is None:  # prefill and the split are of one request: measure one if the list left it out
         r = bench.run(1, opts.prompt_len, opts.gen_len)
         one, prefill_tok_s = _summary(r, 1), opts.prompt_len / r.ttft_s[0]
+    prefill = []
+    for n in opts.prefill_lens:
+        r = bench.run(1, n, 2)
+        prefill.append({"tokens": n, "ttft_ms": 1e3 * r.ttft_s[0], "tok_s": n / r.ttft_s[0]})
+        log(f"  prefill {n:>6} tokens: TTFT {1e3 * r.ttft_s[0]:.0f} ms, {n / r.ttft_s[0]:.1f} tok/s")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
     gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
     if "step_ms" in one:
@@ -270,6 +285,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "ttft_ms": {str(s["batch_size"]): s["ttft_ms"] for s in results},
         "tpot_ms": {str(s["batch_size"]): s["tpot_ms"] for s in results},
         "split_ms": split,
+        "prefill": prefill,
+        "split_prefill": _split_prefill(model),
         "cuda_graphs": (None if engine.runner.graphs is None else
                         {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),
         "batches": results,
@@ -278,12 +295,21 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     }
 
 
+def _split_prefill(model) -> dict | None:
+    """The split-prefill experts' measured rates and last split, where the rules use KExpertsSplit."""
+    if "ktrans.operators.experts_split" not in sys.modules:  # never imported: not in these rules (and no triton)
+        return None
+    from ktrans.operators.experts_split import summary
+
+    return summary(model)
+
+
 def main(args) -> int:
     opts = E2EOptions(gguf_path=args.gguf_path, model_path=args.model_path,
                       optimize_config_path=args.optimize_config_path, prompt_len=args.prompt_len,
                       gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
                       cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
-                      use_cuda_graph=args.use_cuda_graph)
+                      use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens))
     quiet = args.json
     out = run(opts, show_progress=not quiet, log=(lambda *_: None) if quiet else print)
     if args.json:

@@ -201,6 +201,7 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
     for spec, dev in plain_specs(inj):
         plain.setdefault(spec.name.rpartition(".")[0], []).append(spec)
     groups: dict[tuple, Row] = {}
+    staged: dict[str, int] = {}  # device -> one layer's experts (KExpertsSplit streams at most two layers' shares)
     for p in inj.placed:
         op = p.operator
         if op is not None:
@@ -226,6 +227,8 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
             row = groups[key] = Row(pattern, [], kind, key[2], key[3], key[4], out)
         row.indices.append(idx)
         row.bytes += sum(per_dev)
+        if op is not None and op.op_names.get(PREFILL) == "KExpertsSplit":
+            staged[str(op.devices[PREFILL])] = max(staged.get(str(op.devices[PREFILL]), 0), sum(per_dev))
     report.rows = list(groups.values())
 
     for p in inj.placed:
@@ -250,6 +253,9 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
     if any("(streamed)" in r.prefill for r in report.rows):
         report.notes.append("(streamed): prefill runs on another device than decode and reads those weights from "
                             "the checkpoint per call; memory is planned for the decode placement")
+    for dev, n in staged.items():
+        report.notes.append(f"KExpertsSplit: long prefill steps stage at most two layers' GPU share of the experts on "
+                            f"{dev} at once, up to {2 * n / 2**30:.1f} GiB, outside the figures above")
     return report
 
 

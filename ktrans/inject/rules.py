@@ -265,8 +265,11 @@ def _check_kwargs(op_class: type[BaseOperator] | None, kwargs: dict, fail) -> No
         elif key in COMMON_KWARGS:  # an op name
             if not isinstance(value, str):
                 raise fail(fld, f"must be an op name, got {value!r}")
-        elif not isinstance(value, op_class.EXTRA_KWARGS[key]):
-            raise fail(fld, f"must be a {op_class.EXTRA_KWARGS[key].__name__}, got {value!r}")
+        elif not isinstance(value, op_class.EXTRA_KWARGS[key]) or isinstance(value, bool) != (
+                op_class.EXTRA_KWARGS[key] is bool):  # YAML's true is an int to isinstance: not a number here
+            want = op_class.EXTRA_KWARGS[key]
+            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+            raise fail(fld, f"must be a {names}, got {value!r}")
 
     pre, gen = phase_devices(kwargs, None)
     if op_class is None or op_class.ONE_DEVICE:

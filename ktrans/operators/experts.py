@@ -36,6 +36,9 @@ from ktrans.weights.source import WeightSource
 EXPERT_OPS = OpRegistry("experts")
 EXPERT_OPS.declare("KExpertsCPU", devices=("cpu",), module="ktrans.operators.experts_cpu",
                    provided_by="the C++ CPU expert kernels (ktrans._cpu, issue 5)")
+EXPERT_OPS.declare("KExpertsSplit", devices=("cuda",), module="ktrans.operators.experts_split",
+                   provided_by="ktrans.operators.experts_split (prefill split between the CPU experts and the Triton "
+                               "MoE on the GPU; needs triton)")
 EXPERT_OPS.declare("KExpertsMarlin", devices=("cuda",), module="ktrans.operators.experts_marlin",
                    provided_by="ktrans.operators.experts_marlin (the Triton MoE on the GGUF blocks; needs triton)")
 
@@ -160,7 +163,11 @@ class KTransformersExperts(BaseOperator):
     # file's 4 KiB-page mmap (3-4% faster decode on the 16-core Xeon, 5-8% on a 2-core Zen 4; doc/benchmarks.md).
     # `repack` (default true) repacks Q4_K and Q5_K experts 16 rows at a time for the AVX-512 kernels (Q4_K_X16,
     # Q5_K_X16; see ktrans.kernels.cpu.CPUMoE).
-    EXTRA_KWARGS = {"quant": str, "hugepages": bool, "repack": bool, "cpu_config": dict}
+    # Read by KExpertsSplit (the prefill op that splits a chunk's experts between the CPU and the GPU):
+    # `gpu_prefill_min_tokens` (default 256): steps with fewer tokens run on the CPU experts alone; `cpu_share` (a
+    # number in [0, 1]): the CPU's share of each layer's experts, fixed (default: balanced from measured rates).
+    EXTRA_KWARGS = {"quant": str, "hugepages": bool, "repack": bool, "cpu_config": dict,
+                    "gpu_prefill_min_tokens": int, "cpu_share": (int, float)}
 
     def __init__(self, key, orig: Qwen3NextExperts, config, **kwargs):
         super().__init__(key, orig, config, **kwargs)
@@ -173,6 +180,18 @@ class KTransformersExperts(BaseOperator):
         h, i = self.hidden_size, self.intermediate_size
         shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
         return [ParamSpec(f"{self.key}.{e}.{p}.weight", shapes[p]) for e in range(self.num_experts) for p in PROJS]
+
+    def build_ops(self, source: WeightSource | None = None) -> None:
+        super().build_ops(source)
+        for op in {id(o): o for o in self.impl.values()}.values():
+            if hasattr(op, "attach"):  # an op that works with the other phase's op (KExpertsSplit: the CPU experts)
+                op.attach(self.impl)
+
+    def load(self, source: WeightSource, dtype: torch.dtype) -> None:
+        super().load(source, dtype)
+        for op in {id(o): o for o in self.impl.values()}.values():
+            if hasattr(op, "loaded"):  # after every op's weights are in place (KExpertsSplit pins the CPU's)
+                op.loaded()
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         phase = current_phase()

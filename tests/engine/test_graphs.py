@@ -71,16 +71,13 @@ def test_replay_against_unpadded_eager_teacher_forced(model):
     decode_teacher_forced(runners, prompts, pages, TOL, "eager")
 
 
-def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> None:
-    """Prefill each prompt on both runners (reference first, graphs second), then 64 decode steps fed the
-    reference's tokens: logits within `tol`, the same argmax wherever the reference's top-2 margin exceeds 2 tol,
-    and the second runner replayed its graphs."""
-    for r in runners:
-        for slot, (p, pg) in enumerate(zip(prompts, pages)):
-            r.step([SeqChunk(p, 0, slot, pg)])
+def teacher_forced_steps(runners, prompts, pages, tol: float, steps: int = 64) -> tuple[float, list[int]]:
+    """After the prompts' prefill on both runners: `steps` decode steps fed the first (reference) runner's greedy
+    tokens. Returns the largest |logits difference| and the steps where the argmax differs although the reference's
+    top-2 margin exceeds 2 tol."""
     lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
     worst, disagreements = 0.0, []
-    for step in range(64):
+    for step in range(steps):
         chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
         ref, got = (r.step(chunks).float() for r in runners)
         worst = max(worst, float((got - ref).abs().max()))
@@ -90,6 +87,17 @@ def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> Non
             disagreements.append(step)
         tokens = ref.argmax(-1).tolist()
         lens = [n + 1 for n in lens]
+    return worst, disagreements
+
+
+def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> None:
+    """Prefill each prompt on both runners (reference first, graphs second), then 64 decode steps fed the
+    reference's tokens: logits within `tol`, the same argmax wherever the reference's top-2 margin exceeds 2 tol,
+    and the second runner replayed its graphs."""
+    for r in runners:
+        for slot, (p, pg) in enumerate(zip(prompts, pages)):
+            r.step([SeqChunk(p, 0, slot, pg)])
+    worst, disagreements = teacher_forced_steps(runners, prompts, pages, tol)
     assert runners[1].graphs.num_replays >= 60
     assert worst <= tol, f"max |logits - {what}| = {worst:.4f} over 64 steps"
     assert not disagreements, f"argmax differs where the margin exceeds {2 * tol}: steps {disagreements}"

@@ -30,6 +30,7 @@ def cpu_variant(name: str) -> str:
     runnable here."""
     text = (RULES_DIR / name).read_text().replace('"cuda"', '"cpu"')
     for op, ref in (("KExpertsCPU", "KExpertsTorch"), ("KLinearCPUInfer", "KLinearTorch"),
-                    ("KExpertsMarlin", "KExpertsTorch"), ("KLinearMarlin", "KLinearTorch")):
+                    ("KExpertsMarlin", "KExpertsTorch"), ("KLinearMarlin", "KLinearTorch"),
+                    ("KExpertsSplit", "KExpertsTorch")):
         text = text.replace(f'"{op}"', f'"{ref}"')
     return text

@@ -214,7 +214,7 @@ def test_placement_of_the_serve_rules_without_loading(ckpt):
     placed = {p.name: p for p in inj.placed}
     experts = placed["model.layers.0.mlp.experts"].operator
     assert experts.devices == {"prefill": cuda, "generate": cpu}
-    assert experts.op_names == {"prefill": "KExpertsTorch", "generate": "KExpertsCPU"}
+    assert experts.op_names == {"prefill": "KExpertsSplit", "generate": "KExpertsCPU"}
     assert experts.out_devices == {"prefill": cuda, "generate": cuda}
     assert experts.streams("prefill") and experts.resident_devices() == [cpu]
     gate = placed["model.layers.0.mlp.shared_expert_gate"]  # no rule: inherits the MoE block's device
@@ -280,7 +280,9 @@ def test_expert_op_plugs_in_by_name_and_prefill_streams(ckpt, plain, counting_op
     assert type(experts.impl["generate"]).__name__ == "KExpertsCounting"
     assert experts.impl["prefill"].streaming and not list(experts.impl["prefill"].parameters())
     prompts, conts = [_ids(7, 1), _ids(11, 2)], [_ids(3, 3), _ids(3, 4)]
-    _close(_decode_logits(model, prompts, conts), _decode_logits(plain, prompts, conts))
+    # the streamed prefill groups tokens per expert and decode gathers weights into batched matmuls: other fp32
+    # summation orders than the plain model's (1.5e-6 on a Zen 4 box)
+    _close(_decode_logits(model, prompts, conts), _decode_logits(plain, prompts, conts), tol=5e-6)
     n_moe = sum(isinstance(m, KQwen3NextSparseMoeBlock) for m in model.modules())
     assert counting_op == {"submit": 3 * n_moe, "sync": 3 * n_moe}  # decode steps only; prefill streamed
 

@@ -67,7 +67,9 @@ def test_two_gpu_files_split_the_80b_evenly(capsys, name):
 def test_serve_placement_of_80b(capsys):
     rep = show(capsys, "Qwen3Next-serve.yaml")
     experts = rows(rep)["model.layers.{0..47}.mlp.experts"]
-    assert experts["prefill"] == "cuda:0 KExpertsTorch (streamed)"
+    assert experts["prefill"] == "cuda:0 KExpertsSplit (streamed)"
+    staged = [n for n in rep["notes"] if n.startswith("KExpertsSplit")]
+    assert len(staged) == 1 and "on cuda:0" in staged[0]
     assert experts["generate"].startswith("cpu KExpertsCPU") and experts["out_device"] == "cuda:0"
     assert rows(rep)["model.embed_tokens"]["class"] == "KEmbedding"
     mem = rep["memory"]

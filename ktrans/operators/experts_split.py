@@ -1,0 +1,374 @@
+"""KExpertsSplit: prefill of the routed experts of one MoE layer split between the CPU cores and the GPU, the GPU's
+experts streamed from the one host copy the CPU experts hold.
+
+A prefill chunk of a few hundred tokens touches nearly every expert of every layer. The CPU cores alone are bound by
+their arithmetic (at ~0.9 TFLOPS a 512-token chunk of the 80B takes ~37 ms a layer); the GPU alone by PCIe (one
+layer's 0.9 GB of Q4_K_M experts at ~55 GB/s is ~16.5 ms). Split, each layer's experts [0, n_cpu) run on the CPU and
+[n_cpu, E) on the GPU, with n_cpu chosen so that both finish together:
+
+    n_cpu * c = (E - n_cpu) * g     c: CPU seconds per expert at this chunk size; g: GPU seconds per streamed expert
+
+Both rates are measured as the op runs (c per token-count bucket, g from CUDA events around the copy), starting from
+an even split; a rule's `cpu_share` fixes the CPU's share instead. A step with fewer than the rule's
+`gpu_prefill_min_tokens` tokens runs wholly on the CPU (the generate op), as kt-kernel's gpu_prefill_token_threshold
+does: there the copy would cost more than the CPU's work.
+
+The streamed experts come from the CPU op's own buffers (the experts live in host RAM once): those are registered
+with the CUDA driver as pinned memory (cudaHostRegister), so the copy is a DMA at full PCIe rate and needs no second
+host copy. Q4_K and Q5_K matrices the CPU op keeps repacked 16 rows at a time (Q4_K_X16) are put back into ggml
+row order on the GPU (a permute), then repacked into the planes of the quantized GPU MoE
+(ktrans.kernels.triton.quant_layout) and run by ktrans.kernels.triton.moe_quant.
+
+Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream while the CPU runs
+layer L's share and the GPU layer L's. The copy stream waits on nothing of the compute stream; the compute stream
+waits on the copy's event before it reads the planes, and the planes are recorded as used by the compute stream, so
+the allocator hands their memory to a later copy only once the kernels that read them have finished. At most two
+layers' planes are alive at once.
+
+The CPU's share runs on the pool as KExpertsCPU's blocking path does (its inputs copied to the host; prefill may
+sync), so its time is measured on the host. Rules place the op on CUDA; the tests also build it on the CPU, where
+the copies are plain and Triton's interpreter runs the MoE.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ktrans.kernels.triton.moe_quant import moe_quant
+from ktrans.kernels.triton.quant_layout import BLOCK_BYTES, BLOCK_WEIGHTS, PackedWeight, concat_rows, repack
+from ktrans.operators.experts import EXPERT_OPS, ExpertsOp, layer_index
+from ktrans.runtime.batch import GENERATE
+
+log = logging.getLogger(__name__)
+
+_X16 = {"Q4_K_X16": "Q4_K", "Q5_K_X16": "Q5_K"}  # CPUMoE.layouts names of its repacked matrices -> ggml type
+_X16_ROWS = 16
+DEFAULT_MIN_TOKENS = 256
+_EMA = 0.5  # weight of a new measurement
+_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+def _bucket(tokens: int) -> int:
+    """The CPU rate's token-count bucket: powers of two."""
+    return 1 << max(0, math.ceil(math.log2(max(tokens, 1))))
+
+
+@dataclass
+class Rates:
+    """Measured seconds per expert: on the CPU per token bucket (its work grows with the tokens), on the GPU per
+    streamed expert (the copy and repack; the MoE kernels themselves are a small part)."""
+
+    cpu: dict[int, float] = field(default_factory=dict)
+    gpu: float | None = None
+
+    def cpu_at(self, tokens: int) -> float | None:
+        b = _bucket(tokens)
+        if b in self.cpu:
+            return self.cpu[b]
+        if not self.cpu:
+            return None
+        near = min(self.cpu, key=lambda k: abs(math.log2(k / b)))  # the nearest bucket, scaled by the tokens
+        return self.cpu[near] * b / near
+
+    def add_cpu(self, tokens: int, seconds: float) -> None:
+        b = _bucket(tokens)
+        old = self.cpu.get(b)
+        self.cpu[b] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def add_gpu(self, seconds: float) -> None:
+        self.gpu = seconds if self.gpu is None else (1 - _EMA) * self.gpu + _EMA * seconds
+
+
+@dataclass
+class _Copy:
+    """One layer's GPU share in flight or ready: experts [first, E) as planes, and the copy's events."""
+
+    op: "weakref.ref[KExpertsSplit]"
+    tokens: int
+    first: int
+    gate_up: PackedWeight
+    down: PackedWeight
+    start: torch.cuda.Event | None
+    end: torch.cuda.Event | None
+    host_s: float
+
+
+class _Stager:
+    """Per device and weight source (one model): the copy stream, the rates and the layers' split ops, so that layer
+    L can start layer L+1's copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.rates = Rates()
+        self.layers: "weakref.WeakValueDictionary[int, KExpertsSplit]" = weakref.WeakValueDictionary()
+        self.pending: dict[int, _Copy] = {}
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.delay_cycles = 0  # tests: a spin on the copy stream before each copy (torch.cuda._sleep)
+
+    def next_layer(self, layer: int) -> "KExpertsSplit | None":
+        later = [k for k in self.layers.keys() if k > layer]
+        return self.layers.get(min(later)) if later else None
+
+    def collect(self) -> None:
+        """Fold the copies that have finished into the GPU rate (never waits)."""
+        keep = []
+        for start, end, n in self._timed:
+            if end.query():
+                if n:
+                    self.rates.add_gpu(start.elapsed_time(end) / 1e3 / n)
+            else:
+                keep.append((start, end, n))
+        self._timed = keep
+
+
+_STAGERS: "dict[tuple, _Stager]" = {}
+
+
+def _stager(device: torch.device, source) -> _Stager:
+    key = (str(device), id(source))
+    if key not in _STAGERS:
+        _STAGERS[key] = _Stager(device)
+    return _STAGERS[key]
+
+
+def _register_host(t: torch.Tensor) -> bool:
+    """Pin a host tensor's pages in place for DMA (cudaHostRegister); False where it cannot be (then copies are
+    staged by the driver, slower). Registered for the life of the process: the CPU op keeps the buffer."""
+    if not torch.cuda.is_available():
+        return False
+    if t.is_pinned():
+        return True
+    rt = torch.cuda.cudart()
+    nbytes = t.numel() * t.element_size()
+    err = None
+    for flags in (0, _READ_ONLY):  # read-only pages (a GGUF file's mapping) take only the read-only flag
+        err = rt.cudaHostRegister(t.data_ptr(), nbytes, flags)
+        if int(err) == 0:
+            return True
+    if hasattr(rt, "cudaGetLastError"):
+        rt.cudaGetLastError()  # clear it: a later kernel launch's check would report it
+    log.warning("cudaHostRegister of %.1f MiB failed (%s): expert copies will be staged by the driver",
+                nbytes / 2**20, err)
+    return False
+
+
+@EXPERT_OPS.register("KExpertsSplit", devices=("cuda",))
+class KExpertsSplit(ExpertsOp):
+    def __init__(self, operator, device: torch.device, streaming: bool = False):
+        super().__init__(operator, device, streaming)
+        self.layer = layer_index(operator.key, "KExpertsSplit")
+        opts = getattr(operator, "options", {})
+        self.min_tokens = int(opts.get("gpu_prefill_min_tokens", DEFAULT_MIN_TOKENS))
+        if self.min_tokens < 1:
+            raise ValueError(f"{self.key}: gpu_prefill_min_tokens must be at least 1, got {self.min_tokens}")
+        share = opts.get("cpu_share", "auto")
+        if share != "auto" and not (isinstance(share, (int, float)) and 0 <= share <= 1):
+            raise ValueError(f"{self.key}: cpu_share must be 'auto' or a number in [0, 1], got {share!r}")
+        self.cpu_share = None if share == "auto" else float(share)
+        self.source = None
+        self.dtype = torch.float32
+        self._cpu: tuple = ()         # (the generate op,) once attached: a tuple, so no submodule cycle
+        self._layout: tuple | None = None  # per matrix (host tensor, layout name, ggml type), or () if not streamable
+        self._pending: tuple | None = None
+        self._prefetched = False
+        self.last: dict = {}          # the last call: tokens, n_cpu, times (for bench e2e and the tests)
+
+    # ---- wiring -----------------------------------------------------------------------------------------------------
+    def attach(self, impl: dict) -> None:
+        """Take the generate op (the CPU experts) from the operator's phase ops; KTransformersExperts calls this
+        after build_ops."""
+        cpu_op = impl[GENERATE]
+        if cpu_op is self or cpu_op.device.type != "cpu" or not hasattr(cpu_op, "moe"):
+            raise ValueError(f"{self.key}: KExpertsSplit prefills with the generate op's CPU experts: set "
+                             f"generate_device: cpu and generate_op: KExpertsCPU (got {type(cpu_op).__name__} on "
+                             f"{cpu_op.device})")
+        self._cpu = (cpu_op,)
+        self._stager = _stager(self.device, self.source)
+        self._stager.layers[self.layer] = self  # so that the layer before this one starts its copy
+
+    def loaded(self) -> None:
+        """Pin the CPU experts' buffers for DMA now rather than at the first long prompt."""
+        self._streamable()
+
+    @property
+    def cpu_op(self):
+        if not self._cpu:
+            raise RuntimeError(f"{self.key}: KExpertsSplit is not attached to its CPU op (build the model with "
+                               f"ktrans.inject.build_injected_model)")
+        return self._cpu[0]
+
+    def _streamable(self) -> tuple:
+        """The CPU op's three matrices as (host tensor, ggml type, X16?), or () when one has no GPU layout."""
+        if self._layout is None:
+            moe = self.cpu_op.moe
+            if moe is None:
+                raise RuntimeError(f"{self.key}: the CPU experts are not loaded")
+            out = []
+            for w, name in zip(moe.weights, moe.layouts):
+                qtype = _X16.get(name, name)
+                if qtype not in BLOCK_BYTES:
+                    log.warning("%s: the CPU experts hold %s, which the GPU MoE does not read: prefill runs on the "
+                                "CPU", self.key, name)
+                    out = []
+                    break
+                out.append((w, qtype, name in _X16))
+            if out and self.device.type == "cuda":
+                for w, _, _ in out:
+                    _register_host(w)
+            self._layout = tuple(out)
+        return self._layout
+
+    # ---- the split ----------------------------------------------------------------------------------------------
+    def n_cpu(self, tokens: int, k: int) -> int:
+        """Experts [0, n_cpu) run on the CPU at this chunk size."""
+        e = self.num_experts
+        if self.cpu_share is not None:
+            return round(e * self.cpu_share)
+        rates = self._stager.rates
+        c, g = rates.cpu_at(tokens), rates.gpu
+        if c is None or g is None:
+            return e // 2
+        return max(0, min(e, round(e * g / (c + g))))
+
+    def _copy(self, tokens: int, first: int) -> _Copy:
+        """Start the copy of experts [first, E) to the GPU and their repack there (on the copy stream)."""
+        st = self._stager
+        t0 = time.perf_counter()
+        n = self.num_experts - first
+        h, i = self.hidden_size, self.intermediate_size
+        stream = st.stream
+        start = end = None
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with ctx:
+            if stream is not None:
+                if st.delay_cycles:
+                    torch.cuda._sleep(st.delay_cycles)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+            packed = []
+            for (w, qtype, x16), (rows, cols) in zip(self._streamable(), ((i, h), (i, h), (h, i))):
+                rb = cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+                per = rows * rb
+                part = w.view(-1)[first * per:]
+                data = part.to(self.device, non_blocking=True) if self.device.type == "cuda" else part
+                if x16:  # back to ggml row order: [groups, superblock, word, row, 4] -> [groups, row, superblock, word]
+                    bb = BLOCK_BYTES[qtype]
+                    data = (data.view(-1, cols // 256, bb // 4, _X16_ROWS, 4).permute(0, 3, 1, 2, 4)
+                            .reshape(n, rows, rb))
+                packed.append(repack(data.reshape(n, rows, rb), qtype, (n, rows, cols), self.device))
+            gate_up, down = concat_rows(packed[:2]), packed[2]
+            if stream is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                st._timed.append((start, end, n))
+        return _Copy(weakref.ref(self), tokens, first, gate_up, down, start, end, time.perf_counter() - t0)
+
+    def _take(self, tokens: int, k: int) -> _Copy | None:
+        """This layer's copy for a step of `tokens`: the one the previous layer started (its split decided then),
+        else one started now; None when every expert runs on the CPU."""
+        c = self._stager.pending.pop(self.layer, None)
+        self._prefetched = c is not None and c.op() is self and c.tokens == tokens
+        if not self._prefetched:
+            first = self.n_cpu(tokens, k)
+            if first >= self.num_experts:
+                return None
+            c = self._copy(tokens, first)
+        return c
+
+    def _wait(self, c: _Copy) -> None:
+        """Order the compute stream after the copy (after the host copies of the CPU's inputs: those sync the
+        stream, and must not wait for the copy)."""
+        if c.end is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(c.end)
+            for w in (c.gate_up, c.down):  # read on this stream: not reused before these kernels finish
+                for t in w.planes().values():
+                    if t.numel():
+                        t.record_stream(cur)
+
+    # ---- running ------------------------------------------------------------------------------------------------
+    def reserve(self, max_tokens: int) -> None:
+        self.cpu_op.reserve(max_tokens)
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"{self.key}: submit() called twice without sync()")
+        t, k = topk_ids.shape
+        if t < self.min_tokens or not self._streamable():
+            self.cpu_op.submit(x, topk_ids, topk_weights)  # on the GPU's stream, as decode runs it
+            self._pending = ("cpu", None, None, None)
+            self.last = {"tokens": t, "n_cpu": self.num_experts}
+            return
+        st = self._stager
+        st.collect()
+        copy = self._take(t, k)
+        first = copy.first if copy is not None else self.num_experts
+        ids64 = topk_ids.to(torch.int64)
+        t0 = time.perf_counter()
+        # the CPU's share: its experts' slots (others -1, skipped), on the host
+        cpu_running = first > 0
+        if cpu_running:
+            cpu_ids = torch.where(ids64 < first, ids64, -1)
+            self.cpu_op.submit(*(v.to("cpu") for v in (x, cpu_ids, topk_weights)))
+        gpu_out = None
+        if copy is not None:
+            self._wait(copy)
+            gpu_ids = torch.where(ids64 >= first, ids64 - first, -1)
+            gpu_out = moe_quant(x, gpu_ids, topk_weights, copy.gate_up, copy.down)
+        nxt = st.next_layer(self.layer)
+        if nxt is not None and nxt._streamable():  # the next layer's share streams while this one computes
+            nfirst = nxt.n_cpu(t, k)
+            if nfirst < nxt.num_experts:
+                st.pending[nxt.layer] = nxt._copy(t, nfirst)
+        self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy))
+
+    def sync(self) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError(f"{self.key}: sync() without submit()")
+        (how, cpu_running, gpu_out, info), self._pending = self._pending, None
+        if how == "cpu":
+            return self.cpu_op.sync()
+        t, first, t0, copy = info
+        out = gpu_out
+        if cpu_running:
+            cpu_out = self.cpu_op.sync()
+            cpu_s = time.perf_counter() - t0
+            self._stager.rates.add_cpu(t, cpu_s / first)
+            cpu_out = cpu_out.to(self.device, non_blocking=True)
+            out = cpu_out if out is None else out + cpu_out.to(out.dtype)
+        self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched, "cpu_s": time.perf_counter() - t0 if cpu_running else 0.0,
+                     "copy_host_s": copy.host_s if copy is not None else 0.0}
+        return out
+
+    def extra_repr(self) -> str:
+        share = "auto" if self.cpu_share is None else f"{self.cpu_share:g}"
+        return f"gpu_prefill_min_tokens={self.min_tokens}, cpu_share={share}"
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def summary(model) -> dict | None:
+    """The model's split-prefill experts: their measured rates and each layer's last split (bench e2e reports it)."""
+    ops = [m for m in model.modules() if isinstance(m, KExpertsSplit)]
+    if not ops:
+        return None
+    stagers = {id(op._stager): op._stager for op in ops if hasattr(op, "_stager")}
+    rates = [{"cpu_us_per_expert": {str(b): 1e6 * s for b, s in sorted(st.rates.cpu.items())},
+              "gpu_us_per_expert": None if st.rates.gpu is None else 1e6 * st.rates.gpu} for st in stagers.values()]
+    last = [op.last for op in ops if op.last]
+    return {"layers": len(ops), "gpu_prefill_min_tokens": ops[0].min_tokens,
+            "cpu_share": ops[0].cpu_share, "rates": rates,
+            "last_n_cpu": [x["n_cpu"] for x in last], "last_tokens": last[0]["tokens"] if last else None,
+            "prefetched": sum(bool(x.get("prefetched")) for x in last)}

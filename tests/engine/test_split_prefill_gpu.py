@@ -1,0 +1,58 @@
+"""Prefill with the experts split between the CPU and the GPU (Qwen3Next-serve.yaml's KExpertsSplit) against prefill
+with the experts on the CPU alone (Qwen3Next-serve-cpuexperts.yaml), on a tiny Q4_K_M GGUF whose matrices are Q4_K /
+Q6_K as in the 80B file. Decode is the same op in both (the CPU experts), so what differs is what the prefill left in
+the KV cache and the DeltaNet states.
+
+Teacher-forced as the equivalence rule asks: prompts of exactly the threshold (16 tokens), of 40 tokens cut into a
+32-token chunk (split) and an 8-token one (below the threshold: CPU alone) and of 7 tokens, then 64 decode steps
+fed the reference's tokens. Logits within GPU_TOL (bf16 on both sides; the GPU share's kernels use bf16 dots where
+the CPU's quantize the activations to int8), and the same argmax wherever the reference's top-2 margin exceeds
+2 GPU_TOL.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+GPU_TOL = 0.15
+
+
+def test_split_prefill_matches_cpu_prefill(tmp_path_factory):
+    from ktrans.config import RULES_DIR
+    from ktrans.inject import build_injected_model, parse_rules
+    from ktrans.runtime.batch import SeqChunk
+
+    from ..operators.test_gpu_quant_rules import _gguf
+    from .test_graphs import _model_runner, teacher_forced_steps
+
+    config, source = _gguf(tmp_path_factory, "q4_k_m")
+    serve = (RULES_DIR / "Qwen3Next-serve.yaml").read_text()
+    assert "gpu_prefill_min_tokens: 256" in serve
+    split = serve.replace("gpu_prefill_min_tokens: 256", "gpu_prefill_min_tokens: 16\n      cpu_share: 0.5")
+    texts = [(RULES_DIR / "Qwen3Next-serve-cpuexperts.yaml").read_text(), split]
+    models = [build_injected_model(config, parse_rules(t, f"r{i}.yaml"), source, torch.bfloat16)[0]
+              for i, t in enumerate(texts)]
+    experts = models[1].model.layers[0].mlp.experts
+    assert type(experts.impl["prefill"]).__name__ == "KExpertsSplit"
+    runners = [_model_runner(m, graphs=False, max_num_tokens=32) for m in models]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (16, 40, 7)]
+    pages = [[4 * i + j for j in range(4)] for i in range(3)]
+    worst = 0.0
+    splits = []
+    for slot, (p, pg) in enumerate(zip(prompts, pages)):
+        outs = []
+        for r in runners:
+            for start in range(0, len(p), 32):  # 40 tokens: a 32-token chunk, then 8 (below the threshold)
+                logits = r.step([SeqChunk(p[start:start + 32], start, slot, pg)])
+                if r is runners[1]:
+                    splits.append(experts.impl["prefill"].last["n_cpu"])
+            outs.append(logits.float())
+        worst = max(worst, float((outs[1] - outs[0]).abs().max()))
+    assert splits == [config.num_experts // 2, config.num_experts // 2, config.num_experts, config.num_experts]
+    decode_worst, disagreements = teacher_forced_steps(runners, prompts, pages, GPU_TOL)
+    worst = max(worst, decode_worst)
+    assert worst <= GPU_TOL, f"max |logits - CPU prefill| = {worst:.4f}"
+    assert not disagreements, f"argmax differs where the margin exceeds {2 * GPU_TOL}: steps {disagreements}"
