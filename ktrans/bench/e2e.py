@@ -311,7 +311,9 @@ def main(args) -> int:
                       cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
                       use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens))
     quiet = args.json
-    out = run(opts, show_progress=not quiet, log=(lambda *_: None) if quiet else print)
+    # with --json stdout is the JSON alone; the progress lines go to stderr as they come
+    out = run(opts, show_progress=not quiet,
+              log=(lambda *a: print(*a, file=sys.stderr, flush=True)) if quiet else print)
     if args.json:
         print(json.dumps(out))
     else:
