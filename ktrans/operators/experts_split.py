@@ -51,6 +51,7 @@ _X16_ROWS = 16
 DEFAULT_MIN_TOKENS = 256
 _EMA = 0.5  # weight of a new measurement
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
+_REPACK_ROWS = 16384  # rows repacked per pass on a GPU (~256 MiB of int64 temporaries for Q4_K at hidden 2048)
 
 
 def _bucket(tokens: int) -> int:
@@ -108,7 +109,9 @@ class _Stager:
         self.rates = Rates()
         self.layers: "weakref.WeakValueDictionary[int, KExpertsSplit]" = weakref.WeakValueDictionary()
         self.pending: dict[int, _Copy] = {}
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self._timed: list[tuple] = []  # (start, copied, end events, experts) of copies not yet folded in
+        self.copy_s = self.repack_s = 0.0  # the GPU's time in copies and in repacks, summed over folded copies
+        self.copied_experts = 0
         self.delay_cycles = 0  # tests: a spin on the copy stream before each copy (torch.cuda._sleep)
 
     def next_layer(self, layer: int) -> "KExpertsSplit | None":
@@ -118,12 +121,15 @@ class _Stager:
     def collect(self) -> None:
         """Fold the copies that have finished into the GPU rate (never waits)."""
         keep = []
-        for start, end, n in self._timed:
+        for start, copied, end, n in self._timed:
             if end.query():
                 if n:
                     self.rates.add_gpu(start.elapsed_time(end) / 1e3 / n)
+                    self.copy_s += start.elapsed_time(copied) / 1e3
+                    self.repack_s += copied.elapsed_time(end) / 1e3
+                    self.copied_experts += n
             else:
-                keep.append((start, end, n))
+                keep.append((start, copied, end, n))
         self._timed = keep
 
 
@@ -137,25 +143,55 @@ def _stager(device: torch.device, source) -> _Stager:
     return _STAGERS[key]
 
 
+_REGISTERED: dict[int, int] = {}  # host address -> bytes this process registered (unregistered when freed)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call we handled (else the next kernel launch's check would
+    report it): through the process's own libcudart where it can be opened, else by letting torch's launch check
+    report it once."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+
+
 def _register_host(t: torch.Tensor) -> bool:
-    """Pin a host tensor's pages in place for DMA (cudaHostRegister); False where it cannot be (then copies are
-    staged by the driver, slower). Registered for the life of the process: the CPU op keeps the buffer."""
+    """Pin a host tensor's pages in place for DMA (cudaHostRegister), until the tensor is freed; False where it
+    cannot be (copies are then staged by the driver, far slower: bench e2e's split_prefill reports it)."""
     if not torch.cuda.is_available():
         return False
-    if t.is_pinned():
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if ptr in _REGISTERED or t.is_pinned():
         return True
     rt = torch.cuda.cudart()
-    nbytes = t.numel() * t.element_size()
     err = None
     for flags in (0, _READ_ONLY):  # read-only pages (a GGUF file's mapping) take only the read-only flag
-        err = rt.cudaHostRegister(t.data_ptr(), nbytes, flags)
+        err = rt.cudaHostRegister(ptr, nbytes, flags)
         if int(err) == 0:
+            _REGISTERED[ptr] = nbytes
+            weakref.finalize(t, _unregister, ptr)  # before the pages go back: a later buffer may reuse them
             return True
-    if hasattr(rt, "cudaGetLastError"):
-        rt.cudaGetLastError()  # clear it: a later kernel launch's check would report it
+        _clear_cuda_error()
     log.warning("cudaHostRegister of %.1f MiB failed (%s): expert copies will be staged by the driver",
                 nbytes / 2**20, err)
     return False
+
+
+def _unregister(ptr: int) -> None:
+    if _REGISTERED.pop(ptr, None) is not None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:  # interpreter shutdown: the driver lets go of the process's pages anyway
+            pass
 
 
 @EXPERT_OPS.register("KExpertsSplit", devices=("cuda",))
@@ -177,6 +213,8 @@ class KExpertsSplit(ExpertsOp):
         self._layout: tuple | None = None  # per matrix (host tensor, layout name, ggml type), or () if not streamable
         self._pending: tuple | None = None
         self._prefetched = False
+        self.pinned: bool | None = None  # whether the CPU experts' buffers are registered for DMA (CUDA only)
+        self._busy0 = 0
         self.last: dict = {}          # the last call: tokens, n_cpu, times (for bench e2e and the tests)
 
     # ---- wiring -----------------------------------------------------------------------------------------------------
@@ -219,8 +257,7 @@ class KExpertsSplit(ExpertsOp):
                     break
                 out.append((w, qtype, name in _X16))
             if out and self.device.type == "cuda":
-                for w, _, _ in out:
-                    _register_host(w)
+                self.pinned = all([_register_host(w) for w, _, _ in out])
             self._layout = tuple(out)
         return self._layout
 
@@ -251,22 +288,30 @@ class KExpertsSplit(ExpertsOp):
                     torch.cuda._sleep(st.delay_cycles)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-            packed = []
-            for (w, qtype, x16), (rows, cols) in zip(self._streamable(), ((i, h), (i, h), (h, i))):
+            packed, datas = [], []
+            mats = list(zip(self._streamable(), ((i, h), (i, h), (h, i))))
+            for (w, qtype, x16), (rows, cols) in mats:  # every copy first, then the repacks: one timed span each
                 rb = cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
-                per = rows * rb
-                part = w.view(-1)[first * per:]
-                data = part.to(self.device, non_blocking=True) if self.device.type == "cuda" else part
+                part = w.view(-1)[first * rows * rb:]
+                datas.append(part.to(self.device, non_blocking=True) if self.device.type == "cuda" else part)
+            copied = None
+            if stream is not None:
+                copied = torch.cuda.Event(enable_timing=True)
+                copied.record(stream)
+            for data, ((w, qtype, x16), (rows, cols)) in zip(datas, mats):
+                rb = cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
                 if x16:  # back to ggml row order: [groups, superblock, word, row, 4] -> [groups, row, superblock, word]
                     bb = BLOCK_BYTES[qtype]
                     data = (data.view(-1, cols // 256, bb // 4, _X16_ROWS, 4).permute(0, 3, 1, 2, 4)
                             .reshape(n, rows, rb))
-                packed.append(repack(data.reshape(n, rows, rb), qtype, (n, rows, cols), self.device))
+                packed.append(repack(data.reshape(n, rows, rb), qtype, (n, rows, cols), self.device,
+                                     rows_per_chunk=_REPACK_ROWS if self.device.type == "cuda" else None))
+            del datas
             gate_up, down = concat_rows(packed[:2]), packed[2]
             if stream is not None:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record(stream)
-                st._timed.append((start, end, n))
+                st._timed.append((start, copied, end, n))
         return _Copy(weakref.ref(self), tokens, first, gate_up, down, start, end, time.perf_counter() - t0)
 
     def _take(self, tokens: int, k: int) -> _Copy | None:
@@ -315,7 +360,9 @@ class KExpertsSplit(ExpertsOp):
         cpu_running = first > 0
         if cpu_running:
             cpu_ids = torch.where(ids64 < first, ids64, -1)
-            self.cpu_op.submit(*(v.to("cpu") for v in (x, cpu_ids, topk_weights)))
+            inputs = [v.to("cpu") for v in (x, cpu_ids, topk_weights)]
+            self._busy0 = self.cpu_op.moe.pool.busy()[1]
+            self.cpu_op.submit(*inputs)
         gpu_out = None
         if copy is not None:
             self._wait(copy)
@@ -338,11 +385,13 @@ class KExpertsSplit(ExpertsOp):
         out = gpu_out
         if cpu_running:
             cpu_out = self.cpu_op.sync()
-            cpu_s = time.perf_counter() - t0
+            # the pool's own busy span (posted to completed): not the host's lateness in coming to wait for it
+            cpu_s = (self.cpu_op.moe.pool.busy()[1] - self._busy0) / 1e9
             self._stager.rates.add_cpu(t, cpu_s / first)
             cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out.to(out.dtype)
-        self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched, "cpu_s": time.perf_counter() - t0 if cpu_running else 0.0,
+        self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched,
+                     "cpu_s": cpu_s if cpu_running else 0.0, "wall_s": time.perf_counter() - t0,
                      "copy_host_s": copy.host_s if copy is not None else 0.0}
         return out
 
@@ -365,10 +414,18 @@ def summary(model) -> dict | None:
     if not ops:
         return None
     stagers = {id(op._stager): op._stager for op in ops if hasattr(op, "_stager")}
+    for st in stagers.values():
+        st.collect()
     rates = [{"cpu_us_per_expert": {str(b): 1e6 * s for b, s in sorted(st.rates.cpu.items())},
-              "gpu_us_per_expert": None if st.rates.gpu is None else 1e6 * st.rates.gpu} for st in stagers.values()]
+              "gpu_us_per_expert": None if st.rates.gpu is None else 1e6 * st.rates.gpu,
+              "gpu_copy_s": st.copy_s, "gpu_repack_s": st.repack_s, "copied_experts": st.copied_experts}
+             for st in stagers.values()]
     last = [op.last for op in ops if op.last]
     return {"layers": len(ops), "gpu_prefill_min_tokens": ops[0].min_tokens,
             "cpu_share": ops[0].cpu_share, "rates": rates,
             "last_n_cpu": [x["n_cpu"] for x in last], "last_tokens": last[0]["tokens"] if last else None,
-            "prefetched": sum(bool(x.get("prefetched")) for x in last)}
+            "prefetched": sum(bool(x.get("prefetched")) for x in last),
+            "pinned": [op.pinned for op in ops].count(True), "not_pinned": [op.pinned for op in ops].count(False),
+            "last_cpu_ms": [round(1e3 * x.get("cpu_s", 0.0), 2) for x in last],
+            "last_wall_ms": [round(1e3 * x.get("wall_s", 0.0), 2) for x in last],
+            "last_copy_host_ms": [round(1e3 * x.get("copy_host_s", 0.0), 2) for x in last]}

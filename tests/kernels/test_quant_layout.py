@@ -62,3 +62,12 @@ def test_packed_bytes_per_weight():
         p = repack(torch.from_numpy(random_blocks(qtype, 16, 512)), qtype, (16, 512))
         assert p.nbytes * 8 / (16 * 512) == bpw[qtype]
     assert not packable("Q5_0", 512) and not packable("Q4_K", 64) and packable("Q8_0", 256)
+
+
+def test_repack_in_larger_chunks_gives_the_same_planes():
+    import numpy as np
+
+    raw = torch.from_numpy(np.stack([random_blocks("Q4_K", 48, 512, s) for s in range(3)]))
+    a = repack(raw, "Q4_K", (3, 48, 512))
+    b = repack(raw, "Q4_K", (3, 48, 512), rows_per_chunk=7)  # chunks that cut experts
+    assert all(torch.equal(x, y) for x, y in zip(a.planes().values(), b.planes().values()))

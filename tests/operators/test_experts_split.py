@@ -243,3 +243,16 @@ def test_held_back_copies_are_waited_for(q4_k_m):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     assert _split_op(layers[1]).last["prefetched"]
+
+
+def test_summary_reports_the_split(q4_k_m, triton_device):
+    from ktrans.operators.experts_split import summary
+
+    config, source = q4_k_m
+    layer = _experts(config, source, 1, triton_device.type, gpu_prefill_min_tokens=2, cpu_share=0.5)
+    assert summary(torch.nn.ModuleList([torch.nn.Linear(2, 2)])) is None
+    layer(*_batch(config, 6, 5, triton_device))
+    s = summary(torch.nn.ModuleList([layer]))
+    assert s["layers"] == 1 and s["last_n_cpu"] == [config.num_experts // 2] and s["last_tokens"] == 6
+    assert s["last_cpu_ms"][0] > 0 and s["last_wall_ms"][0] >= s["last_cpu_ms"][0] * 0.5
+    assert s["pinned"] + s["not_pinned"] == (1 if triton_device.type == "cuda" else 0)

@@ -150,10 +150,11 @@ def _planes(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tenso
     raise ValueError(f"no packed layout for {qtype}; packed types: {', '.join(TYPES)}")
 
 
-def repack(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], device: torch.device | str | None = None
-           ) -> PackedWeight:
+def repack(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], device: torch.device | str | None = None,
+           rows_per_chunk: int | None = None) -> PackedWeight:
     """ggml blocks uint8 [N, row_bytes] (or [E, N, row_bytes]) of logical `shape` [N, K] (or [E, N, K]) -> the
-    planes, on `device` (default: raw's). The bytes go to the device as stored and are repacked there."""
+    planes, on `device` (default: raw's). The bytes go to the device as stored and are repacked there,
+    `rows_per_chunk` rows at a time (default 4096: more means fewer kernel launches and larger int64 temporaries)."""
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"no packed layout for {qtype}; packed types: {', '.join(TYPES)}")
     *lead, n, k = (int(s) for s in shape)
@@ -164,8 +165,9 @@ def repack(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], device: torch.
     device = torch.device(device) if device is not None else raw.device
     src = raw.reshape(-1, nsb * sb_bytes)  # every row of every expert: chunks need not align to experts
     parts: list[list[torch.Tensor]] = [[], [], [], []]
-    for r in range(0, src.shape[0], _ROWS_PER_CHUNK):
-        blocks = src[r:r + _ROWS_PER_CHUNK].to(device).reshape(-1, nsb, sb_bytes)
+    step = rows_per_chunk or _ROWS_PER_CHUNK
+    for r in range(0, src.shape[0], step):
+        blocks = src[r:r + step].to(device).reshape(-1, nsb, sb_bytes)
         for i, plane in enumerate(_planes(blocks, qtype)):
             parts[i].append(plane)
     # [E * N, NSB, w] -> [E, NSB, N, w]
