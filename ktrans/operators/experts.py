@@ -187,12 +187,6 @@ class KTransformersExperts(BaseOperator):
             if hasattr(op, "attach"):  # an op that works with the other phase's op (KExpertsSplit: the CPU experts)
                 op.attach(self.impl)
 
-    def load(self, source: WeightSource, dtype: torch.dtype) -> None:
-        super().load(source, dtype)
-        for op in {id(o): o for o in self.impl.values()}.values():
-            if hasattr(op, "loaded"):  # after every op's weights are in place (KExpertsSplit pins the CPU's)
-                op.loaded()
-
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         phase = current_phase()
         op = self.op_for(phase)

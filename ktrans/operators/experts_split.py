@@ -230,9 +230,6 @@ class KExpertsSplit(ExpertsOp):
         self._stager = _stager(self.device, self.source)
         self._stager.layers[self.layer] = self  # so that the layer before this one starts its copy
 
-    def loaded(self) -> None:
-        """Pin the CPU experts' buffers for DMA now rather than at the first long prompt."""
-        self._streamable()
 
     @property
     def cpu_op(self):
@@ -339,7 +336,12 @@ class KExpertsSplit(ExpertsOp):
 
     # ---- running ------------------------------------------------------------------------------------------------
     def reserve(self, max_tokens: int) -> None:
+        """The runner's largest step (ModelRunner calls this once). Steps that large split: the CPU experts'
+        buffers are registered for DMA now rather than at the first long prompt; steps that never reach the
+        threshold pin nothing (registering the 80B's ~40 GiB locks that RAM)."""
         self.cpu_op.reserve(max_tokens)
+        if max_tokens >= self.min_tokens:
+            self._streamable()
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         if self._pending is not None:

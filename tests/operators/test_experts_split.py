@@ -256,3 +256,12 @@ def test_summary_reports_the_split(q4_k_m, triton_device):
     assert s["layers"] == 1 and s["last_n_cpu"] == [config.num_experts // 2] and s["last_tokens"] == 6
     assert s["last_cpu_ms"][0] > 0 and s["last_wall_ms"][0] >= s["last_cpu_ms"][0] * 0.5
     assert s["pinned"] + s["not_pinned"] == (1 if triton_device.type == "cuda" else 0)
+
+
+def test_a_runner_below_the_threshold_pins_nothing(q4_k_m, triton_device):
+    config, source = q4_k_m
+    op = _split_op(_experts(config, source, 1, triton_device.type, gpu_prefill_min_tokens=64))
+    op.reserve(32)  # the runner's largest step: never split
+    assert op._layout is None and op.pinned is None
+    op.reserve(64)
+    assert op._layout and (op.pinned is not None) == (triton_device.type == "cuda")
