@@ -12,8 +12,8 @@ try:
     r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 except Exception as e:
     sys.exit(f"no JSON: {e}")
-print({k: r.get(k) for k in ("load_s", "prefill_tok_s", "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms",
-                             "cuda_graphs", "host_rss_gib", "gpu_memory")})
+print({k: r.get(k) for k in ("load_s", "prefill_tok_s", "prefill", "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms",
+                             "split_prefill", "cuda_graphs", "host_rss_gib", "gpu_memory") if r.get(k) is not None})
 EOF
   tail -c 800 "$OUT/$name.err"
 }

@@ -14,18 +14,7 @@ timeout "${TEST_TIMEOUT:-110}" python3 -m pytest -q -p no:cacheprovider --tb=sho
   2>&1 | tee "$OUT/split_tests.txt" | tail -${TAIL:-25}
 while pgrep -f "make-tiny" > /dev/null; do sleep 1; done
 tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
-echo "== bench e2e, ${RULES:=ktrans/optimize_rules/Qwen3Next-serve.yaml}"
-PYTHONUNBUFFERED=1 timeout "${E2E_TIMEOUT:-220}" ktrans bench e2e --gguf_path "$F" --optimize_config_path "$RULES" \
-  --prompt_len 512 --gen_len 8 --batch_sizes 1 --prefill_lens "${LENS:-4096}" --profile_steps 0 --use_cuda_graph \
-  --json > "$OUT/e2e_split.json" 2> "$OUT/e2e_split.err"
-echo "rc $?"
-python3 - "$OUT/e2e_split.json" <<'PY'
-import json, sys
-try:
-    r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-except Exception as e:
-    sys.exit(f"no JSON: {e}")
-print({k: r.get(k) for k in ("load_s", "prefill_tok_s", "prefill", "decode_tok_s", "ttft_ms", "split_prefill",
-                             "host_rss_gib", "gpu_memory")})
-PY
-tail -c 1500 "$OUT/e2e_split.err"
+source "$(dirname "$0")/device_common.sh"
+PYTHONUNBUFFERED=1 E2E_TIMEOUT=${E2E_TIMEOUT:-220} e2e e2e_split \
+  --optimize_config_path "${RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml}" --prompt_len 512 --gen_len 8 \
+  --batch_sizes 1 --prefill_lens "${LENS:-4096}" --profile_steps 0 --use_cuda_graph

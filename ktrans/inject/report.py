@@ -228,7 +228,8 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
         row.indices.append(idx)
         row.bytes += sum(per_dev)
         if op is not None and op.op_names.get(PREFILL) == "KExpertsSplit":
-            staged[str(op.devices[PREFILL])] = max(staged.get(str(op.devices[PREFILL]), 0), sum(per_dev))
+            dev = str(op.devices[PREFILL])
+            staged[dev] = max(staged.get(dev, 0), sum(per_dev))
     report.rows = list(groups.values())
 
     for p in inj.placed:

@@ -26,11 +26,12 @@ the allocator hands their memory to a later copy only once the kernels that read
 layers' planes are alive at once.
 
 The CPU's share runs on the pool as KExpertsCPU's blocking path does (its inputs copied to the host; prefill may
-sync), so its time is measured on the host. Rules place the op on CUDA; the tests also build it on the CPU, where
+sync); its time is the pool's own busy span. Rules place the op on CUDA; the tests also build it on the CPU, where
 the copies are plain and Triton's interpreter runs the MoE.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -40,9 +41,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ktrans.kernels.triton.moe_quant import moe_quant
-from ktrans.kernels.triton.quant_layout import BLOCK_BYTES, BLOCK_WEIGHTS, PackedWeight, concat_rows, repack
+from ktrans.kernels.triton.quant_layout import BLOCK_BYTES, QK, PackedWeight, concat_rows, repack
 from ktrans.operators.experts import EXPERT_OPS, ExpertsOp, layer_index
 from ktrans.runtime.batch import GENERATE
+from ktrans.weights import quants as Q
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +212,7 @@ class KExpertsSplit(ExpertsOp):
         self.source = None
         self.dtype = torch.float32
         self._cpu: tuple = ()         # (the generate op,) once attached: a tuple, so no submodule cycle
-        self._layout: tuple | None = None  # per matrix (host tensor, layout name, ggml type), or () if not streamable
+        self._layout: tuple | None = None  # per matrix (host tensor, ggml type, X16?), or () if not streamable
         self._pending: tuple | None = None
         self._prefetched = False
         self.pinned: bool | None = None  # whether the CPU experts' buffers are registered for DMA (CUDA only)
@@ -229,7 +231,6 @@ class KExpertsSplit(ExpertsOp):
         self._cpu = (cpu_op,)
         self._stager = _stager(self.device, self.source)
         self._stager.layers[self.layer] = self  # so that the layer before this one starts its copy
-
 
     @property
     def cpu_op(self):
@@ -278,28 +279,25 @@ class KExpertsSplit(ExpertsOp):
         h, i = self.hidden_size, self.intermediate_size
         stream = st.stream
         start = end = None
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-        with ctx:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if stream is not None:
                 if st.delay_cycles:
                     torch.cuda._sleep(st.delay_cycles)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
             packed, datas = [], []
-            mats = list(zip(self._streamable(), ((i, h), (i, h), (h, i))))
-            for (w, qtype, x16), (rows, cols) in mats:  # every copy first, then the repacks: one timed span each
-                rb = cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+            mats = [(w, qtype, x16, rows, cols, Q.row_bytes(qtype, cols))
+                    for (w, qtype, x16), (rows, cols) in zip(self._streamable(), ((i, h), (i, h), (h, i)))]
+            for w, _, _, rows, _, rb in mats:  # every copy first, then the repacks: one timed span each
                 part = w.view(-1)[first * rows * rb:]
                 datas.append(part.to(self.device, non_blocking=True) if self.device.type == "cuda" else part)
             copied = None
             if stream is not None:
                 copied = torch.cuda.Event(enable_timing=True)
                 copied.record(stream)
-            for data, ((w, qtype, x16), (rows, cols)) in zip(datas, mats):
-                rb = cols // BLOCK_WEIGHTS[qtype] * BLOCK_BYTES[qtype]
+            for data, (_, qtype, x16, rows, cols, rb) in zip(datas, mats):
                 if x16:  # back to ggml row order: [groups, superblock, word, row, 4] -> [groups, row, superblock, word]
-                    bb = BLOCK_BYTES[qtype]
-                    data = (data.view(-1, cols // 256, bb // 4, _X16_ROWS, 4).permute(0, 3, 1, 2, 4)
+                    data = (data.view(-1, cols // QK, BLOCK_BYTES[qtype] // 4, _X16_ROWS, 4).permute(0, 3, 1, 2, 4)
                             .reshape(n, rows, rb))
                 packed.append(repack(data.reshape(n, rows, rb), qtype, (n, rows, cols), self.device,
                                      rows_per_chunk=_REPACK_ROWS if self.device.type == "cuda" else None))
@@ -391,7 +389,7 @@ class KExpertsSplit(ExpertsOp):
             cpu_s = (self.cpu_op.moe.pool.busy()[1] - self._busy0) / 1e9
             self._stager.rates.add_cpu(t, cpu_s / first)
             cpu_out = cpu_out.to(self.device, non_blocking=True)
-            out = cpu_out if out is None else out + cpu_out.to(out.dtype)
+            out = cpu_out if out is None else out + cpu_out  # both in x's dtype
         self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched,
                      "cpu_s": cpu_s if cpu_running else 0.0, "wall_s": time.perf_counter() - t0,
                      "copy_host_s": copy.host_s if copy is not None else 0.0}
@@ -400,14 +398,6 @@ class KExpertsSplit(ExpertsOp):
     def extra_repr(self) -> str:
         share = "auto" if self.cpu_share is None else f"{self.cpu_share:g}"
         return f"gpu_prefill_min_tokens={self.min_tokens}, cpu_share={share}"
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def summary(model) -> dict | None:
