@@ -8,7 +8,8 @@ on the device.
 - GEMM at M=4096 (prefill) with flops = 2 M N K. Peer: cuBLAS bf16.
 - One MoE layer (512 experts, hidden 2048, intermediate 512, top-10, Q4_K) at B = 1, 16, 256 tokens; bytes = the
   distinct routed experts' packed weights. Peer (B <= 16): KExpertsTorch's gathered bf16 bmm.
-- The on-device repack of one MoE layer's blocks (the GGUF bytes already on the GPU): bytes = blocks read plus
+- The on-device repack of one MoE layer's blocks by the Triton kernel (ktrans.kernels.triton.repack), from ggml rows and
+  from the CPU experts' 16-row layout, as split prefill runs it: bytes = blocks read plus
   planes written. The host-to-device copy of those blocks comes on top (a layer is ~0.9 GB at Q4_K).
 """
 from __future__ import annotations
@@ -124,18 +125,31 @@ for _b in (1, 16, 256):
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1", ("decode",))(_moe_case(1, "Q6_K"))
 
 
-@case("quant", "repack q4_k moe layer on device (gate+up+down, E=512)", ("load",))
-def _repack_layer(device: torch.device) -> Timed:
-    from ktrans.kernels.triton.quant_layout import repack
+def _repack_case(down_type: str, x16: bool):
+    """One MoE layer's blocks (already on the GPU) repacked by the Triton kernel, as split prefill does for every
+    streamed layer; x16: gate and up in the CPU experts' 16-row layout. Peer: the torch repack (row-major blocks)."""
+    def setup(device: torch.device) -> Timed:
+        from ktrans.kernels.triton.quant_layout import repack
+        from ktrans.kernels.triton.repack import repack_blocks
 
-    _full_size_only(device)
-    raws = [torch.stack([random_blocks("Q4_K", r, c, device, e) for e in range(E)])
-            for r, c in ((I_MOE, H), (I_MOE, H), (H, I_MOE))]
-    shapes = ((E, I_MOE, H), (E, I_MOE, H), (E, H, I_MOE))
-    out_bytes = sum(raw.numel() for raw in raws) * 148 // 144
+        _full_size_only(device)
+        mats = (("Q4_K", I_MOE, H), ("Q4_K", I_MOE, H), (down_type, H, I_MOE))
+        raws = [torch.stack([random_blocks(q, r, c, device, e) for e in range(E)]) for q, r, c in mats]
+        planes = [repack_blocks(raw[:1], q, (1, r, c)).nbytes * E for raw, (q, r, c) in zip(raws, mats)]
 
-    def fn():
-        for raw, shape in zip(raws, shapes):
-            repack(raw, "Q4_K", shape, device)
+        def fn():
+            for raw, (q, r, c) in zip(raws, mats):
+                repack_blocks(raw, q, (E, r, c), x16=x16 and q != "Q6_K")  # the same bytes read in another order
 
-    return Timed(fn, sum(raw.numel() for raw in raws) + out_bytes)
+        def peer():
+            for raw, (q, r, c) in zip(raws, mats):
+                repack(raw, q, (E, r, c), device)
+
+        return Timed(fn, sum(raw.numel() for raw in raws) + sum(planes), 0, peer, "torch_repack")
+    return setup
+
+
+for _down in ("Q4_K", "Q6_K"):
+    for _x16 in (False, True):
+        case("quant", f"repack moe layer on device q4_k/{_down.lower()}-down E=512{' from x16' if _x16 else ''}",
+             ("load",))(_repack_case(_down, _x16))

@@ -15,9 +15,10 @@ does: there the copy would cost more than the CPU's work.
 
 The streamed experts come from the CPU op's own buffers (the experts live in host RAM once): those are registered
 with the CUDA driver as pinned memory (cudaHostRegister), so the copy is a DMA at full PCIe rate and needs no second
-host copy. Q4_K and Q5_K matrices the CPU op keeps repacked 16 rows at a time (Q4_K_X16) are put back into ggml
-row order on the GPU (a permute), then repacked into the planes of the quantized GPU MoE
-(ktrans.kernels.triton.quant_layout) and run by ktrans.kernels.triton.moe_quant.
+host copy. The copied blocks, ggml rows or the 16-row
+layout the CPU op keeps Q4_K and Q5_K in (Q4_K_X16), are repacked on the GPU in one Triton launch per matrix
+(ktrans.kernels.triton.repack, reading either layout in place) into the planes of the quantized GPU MoE
+(ktrans.kernels.triton.quant_layout), which ktrans.kernels.triton.moe_quant runs.
 
 Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream while the CPU runs
 layer L's share and the GPU layer L's. The copy stream waits on nothing of the compute stream; the compute stream
@@ -41,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ktrans.kernels.triton.moe_quant import moe_quant
-from ktrans.kernels.triton.quant_layout import BLOCK_BYTES, QK, PackedWeight, concat_rows, repack
+from ktrans.kernels.triton.quant_layout import BLOCK_BYTES, PackedWeight, concat_rows
+from ktrans.kernels.triton.repack import repack_blocks
 from ktrans.operators.experts import EXPERT_OPS, ExpertsOp, layer_index
 from ktrans.runtime.batch import GENERATE
 from ktrans.weights import quants as Q
@@ -49,11 +51,9 @@ from ktrans.weights import quants as Q
 log = logging.getLogger(__name__)
 
 _X16 = {"Q4_K_X16": "Q4_K", "Q5_K_X16": "Q5_K"}  # CPUMoE.layouts names of its repacked matrices -> ggml type
-_X16_ROWS = 16
 DEFAULT_MIN_TOKENS = 256
 _EMA = 0.5  # weight of a new measurement
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
-_REPACK_ROWS = 16384  # rows repacked per pass on a GPU (~256 MiB of int64 temporaries for Q4_K at hidden 2048)
 
 
 def _bucket(tokens: int) -> int:
@@ -295,12 +295,8 @@ class KExpertsSplit(ExpertsOp):
             if stream is not None:
                 copied = torch.cuda.Event(enable_timing=True)
                 copied.record(stream)
-            for data, (_, qtype, x16, rows, cols, rb) in zip(datas, mats):
-                if x16:  # back to ggml row order: [groups, superblock, word, row, 4] -> [groups, row, superblock, word]
-                    data = (data.view(-1, cols // QK, BLOCK_BYTES[qtype] // 4, _X16_ROWS, 4).permute(0, 3, 1, 2, 4)
-                            .reshape(n, rows, rb))
-                packed.append(repack(data.reshape(n, rows, rb), qtype, (n, rows, cols), self.device,
-                                     rows_per_chunk=_REPACK_ROWS if self.device.type == "cuda" else None))
+            for data, (_, qtype, x16, rows, cols, _) in zip(datas, mats):
+                packed.append(repack_blocks(data, qtype, (n, rows, cols), x16=x16))  # X16 read in place
             del datas
             gate_up, down = concat_rows(packed[:2]), packed[2]
             if stream is not None:
