@@ -236,9 +236,11 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
     bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches
-    full = min(max((opts.prompt_len, *opts.prefill_lens)), opts.chunk_size)
-    if full > 16:  # and one whole chunk: a long prompt's kernels (some ops switch kernels by token count)
-        bench.run(1, full, 2)
+    # and each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
+    # and Triton compiles by token count, and split prefill measures its rates per token bucket
+    for n in sorted({min(n, opts.chunk_size) for n in (opts.prompt_len, *opts.prefill_lens)}):
+        if n > 16:
+            bench.run(1, n, 2)
 
     results = []
     prefill_tok_s = None

@@ -9,7 +9,8 @@ layer's 0.9 GB of Q4_K_M experts at ~55 GB/s is ~16.5 ms). Split, each layer's e
     n_cpu * c = (E - n_cpu) * g     c: CPU seconds per expert at this chunk size; g: GPU seconds per streamed expert
 
 Both rates are measured as the op runs (c per token-count bucket, g from CUDA events around the copy), starting from
-an even split; a rule's `cpu_share` fixes the CPU's share instead. A step with fewer than the rule's
+an even split; a side that the split leaves idle gets one expert every 16th layer call, so a rate measured badly once
+(a first call's one-off costs) is measured again. A rule's `cpu_share` fixes the CPU's share instead. A step with fewer than the rule's
 `gpu_prefill_min_tokens` tokens runs wholly on the CPU (the generate op), as kt-kernel's gpu_prefill_token_threshold
 does: there the copy would cost more than the CPU's work.
 
@@ -54,6 +55,7 @@ _X16 = {"Q4_K_X16": "Q4_K", "Q5_K_X16": "Q5_K"}  # CPUMoE.layouts names of its r
 DEFAULT_MIN_TOKENS = 256
 _EMA = 0.5  # weight of a new measurement
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
+_PROBE_EVERY = 16  # of the layer calls the auto split gives one side nothing, one gives it one expert instead
 
 
 def _bucket(tokens: int) -> int:
@@ -109,6 +111,7 @@ class _Stager:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.rates = Rates()
+        self.calls = 0  # auto splits decided (the probe's clock)
         self.layers: "weakref.WeakValueDictionary[int, KExpertsSplit]" = weakref.WeakValueDictionary()
         self.pending: dict[int, _Copy] = {}
         self._timed: list[tuple] = []  # (start, copied, end events, experts) of copies not yet folded in
@@ -265,11 +268,15 @@ class KExpertsSplit(ExpertsOp):
         e = self.num_experts
         if self.cpu_share is not None:
             return round(e * self.cpu_share)
-        rates = self._stager.rates
-        c, g = rates.cpu_at(tokens), rates.gpu
+        st = self._stager
+        c, g = st.rates.cpu_at(tokens), st.rates.gpu
         if c is None or g is None:
             return e // 2
-        return max(0, min(e, round(e * g / (c + g))))
+        n = max(0, min(e, round(e * g / (c + g))))
+        st.calls += 1
+        if n in (0, e) and st.calls % _PROBE_EVERY == 0:  # a side given no work is never measured again: one
+            n = 1 if n == 0 else e - 1                   # expert for it now and then keeps its rate current
+        return n
 
     def _copy(self, tokens: int, first: int) -> _Copy:
         """Start the copy of experts [first, E) to the GPU and their repack there (on the copy stream)."""
