@@ -161,7 +161,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--cache_memory_fraction", type=float,
                    help="size the KV cache to this fraction of free device memory instead of --cache_lens")
     s.add_argument("--page_size", type=int, default=16, help="tokens per KV cache page")
-    s.add_argument("--chunk_size", type=int, default=512, help="token budget of one step (prefill chunks + decodes)")
+    s.add_argument("--chunk_size", type=int, help="token budget of one step (prefill chunks + decodes; default 512, "
+                   "4096 where the rules split prefill experts between the CPU and the GPU)")
     s.add_argument("--max_batch_size", type=int, default=16, help="running requests (= DeltaNet state slots)")
     s.add_argument("--max_model_len", type=int, help="prompt + output limit (default: the model's, within the cache)")
     s.add_argument("--max_queued_requests", type=int, default=1024, help="waiting requests before HTTP 503")
@@ -208,7 +209,7 @@ def cmd_bench_e2e(args: argparse.Namespace) -> int:
 def _add_engine_bench_flags(b: argparse.ArgumentParser) -> None:
     """The flags of the benchmarks that drive the engine in-process (e2e, prefix-cache)."""
     _add_model_flags(b)
-    b.add_argument("--chunk_size", type=int, default=512, help="token budget of one step, as ktrans serve's")
+    b.add_argument("--chunk_size", type=int, help="token budget of one step, as ktrans serve's (and its default)")
     b.add_argument("--cpu_infer", type=int, help="CPU threads for compute (default: all cores but one)")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     b.add_argument("--json", action="store_true", help="print one JSON object")

@@ -18,7 +18,7 @@ import torch
 from ktrans.runtime.batch import PHASES
 from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.api.app import DEFAULT_MAX_REQUEST_BODY_BYTES, OpenAIServer
-from ktrans.engine.engine import Engine, EngineConfig
+from ktrans.engine.engine import Engine, EngineConfig, default_chunk_size
 from ktrans.engine.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class ServeOptions:
     cache_lens: int = 32768
     cache_memory_fraction: float | None = None
     page_size: int = 16
-    chunk_size: int = 512
+    chunk_size: int | None = None  # None: engine.default_chunk_size(model)
     max_batch_size: int = 16
     max_model_len: int | None = None
     max_queued_requests: int = 1024
@@ -103,7 +103,8 @@ def engine_config(opts: ServeOptions, model) -> EngineConfig:
     cache_lens = opts.cache_lens
     if opts.cache_memory_fraction is not None:  # the state pool holds the snapshot slots too
         cache_lens = cache_lens_for_fraction(model, opts.cache_memory_fraction, opts.max_batch_size + snapshots)
-    return EngineConfig(max_batch_size=opts.max_batch_size, chunk_size=opts.chunk_size, page_size=opts.page_size,
+    return EngineConfig(max_batch_size=opts.max_batch_size, chunk_size=opts.chunk_size or default_chunk_size(model),
+                        page_size=opts.page_size,
                         cache_lens=cache_lens, max_model_len=opts.max_model_len, max_new_tokens=opts.max_new_tokens,
                         max_queued_requests=opts.max_queued_requests, enable_prefix_cache=opts.enable_prefix_cache,
                         prefix_cache_max_snapshots=opts.prefix_cache_max_snapshots,

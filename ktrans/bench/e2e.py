@@ -43,7 +43,7 @@ class E2EOptions:
     prompt_len: int = 512
     gen_len: int = 64
     batch_sizes: tuple[int, ...] = (1, 4, 16)
-    chunk_size: int = 512
+    chunk_size: int | None = None  # None: as ktrans serve's default for the model (engine.default_chunk_size)
     cpu_infer: int | None = None
     dtype: str | None = None  # as ktrans serve: bfloat16 where the rules use CUDA, else float32
     seed: int = 0
@@ -215,7 +215,7 @@ def _summary(run: _Run, batch: int) -> dict:
 
 def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     from ktrans.operators.experts_cpu import KExpertsCPU
-    from ktrans.engine.engine import Engine, EngineConfig
+    from ktrans.engine.engine import Engine, EngineConfig, default_chunk_size
     from ktrans.api.server import ServeOptions, load
 
     t0 = time.perf_counter()
@@ -227,7 +227,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     max_b = max(opts.batch_sizes)
     per_req = opts.prompt_len + opts.gen_len + 1
     longest = max((n + 3 for n in opts.prefill_lens), default=0)  # a prefill-only request: prompt, 2 tokens
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=opts.chunk_size,
+    chunk = opts.chunk_size or default_chunk_size(model)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=chunk,
                                                    cache_lens=max(max_b * per_req, longest) + 16 * max_b,
                                                    max_new_tokens=opts.gen_len,
                                                    max_model_len=max(per_req, longest) + 16,
@@ -238,7 +239,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches
     # and each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
     # and Triton compiles by token count, and split prefill measures its rates per token bucket
-    for n in sorted({min(n, opts.chunk_size) for n in (opts.prompt_len, *opts.prefill_lens)}):
+    for n in sorted({min(n, chunk) for n in (opts.prompt_len, *opts.prefill_lens)}):
         if n > 16:
             bench.run(1, n, 2)
 
@@ -277,6 +278,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "gguf_path": opts.gguf_path,
         "rules": str(opts.optimize_config_path) if opts.optimize_config_path else None,
         "options": {k: v for k, v in asdict(opts).items() if k not in ("gguf_path", "model_path")},
+        "chunk_size": chunk,
         "layers": model.config.num_hidden_layers,
         "threads": pool.size if pool is not None else torch.get_num_threads(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ktrans.engine.engine import Engine, EngineConfig
+from ktrans.engine.engine import Engine, EngineConfig, default_chunk_size
 from ktrans.engine.sampler import SamplingParams
 
 
@@ -30,7 +30,7 @@ from ktrans.engine.sampler import SamplingParams
 class Options:
     prefix_len: int = 8192
     suffix_len: int = 32
-    chunk_size: int = 512
+    chunk_size: int | None = None  # None: as ktrans serve's default for the model (engine.default_chunk_size)
     repeats: int = 3
     turns: int = 10
     reply_len: int = 64
@@ -43,7 +43,8 @@ def _ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
 
 
 def _engine(model, tok, opts: Options, cache: bool, tokens: int) -> Engine:
-    return Engine(model, tok, EngineConfig(max_batch_size=1, chunk_size=opts.chunk_size, cache_lens=tokens,
+    return Engine(model, tok, EngineConfig(max_batch_size=1, chunk_size=opts.chunk_size or default_chunk_size(model),
+                                           cache_lens=tokens,
                                            max_new_tokens=max(opts.reply_len, 1), enable_prefix_cache=cache))
 
 

@@ -35,12 +35,20 @@ from ktrans.engine.sampler import SamplingParams, sample, token_logprob, top_log
 from ktrans.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
+DEFAULT_CHUNK_SIZE = 512
+
+
+def default_chunk_size(model) -> int:
+    """The step's token budget where --chunk_size is not given: 512, or more where an op of the model asks for longer
+    steps (`step_tokens`: split prefill pays one pass over each layer's experts per step, so a 4096-token step
+    prefills ~10x faster than 512-token ones; doc/benchmarks.md, 2026-12-02)."""
+    return max([DEFAULT_CHUNK_SIZE, *(int(getattr(m, "step_tokens", 0)) for m in model.modules())])
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch_size: int = 16  # running requests, and DeltaNet state slots
-    chunk_size: int = 512  # token budget of one step (decode tokens + prefill chunks)
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # token budget of one step (decode tokens + prefill chunks)
     page_size: int = 16  # tokens per KV page
     cache_lens: int = 32768  # KV cache size in tokens, over all requests
     max_model_len: int | None = None  # prompt + output; None: the model's, within the cache

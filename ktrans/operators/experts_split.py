@@ -52,7 +52,11 @@ from ktrans.weights import quants as Q
 log = logging.getLogger(__name__)
 
 _X16 = {"Q4_K_X16": "Q4_K", "Q5_K_X16": "Q5_K"}  # CPUMoE.layouts names of its repacked matrices -> ggml type
-DEFAULT_MIN_TOKENS = 256
+DEFAULT_MIN_TOKENS = 1024
+# The step size split prefill asks the engine for (engine.default_chunk_size): a step pays one pass over a layer's
+# experts (PCIe copy or CPU read) whatever its length, so long steps amortise it. Measured at full size on the H200
+# (doc/benchmarks.md, 2026-12-02): 3,499 tok/s at 4096-token steps, 345 at 512.
+STEP_TOKENS = 4096
 _EMA = 0.5  # weight of a new measurement
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
 _PROBE_EVERY = 16  # of the layer calls the auto split gives one side nothing, one gives it one expert instead
@@ -397,6 +401,11 @@ class KExpertsSplit(ExpertsOp):
                      "cpu_s": cpu_s if cpu_running else 0.0, "wall_s": time.perf_counter() - t0,
                      "copy_host_s": copy.host_s if copy is not None else 0.0}
         return out
+
+    @property
+    def step_tokens(self) -> int:
+        """The prefill step this op wants: at least STEP_TOKENS, and never below its own threshold."""
+        return max(STEP_TOKENS, self.min_tokens)
 
     def extra_repr(self) -> str:
         share = "auto" if self.cpu_share is None else f"{self.cpu_share:g}"

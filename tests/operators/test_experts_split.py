@@ -275,3 +275,17 @@ def test_a_runner_below_the_threshold_pins_nothing(q4_k_m, triton_device):
     assert op._layout is None and op.pinned is None
     op.reserve(64)
     assert op._layout and (op.pinned is not None) == (triton_device.type == "cuda")
+
+
+def test_split_asks_the_engine_for_long_steps(q4_k_m, triton_device):
+    """Each step pays one pass over the experts, so a model with split prefill defaults to 4096-token steps (and to
+    its threshold where that is higher); a model without one keeps 512."""
+    from ktrans.engine.engine import DEFAULT_CHUNK_SIZE, default_chunk_size
+    from ktrans.operators.experts_split import STEP_TOKENS
+
+    config, source = q4_k_m
+    ours = _experts(config, source, 1, triton_device.type, gpu_prefill_min_tokens=2)
+    assert _split_op(ours).step_tokens == STEP_TOKENS == 4096 and default_chunk_size(ours) == STEP_TOKENS
+    high = _experts(config, source, 1, triton_device.type, gpu_prefill_min_tokens=3 * STEP_TOKENS)
+    assert default_chunk_size(high) == 3 * STEP_TOKENS
+    assert default_chunk_size(_reference(config, source, 1)) == DEFAULT_CHUNK_SIZE == 512
