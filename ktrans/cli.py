@@ -456,7 +456,7 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     try:
         run(args.shape, args.quant, tokens, threads=args.threads, reference=args.reference, isa=args.isa,
             as_json=args.json, tiles=args.tiles, trace=args.trace, hugepages=args.hugepages == "on",
-            repack=args.repack == "on")
+            repack=args.repack == "on", cpu_share=args.cpu_share)
     except ValueError as e:
         raise CliError(str(e)) from None
     return 0
@@ -493,6 +493,8 @@ def _add_bench_moe_parser(bench_sub) -> None:
     bm.add_argument("--reference", action="store_true", help="also time the torch reference on the same inputs")
     bm.add_argument("--tiles", default="auto", choices=["auto", "amx", "vnni", "off"],
                     help="Q4_K/Q5_K prefill tiles: AMX where present (auto), AVX-512 VNNI, or off (row kernels)")
+    bm.add_argument("--cpu_share", type=float, default=1.0,
+                    help="keep only the pairs routed to experts [0, F * E), as split prefill hands the CPU its share")
     bm.add_argument("--trace", action="store_true",
                     help="also report when the pool's threads start and end their share of a call (diagnostics)")
     bm.add_argument("--hugepages", default="on", choices=["on", "off"],

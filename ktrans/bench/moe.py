@@ -84,12 +84,16 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _routings(shape: MoEShape, tokens: int, n: int, gen: torch.Generator):
-    """n random top-k routings (distinct experts per token, weights summing to 1)."""
+def _routings(shape: MoEShape, tokens: int, n: int, gen: torch.Generator, share: float = 1.0):
+    """n random top-k routings (distinct experts per token, weights summing to 1); with share < 1 only the pairs
+    routed to experts [0, share * E) are kept (the others -1, skipped), as split prefill hands the CPU its share."""
     out = []
+    keep = round(share * shape.n_experts)
     for _ in range(n):
         logits = torch.rand(tokens, shape.n_experts, generator=gen)
         w, ids = logits.topk(shape.top_k, dim=-1)
+        if keep < shape.n_experts:
+            ids = torch.where(ids < keep, ids, -1)
         out.append((ids.contiguous(), (w / w.sum(-1, keepdim=True)).contiguous()))
     return out
 
@@ -97,7 +101,7 @@ def _routings(shape: MoEShape, tokens: int, n: int, gen: torch.Generator):
 def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 64, 256, 1024),
         threads: int | None = None, reference: bool = False, isa: str = "auto", min_time_s: float = 1.0,
         seed: int = 0, emit=print, as_json: bool = True, tiles: str = "auto", trace: bool = False,
-        hugepages: bool = True, repack: bool = True) -> list[dict]:
+        hugepages: bool = True, repack: bool = True, cpu_share: float = 1.0) -> list[dict]:
     if shape_name not in SHAPES:
         raise ValueError(f"--shape must be one of {sorted(SHAPES)}, got {shape_name!r}")
     if quant.lower() not in QUANTS:
@@ -107,6 +111,8 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
     if shape.hidden % block or shape.intermediate % block:
         raise ValueError(f"--quant {quant} needs hidden and intermediate sizes that are multiples of {block}; "
                          f"--shape {shape_name} has {shape.hidden} and {shape.intermediate}")
+    if not 0.0 < cpu_share <= 1.0:
+        raise ValueError(f"--cpu_share must be in (0, 1], got {cpu_share}")
     if tiles not in _TILES:
         raise ValueError(f"--tiles must be one of {sorted(_TILES)}, got {tiles!r}")
     tile_min, amx = _TILES[tiles]
@@ -116,7 +122,7 @@ def run(shape_name: str = "qwen3-next", quant: str = "q4_k", tokens=(1, 4, 16, 6
     if amx is not None:
         config = config.replace(amx=amx)
     return _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace,
-                hugepages, repack, config)
+                hugepages, repack, config, cpu_share)
 
 
 # --tiles: (tile_min_tokens to set or None, amx mode to set or None) in the layer's CPUMoEConfig
@@ -146,7 +152,7 @@ def _trace_summary(pool, moe, x, routes) -> dict:
 
 
 def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, emit, as_json, trace, hugepages,
-         repack, config):
+         repack, config, share=1.0):
     shape, qtype = SHAPES[shape_name], QUANTS[quant.lower()]
     gen = torch.Generator().manual_seed(seed)
     pool = cpu.make_pool(threads or cpu.default_threads())
@@ -164,15 +170,15 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
     results = []
     for T in tokens:
         x = torch.randn(T, H, generator=gen)
-        moe.forward(x, *_routings(shape, T, 1, gen)[0])  # warm up threads and allocator
+        moe.forward(x, *_routings(shape, T, 1, gen, share)[0])  # warm up threads and allocator
         # enough calls for ~min_time_s, at least 5; each with its own routing
-        probe = _routings(shape, T, 2, gen)
+        probe = _routings(shape, T, 2, gen, share)
         t = time.perf_counter()
         for ids, w in probe:
             moe.forward(x, ids, w)
         per_call = (time.perf_counter() - t) / 2
         n_iter = max(5, min(200, int(min_time_s / max(per_call, 1e-6))))
-        routes = _routings(shape, T, n_iter, gen)
+        routes = _routings(shape, T, n_iter, gen, share)
         times, touched = [], []
         read_before = cpu.stream_bandwidth(moe.weights, reps=3, pool=pool, isa=isa)
         cpu0, wall0 = _cpu_seconds(), time.perf_counter()
@@ -180,7 +186,7 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
             t = time.perf_counter()
             moe.forward(x, ids, w)
             times.append(time.perf_counter() - t)
-            touched.append(int(torch.unique(ids).numel()))
+            touched.append(int(torch.unique(ids[ids >= 0]).numel()))
         cpu_util = (_cpu_seconds() - cpu0) / ((time.perf_counter() - wall0) * pool.size)
         # The bandwidth of the very pages the experts live on, just before and after the timed calls; the larger.
         read_gbs = max(read_before, cpu.stream_bandwidth(moe.weights, reps=3, pool=pool, isa=isa))
@@ -190,7 +196,8 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
         gbs = nbytes / (ms * 1e-3) / 1e9
         row = {"bench": "moe", "shape": shape_name, "quant": quant.lower(), "tokens": T, "threads": pool.size,
                "path": moe.path, "ms": round(ms, 4), "ms_min": round(min(times) * 1e3, 4),
-               "tokens_per_s": round(T / (ms * 1e-3), 1), "experts_touched": n_exp, "bytes_touched": nbytes,
+               "tokens_per_s": round(T / (ms * 1e-3), 1), "cpu_share": share, "experts_touched": n_exp,
+               "bytes_touched": nbytes,
                "gb_per_s": round(gbs, 2), "read_gb_per_s": round(read_gbs, 2), "ratio": round(gbs / read_gbs, 3),
                "read_gb_per_s_fresh": round(fresh_gbs, 2),
                "iters": n_iter, "cpu_util": round(cpu_util, 2), "load_avg": round(os.getloadavg()[0], 2),
@@ -209,7 +216,7 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
             row["trace"] = _trace_summary(pool, moe, x, routes[: min(len(routes), 50)])
         if reference:
             ref_routes = routes[:3]
-            used = sorted(set(torch.cat([ids.flatten() for ids, _ in ref_routes]).tolist()))
+            used = sorted(set(torch.cat([ids[ids >= 0] for ids, _ in ref_routes]).tolist()))
             gd = _dequantize_experts(gate, qtype, I, H, used, E)
             ud = _dequantize_experts(up, qtype, I, H, used, E)
             dd = _dequantize_experts(down, qtype, H, I, used, E)
