@@ -9,17 +9,19 @@ layer's 0.9 GB of Q4_K_M experts at ~55 GB/s is ~16.5 ms). Split, each layer's e
     n_cpu * c = (E - n_cpu) * g     c: CPU seconds per expert at this chunk size; g: GPU seconds per streamed expert
 
 Both rates are measured as the op runs (c per token-count bucket, g from CUDA events around the copy), starting from
-an even split; a side that the split leaves idle gets one expert every 16th layer call, so a rate measured badly once
-(a first call's one-off costs) is measured again. A rule's `cpu_share` fixes the CPU's share instead. A step with fewer than the rule's
-`gpu_prefill_min_tokens` tokens runs wholly on the CPU (the generate op), as kt-kernel's gpu_prefill_token_threshold
-does: there the copy would cost more than the CPU's work.
+an even split; a side that the split leaves idle gets one expert every 16th layer call, so a rate measured once under
+other conditions (a first call's one-off costs, a share of one expert) is measured again. A rule's `cpu_share` fixes
+the CPU's share instead. A step with fewer than the rule's `gpu_prefill_min_tokens` tokens runs wholly on the CPU
+(the generate op), as kt-kernel's gpu_prefill_token_threshold does: there the copy would cost more than the CPU's
+work. The op asks the engine for steps of STEP_TOKENS (`step_tokens`, engine.default_chunk_size), since each step
+pays one pass over the experts whatever its length.
 
 The streamed experts come from the CPU op's own buffers (the experts live in host RAM once): those are registered
 with the CUDA driver as pinned memory (cudaHostRegister), so the copy is a DMA at full PCIe rate and needs no second
-host copy. The copied blocks, ggml rows or the 16-row
-layout the CPU op keeps Q4_K and Q5_K in (Q4_K_X16), are repacked on the GPU in one Triton launch per matrix
-(ktrans.kernels.triton.repack, reading either layout in place) into the planes of the quantized GPU MoE
-(ktrans.kernels.triton.quant_layout), which ktrans.kernels.triton.moe_quant runs.
+host copy. The copied blocks, ggml rows or the 16-row layout the CPU op keeps Q4_K and Q5_K in (Q4_K_X16), are
+repacked on the GPU in one Triton launch per matrix (ktrans.kernels.triton.repack, reading either layout in place)
+into the planes of the quantized GPU MoE (ktrans.kernels.triton.quant_layout), which ktrans.kernels.triton.moe_quant
+runs.
 
 Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream while the CPU runs
 layer L's share and the GPU layer L's. The copy stream waits on nothing of the compute stream; the compute stream
