@@ -196,6 +196,8 @@ def cmd_rules_show(args: argparse.Namespace) -> int:
 
     if args.cache_lens < 0 or args.max_batch_size < 1:
         raise CliError("--cache_lens must be >= 0 and --max_batch_size >= 1")
+    if args.page_size < 1 or args.prefix_cache_max_snapshots < 0:
+        raise CliError("--page_size must be >= 1 and --prefix_cache_max_snapshots >= 0")
     rules = load_rules(args.optimize_config_path)
     if args.check_devices:
         check_devices(rules)
@@ -203,7 +205,8 @@ def cmd_rules_show(args: argparse.Namespace) -> int:
     weight_dtype = args.weight_dtype or (FROM_FILE if tensor_type is not None else "bf16")
     try:
         report = placement_report(config, rules, config_name, args.cache_lens, args.max_batch_size,
-                                  weight_dtype, args.kv_dtype, args.default_device, tensor_type)
+                                  weight_dtype, args.kv_dtype, args.default_device, tensor_type, args.page_size,
+                                  args.prefix_cache_max_snapshots if args.enable_prefix_cache else 0)
     except ValueError as e:
         if "dtype" in str(e):
             raise CliError(f"--weight_dtype/--kv_dtype: {e}") from None
@@ -236,6 +239,11 @@ def _add_rules_parser(sub) -> None:
     s.add_argument("--cache_lens", type=int, default=32768, help="KV cache tokens (full-attention layers)")
     s.add_argument("--max_batch_size", type=int, default=16,
                    help="DeltaNet state slots (running requests; ktrans serve's default)")
+    s.add_argument("--page_size", type=int, default=16, help="tokens per KV page (as ktrans serve)")
+    s.add_argument("--enable_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the prefix cache's snapshot slots (as ktrans serve, on by default)")
+    s.add_argument("--prefix_cache_max_snapshots", type=int, default=32,
+                   help="DeltaNet state snapshots the prefix cache keeps (slots beyond --max_batch_size)")
     s.add_argument("--weight_dtype", help="bytes of matrices: bf16, f16, f32 or a GGUF type (q4_k); default: the "
                                           "types in --gguf_path's file, else bf16")
     s.add_argument("--kv_dtype", default="bf16", help="KV cache and conv state dtype")

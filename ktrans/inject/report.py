@@ -117,6 +117,8 @@ class Report:
     kv_dtype: str
     cache_lens: int
     max_batch_size: int
+    page_size: int = 16
+    snapshot_slots: int = 0
     rows: list[Row] = field(default_factory=list)
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # device -> {weights, kv, state}
     warnings: list[str] = field(default_factory=list)
@@ -126,7 +128,10 @@ class Report:
         mem = {d: {**m, "total": sum(m.values())} for d, m in self.memory.items()}
         return {"rules": self.rules, "config": self.config, "default_device": self.default_device,
                 "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype, "cache_lens": self.cache_lens,
-                "max_batch_size": self.max_batch_size, "modules": [r.to_json() for r in self.rows],
+                "max_batch_size": self.max_batch_size, "page_size": self.page_size,
+                "snapshot_slots": self.snapshot_slots, "kv_tokens": kv_tokens(self.cache_lens, self.page_size),
+                "state_slots": state_slots(self.max_batch_size, self.snapshot_slots),
+                "modules": [r.to_json() for r in self.rows],
                 "memory": mem, "warnings": self.warnings, "notes": self.notes}
 
     def text(self) -> str:
@@ -139,9 +144,11 @@ class Report:
                  fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body), ""]
         weights = (f"as stored in {self.config}" if self.weight_dtype == FROM_FILE else
                    f"matrices {self.weight_dtype}, norms/routers/conv f32")
-        lines.append(f"memory (weights: {weights}; KV cache "
-                     f"{self.kv_dtype} for --cache_lens {self.cache_lens}; DeltaNet state for --max_batch_size "
-                     f"{self.max_batch_size}):")
+        slots = state_slots(self.max_batch_size, self.snapshot_slots)
+        lines.append(f"memory (weights: {weights}; KV cache {self.kv_dtype} for --cache_lens {self.cache_lens} in "
+                     f"pages of {self.page_size}: {kv_tokens(self.cache_lens, self.page_size)} tokens with the pad "
+                     f"page; DeltaNet state {slots} slots: --max_batch_size {self.max_batch_size}, "
+                     f"{self.snapshot_slots} prefix-cache snapshots, 1 pad):")
         for dev, m in self.memory.items():
             lines.append(f"  {dev:8} weights {human(m['weights']):>10}   kv {human(m['kv']):>10}   "
                          f"state {human(m['state']):>10}   total {human(sum(m.values())):>10}")
@@ -180,18 +187,33 @@ def meta_model(config: ModelConfig):
     return build_model(config)
 
 
+def kv_tokens(cache_lens: int, page_size: int) -> int:
+    """KV rows the engine allocates for --cache_lens: whole pages, plus the pad page that a padded decode batch's
+    pad rows write (runtime.pools.KVPool); none without a cache."""
+    return (-(-cache_lens // page_size) + 1) * page_size if cache_lens > 0 else 0
+
+
+def state_slots(max_batch_size: int, snapshot_slots: int) -> int:
+    """DeltaNet state slots the engine allocates: one per running request, the prefix cache's snapshots, and the pad
+    slot of padded decode batches (runtime.pools.StatePool)."""
+    return max_batch_size + snapshot_slots + 1
+
+
 def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "", cache_lens: int = 4096,
                      max_batch_size: int = 1, weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                     default_device: str | None = None, tensor_type: Callable[[str], str] | None = None) -> Report:
+                     default_device: str | None = None, tensor_type: Callable[[str], str] | None = None,
+                     page_size: int = 16, snapshot_slots: int = 0) -> Report:
     """The report; `tensor_type(hf_name)` gives a tensor's stored type (a GGUF file's) when weight_dtype is
-    FROM_FILE."""
+    FROM_FILE. KV and state memory are what an engine with these --cache_lens, --page_size, --max_batch_size and
+    prefix-cache snapshot slots allocates (kv_tokens, state_slots)."""
     bpe = bytes_per_element("bf16" if weight_dtype == FROM_FILE else weight_dtype)  # flag errors before the slow part
     if weight_dtype != FROM_FILE:
         tensor_type = None
     kv_bpe = bytes_per_element(kv_dtype)
     inj = inject(meta_model(config), rules, default_device, dry_run=True)
     report = Report(rules.source, config_name, str(inj.default_device), weight_dtype, kv_dtype, cache_lens,
-                    max_batch_size)
+                    max_batch_size, page_size, snapshot_slots)
+    rows_kv, slots = kv_tokens(cache_lens, page_size), state_slots(max_batch_size, snapshot_slots)
     mem: dict[str, dict[str, int]] = {}
 
     def add(device, what: str, n: int) -> None:
@@ -240,11 +262,11 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
             continue
         dev = p.devices[GENERATE]
         if attn:
-            add(dev, "kv", int(2 * config.num_key_value_heads * config.head_dim * kv_bpe * cache_lens))
+            add(dev, "kv", int(2 * config.num_key_value_heads * config.head_dim * kv_bpe * rows_kv))
         else:
             conv = config.conv_dim * (config.linear_conv_kernel_dim - 1) * kv_bpe
             ssm = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-            add(dev, "state", int((conv + ssm) * max_batch_size))
+            add(dev, "state", int((conv + ssm) * slots))
     report.memory = dict(sorted(mem.items()))
     report.warnings = [f"rule {r.index}{f' (line {r.line})' if r.line else ''} {why}"
                        for r, why in inj.unused_rules()]

@@ -16,6 +16,9 @@ CFG80B = ModelConfig.from_json(CONFIGS_DIR / "qwen3-next-80b-a3b.json")
 EXPERT_BYTES = 48 * 512 * 3 * 2048 * 512 * 2  # bf16
 KV_PER_TOKEN = 12 * 2 * 2 * 256 * 2           # 12 attention layers, K and V, 2 kv heads, head_dim 256, bf16
 STATE_PER_SLOT = 36 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # conv (bf16) + fp32 recurrent
+# What an engine allocates for --cache_lens 1000 --max_batch_size 3 at serve's defaults (--page_size 16, 32 prefix-cache
+# snapshots): 63 pages and the pad page; 3 running slots, 32 snapshot slots and the pad slot (runtime.pools)
+KV_ROWS_1000, SLOTS_3 = 64 * 16, 3 + 32 + 1
 
 
 def show(capsys, name: str, *extra: str) -> dict:
@@ -39,7 +42,8 @@ def test_show_runs_on_every_shipped_file_for_80b(capsys, name):
     assert r["model.layers.{0..47}.mlp.shared_expert_gate"]["rule"] is None  # the negative look-ahead
     mem = rep["memory"]
     gpu = "cpu" if name == "Qwen3Next-cpu.yaml" else "cuda:0"
-    assert mem[gpu]["kv"] == 1000 * KV_PER_TOKEN and mem[gpu]["state"] == 3 * STATE_PER_SLOT
+    assert mem[gpu]["kv"] == KV_ROWS_1000 * KV_PER_TOKEN and mem[gpu]["state"] == SLOTS_3 * STATE_PER_SLOT
+    assert (rep["kv_tokens"], rep["state_slots"], rep["page_size"], rep["snapshot_slots"]) == (KV_ROWS_1000, 36, 16, 32)
     total = sum(m["weights"] for m in mem.values())
     assert 145e9 < total < 165e9  # ~80B parameters at 2 bytes
 
@@ -53,7 +57,7 @@ def test_two_gpu_files_split_the_80b_evenly(capsys, name):
     assert not rep["warnings"]
     mem, r = rep["memory"], rows(rep)
     for gpu in ("cuda:0", "cuda:1"):
-        assert mem[gpu]["kv"] == 1000 * KV_PER_TOKEN // 2 and mem[gpu]["state"] == 3 * STATE_PER_SLOT // 2
+        assert mem[gpu]["kv"] == KV_ROWS_1000 * KV_PER_TOKEN // 2 and mem[gpu]["state"] == SLOTS_3 * STATE_PER_SLOT // 2
     assert mem["cuda:1"]["weights"] - mem["cuda:0"]["weights"] == 2048 * 4
     assert r["model.layers.{0..23}"]["generate"] == "cuda:0" and r["model.layers.{24..47}"]["generate"] == "cuda:1"
     assert r["model.layers.{24..47}"]["out_device"] == "cuda:1" and r["lm_head"]["generate"].startswith("cuda:1")
@@ -75,7 +79,8 @@ def test_serve_placement_of_80b(capsys):
     mem = rep["memory"]
     assert mem["cpu"]["weights"] == EXPERT_BYTES  # the experts live in CPU RAM, the embedding table on the GPU
     assert mem["cuda:0"]["weights"] < 5 * 2**30
-    assert mem["cpu"]["kv"] == 0 and mem["cuda:0"]["kv"] == 32768 * KV_PER_TOKEN  # default --cache_lens
+    assert mem["cpu"]["kv"] == 0
+    assert mem["cuda:0"]["kv"] == (32768 + 16) * KV_PER_TOKEN  # the default --cache_lens, and the pad page
 
 
 def test_quantized_weight_bytes(capsys):
@@ -133,7 +138,7 @@ def test_report_api_and_default_device():
     rep = placement_report(cfg, rs, cache_lens=10, default_device="cpu")
     assert rep.default_device == "cpu" and list(rep.memory) == ["cpu", "cuda:0"]
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-    assert rep.memory["cuda:0"]["kv"] == 10 * per_layer * len(cfg.full_attention_layers)
+    assert rep.memory["cuda:0"]["kv"] == 2 * 16 * per_layer * len(cfg.full_attention_layers)  # a page and the pad page
     # No rule for the projections: they follow the attention operator that contains them; the rest stays on cpu.
     assert {r.name: r.prefill for r in rep.rows}["model.layers.{3,7}.self_attn.q_proj"] == "cuda:0"
     assert {r.name: r.prefill for r in rep.rows}["model.layers.{0..7}.mlp.gate"] == "cpu"
@@ -192,3 +197,17 @@ def test_show_gpu_rules_count_the_quantized_ops_at_the_file_types(capsys, tmp_pa
                            .replace('"KLinearMarlin"', '"KLinearTorch"').replace('"KExpertsMarlin"', '"KExpertsTorch"'))
     ref = show(capsys, str(torch_rules), "--gguf_path", str(out))
     assert rows(ref)[key]["bytes"] > 2 * experts  # dequantized to bf16 at load
+
+
+def test_memory_follows_the_serve_flags(capsys):
+    """--page_size and the prefix cache's snapshot slots change the KV and state figures as they change what an
+    engine allocates; bad values name the flag."""
+    rep = show(capsys, "Qwen3Next-cpu.yaml", "--cache_lens", "1000", "--max_batch_size", "3", "--page_size", "64",
+               "--no-enable_prefix_cache")
+    assert (rep["kv_tokens"], rep["state_slots"]) == (16 * 64 + 64, 3 + 1)
+    assert rep["memory"]["cpu"]["kv"] == 17 * 64 * KV_PER_TOKEN and rep["memory"]["cpu"]["state"] == 4 * STATE_PER_SLOT
+    rep = show(capsys, "Qwen3Next-cpu.yaml", "--max_batch_size", "3", "--prefix_cache_max_snapshots", "5")
+    assert rep["state_slots"] == 3 + 5 + 1
+    assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-cpu.yaml"),
+                 "--page_size", "0"]) == 2
+    assert "--page_size" in capsys.readouterr().err
