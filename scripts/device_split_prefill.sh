@@ -8,7 +8,9 @@
 #                                             TESTS (the test files), NO_KERNELS=1 (skips limits and the repack bench),
 #                                             MOE_TOKENS (also bench moe, the CPU experts alone, at these token
 #                                             counts), CONTROL=1 (then bench e2e with the experts on the CPU in both
-#                                             phases, --chunk_size 512: decode and pp512 beside the split's)
+#                                             phases, --chunk_size 512: decode and pp512 beside the split's),
+#                                             ITL (a prompt this long arrives while ITL_DECODES (4) requests
+#                                             decode: their ITL p50/p99 beside the chunk time)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -39,7 +41,7 @@ sed -e "s/^\( *gpu_prefill_min_tokens: \)[0-9]*/\1${THRESH:-256}/" \
 grep -n "gpu_prefill_min_tokens\|cpu_share:" /tmp/split.yaml
 PYTHONUNBUFFERED=1 E2E_TIMEOUT=${E2E_TIMEOUT:-240} e2e e2e_split --optimize_config_path /tmp/split.yaml \
   --prompt_len 512 --gen_len 8 --batch_sizes 1 --prefill_lens "${LENS:-4096}" --chunk_size "${CHUNK:-4096}" \
-  --profile_steps 0 --use_cuda_graph
+  --profile_steps 0 --use_cuda_graph ${ITL:+--itl_prefill_len $ITL --itl_decodes ${ITL_DECODES:-4}}
 if [ -n "${CONTROL:-}" ]; then
   PYTHONUNBUFFERED=1 E2E_TIMEOUT=${E2E_TIMEOUT:-240} e2e e2e_cpuexperts \
     --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve-cpuexperts.yaml --prompt_len 512 --gen_len 32 \

@@ -71,6 +71,10 @@ def _add_bench_e2e_parser(bench_sub) -> None:
     b.add_argument("--prefill_lens", default="",
                    help="comma-separated prompt lengths whose time to first token is also measured, one request "
                         "each (e.g. 512,4096,16384)")
+    b.add_argument("--itl_prefill_len", type=int, default=0,
+                   help="also send a prompt this long while --itl_decodes requests decode, and report their "
+                        "inter-token latency (p50, p99) beside the time of a step carrying its chunks")
+    b.add_argument("--itl_decodes", type=int, default=4, help="requests decoding while --itl_prefill_len prefills")
     b.add_argument("--profile_steps", type=int, default=8,
                    help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
     b.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,

@@ -50,6 +50,8 @@ class E2EOptions:
     profile_steps: int = 8
     use_cuda_graph: bool | None = None  # as ktrans serve: on where the model's batches are on a GPU
     prefill_lens: tuple[int, ...] = ()  # more prompt lengths whose time to first token is measured (batch 1)
+    itl_prefill_len: int = 0  # a prompt this long arrives while itl_decodes requests decode: their ITL (0: skip)
+    itl_decodes: int = 4
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -62,7 +64,12 @@ class E2EOptions:
             raise ValueError(f"--prefill_lens must be positive integers, got {self.prefill_lens}")
         if self.profile_steps < 0:
             raise ValueError(f"--profile_steps must be >= 0, got {self.profile_steps}")
+        if self.itl_prefill_len < 0 or self.itl_decodes < 1:
+            raise ValueError(f"--itl_prefill_len must be >= 0 and --itl_decodes >= 1, got {self.itl_prefill_len} "
+                             f"and {self.itl_decodes}")
 
+
+_ITL_BEFORE = 16  # decode-only steps in the ITL sample before the long prompt arrives
 
 # CUDA runtime calls that put work on a stream, as torch.profiler names them.
 _LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -146,6 +153,64 @@ class _Bench:
         run.tpot_s = [(last[i] - first[i]) / (gen_len - 1) for i in range(batch)]
         return run
 
+    def itl_during_prefill(self, decodes: int, prompt_len: int, long_len: int, gen_len: int) -> dict:
+        """The inter-token latency of `decodes` requests while a `long_len`-token prompt arrives and is prefilled in
+        chunks beside them (each step carries their decode tokens and a chunk of it). The sample is every ITL of the
+        decoders from _ITL_BEFORE decode-only steps before the long prompt is submitted until its first token; the
+        chunk time is the median wall time of the steps that carried its chunks. Chunked prefill keeps the decodes
+        flowing when ITL p99 <= chunk time + 2 ITL p50 (`holds`)."""
+        params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+        streams = [self.engine.submit(torch.randint(0, self.vocab, (prompt_len,), generator=self.gen).tolist(),
+                                      params) for _ in range(decodes)]
+        times: list[list[float]] = [[] for _ in streams]
+        long_stream, t_long, t_long_first, chunk_walls, decode_steps = None, None, None, [], 0
+
+        def step() -> bool:
+            t0 = time.perf_counter()
+            alive = self.engine.poll()
+            self._sync()
+            t1 = time.perf_counter()
+            for i, s in enumerate(streams):
+                for out in s.drain():
+                    if out.error:
+                        raise RuntimeError(f"request failed in the engine: {out.error}")
+                    times[i] += [t1] * len(out.token_ids)
+            if t_long is not None and t_long_first is None:
+                chunk_walls.append(t1 - t0)
+            return alive
+
+        while min(len(t) for t in times) == 0 or decode_steps < _ITL_BEFORE:  # the decoders' prefill, then steady
+            if min(len(t) for t in times) > 0:
+                decode_steps += 1
+            if not step():
+                raise RuntimeError("the decoders finished before the long prompt came")
+        t_start = max(t[0] for t in times)  # every decoder past its first token: the decode-only steps follow
+        long_stream = self.engine.submit(torch.randint(0, self.vocab, (long_len,), generator=self.gen).tolist(),
+                                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        t_long = time.perf_counter()
+        while t_long_first is None:
+            if not step():
+                raise RuntimeError("the engine went idle before the long prompt's first token")
+            for out in long_stream.drain():
+                if out.error:
+                    raise RuntimeError(f"the long prompt failed in the engine: {out.error}")
+                if out.token_ids and t_long_first is None:
+                    t_long_first = time.perf_counter()
+        if min(len(t) for t in times) >= gen_len:
+            raise RuntimeError("the decoders finished before the long prompt's first token: raise their tokens")
+        for s in streams:
+            self.engine.abort(s.request_id)
+        while self.engine.poll():
+            pass
+        long_stream.drain()
+        itl = sorted(b - a for t in times for a, b in zip(t, t[1:]) if a >= t_start and b <= t_long_first)
+        pct = lambda q: itl[min(len(itl) - 1, int(q * len(itl)))]  # noqa: E731
+        chunk = sorted(chunk_walls)[len(chunk_walls) // 2]
+        return {"decodes": decodes, "prompt_len": long_len, "ttft_ms": 1e3 * (t_long_first - t_long),
+                "chunk_steps": len(chunk_walls), "chunk_ms": 1e3 * chunk, "chunk_ms_max": 1e3 * max(chunk_walls),
+                "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
+                "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
+
     def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float] | None:
         """(mean GPU busy seconds, device operations, host launches) of a batch-1 decode step, from the profiler
         (None without CUDA). A device operation is one kernel, copy or memset on the device; a host launch is one
@@ -228,8 +293,14 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     per_req = opts.prompt_len + opts.gen_len + 1
     longest = max((n + 3 for n in opts.prefill_lens), default=0)  # a prefill-only request: prompt, 2 tokens
     chunk = opts.chunk_size or default_chunk_size(model)
+    itl_gen = itl_cache = 0
+    if opts.itl_prefill_len:  # the decoders' tokens must outlast the long prompt's chunks
+        itl_gen = _ITL_BEFORE + -(-opts.itl_prefill_len // max(1, chunk - opts.itl_decodes)) + 16
+        itl_cache = opts.itl_decodes * (opts.prompt_len + itl_gen + 1) + opts.itl_prefill_len + 3
+        max_b = max(max_b, opts.itl_decodes + 1)
+        longest = max(longest, opts.prompt_len + itl_gen + 1, opts.itl_prefill_len + 3)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=chunk,
-                                                   cache_lens=max(max_b * per_req, longest) + 16 * max_b,
+                                                   cache_lens=max(max_b * per_req, longest, itl_cache) + 16 * max_b,
                                                    max_new_tokens=opts.gen_len,
                                                    max_model_len=max(per_req, longest) + 16,
                                                    use_cuda_graph=opts.use_cuda_graph))
@@ -264,6 +335,12 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         r = bench.run(1, n, 2)
         prefill.append({"tokens": n, "ttft_ms": 1e3 * r.ttft_s[0], "tok_s": n / r.ttft_s[0]})
         log(f"  prefill {n:>6} tokens: TTFT {1e3 * r.ttft_s[0]:.0f} ms, {n / r.ttft_s[0]:.1f} tok/s")
+    itl = None
+    if opts.itl_prefill_len:
+        itl = bench.itl_during_prefill(opts.itl_decodes, opts.prompt_len, opts.itl_prefill_len, itl_gen)
+        log(f"  {opts.itl_decodes} decodes while a {opts.itl_prefill_len}-token prompt prefills: ITL p50 "
+            f"{itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms, chunk {itl['chunk_ms']:.1f} ms "
+            f"x {itl['chunk_steps']}, TTFT {itl['ttft_ms']:.0f} ms")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
     gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
     if "step_ms" in one:
@@ -290,6 +367,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "tpot_ms": {str(s["batch_size"]): s["tpot_ms"] for s in results},
         "split_ms": split,
         "prefill": prefill,
+        "itl_during_prefill": itl,
         "split_prefill": _split_prefill(model),
         "cuda_graphs": (None if engine.runner.graphs is None else
                         {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),
@@ -313,7 +391,8 @@ def main(args) -> int:
                       optimize_config_path=args.optimize_config_path, prompt_len=args.prompt_len,
                       gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
                       cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
-                      use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens))
+                      use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens),
+                      itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes)
     quiet = args.json
     # with --json stdout is the JSON alone; the progress lines go to stderr as they come
     out = run(opts, show_progress=not quiet,

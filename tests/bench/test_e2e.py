@@ -69,3 +69,25 @@ def test_pool_busy_counts_jobs():
         moe.forward(x, ids, torch.full((8, 2), 0.5))
     jobs, busy = pool.busy()
     assert jobs >= 3 and busy > 0
+
+
+def test_itl_while_a_long_prompt_prefills():
+    """--itl_prefill_len: two requests decode, a 300-token prompt arrives and is prefilled in 64-token steps beside
+    them (62 of its tokens a step: 5 steps); their ITLs sample 16 decode-only steps and those 5."""
+    out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--optimize_config_path",
+                          str(RULES_DIR / "Qwen3Next-cpu.yaml"), "--prompt_len", "8", "--gen_len", "4",
+                          "--batch_sizes", "1", "--chunk_size", "64", "--profile_steps", "0",
+                          "--itl_prefill_len", "300", "--itl_decodes", "2", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    itl = json.loads(out.stdout.strip().splitlines()[-1])["itl_during_prefill"]
+    assert (itl["decodes"], itl["prompt_len"], itl["chunk_steps"], itl["itl_count"]) == (2, 300, 5, 2 * (16 + 5))
+    assert 0 < itl["itl_p50_ms"] <= itl["itl_p99_ms"] <= itl["itl_max_ms"] and itl["chunk_ms"] <= itl["chunk_ms_max"]
+    assert itl["ttft_ms"] > 0 and isinstance(itl["holds"], bool)
+
+
+def test_itl_flags_are_checked():
+    from ktrans.bench.e2e import E2EOptions
+
+    with pytest.raises(ValueError, match="--itl_decodes"):
+        E2EOptions(itl_prefill_len=100, itl_decodes=0)
