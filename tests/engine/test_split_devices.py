@@ -188,7 +188,7 @@ def test_rules_show_reports_two_gpus(capsys, tmp_path, config):
     mem, rows = rep["memory"], {r["module"]: r for r in rep["modules"]}
     assert sorted(mem) == ["cpu", "cuda:0", "cuda:1"]
     c = ModelConfig.from_hf_dict(d, source="t")
-    kv_layer = 2 * c.num_key_value_heads * c.head_dim * 2 * 1024
+    kv_layer = 2 * c.num_key_value_heads * c.head_dim * 2 * (1024 + 16)  # 64 pages and the pad page, as allocated
     assert mem["cuda:0"]["kv"] == mem["cuda:1"]["kv"] == 6 * kv_layer and mem["cpu"]["kv"] == 0
     assert mem["cuda:0"]["state"] == mem["cuda:1"]["state"] > 0 and mem["cpu"]["state"] == 0
     h, v = c.hidden_size, c.vocab_size
