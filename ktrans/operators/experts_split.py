@@ -23,11 +23,11 @@ repacked on the GPU in one Triton launch per matrix (ktrans.kernels.triton.repac
 into the planes of the quantized GPU MoE (ktrans.kernels.triton.quant_layout), which ktrans.kernels.triton.moe_quant
 runs.
 
-Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream while the CPU runs
-layer L's share and the GPU layer L's. The copy stream waits on nothing of the compute stream; the compute stream
-waits on the copy's event before it reads the planes, and the planes are recorded as used by the compute stream, so
-the allocator hands their memory to a later copy only once the kernels that read them have finished. At most two
-layers' planes are alive at once.
+Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream, first thing (before
+the host waits for layer L's routing), while the CPU runs layer L's share and the GPU layer L's. The copy stream
+waits on nothing of the compute stream; the compute stream waits on the copy's event before it reads the planes, and
+the planes are recorded as used by the compute stream, so the allocator hands their memory to a later copy only once
+the kernels that read them have finished. At most two layers' planes are alive at once.
 
 The CPU's share runs on the pool as KExpertsCPU's blocking path does (its inputs copied to the host; prefill may
 sync); its time is the pool's own busy span. Rules place the op on CUDA; the tests also build it on the CPU, where
@@ -363,6 +363,14 @@ class KExpertsSplit(ExpertsOp):
         st.collect()
         copy = self._take(t, k)
         first = copy.first if copy is not None else self.num_experts
+        # The next layer's share streams while this one computes. Enqueued before the host waits for this layer's
+        # CPU inputs (that copy syncs the compute stream, still running this layer's dense part), so the copy engine
+        # starts it that much earlier; the previous layer's planes are free by now (its sync waited for its MoE).
+        nxt = st.next_layer(self.layer)
+        if nxt is not None and nxt._streamable():
+            nfirst = nxt.n_cpu(t, k)
+            if nfirst < nxt.num_experts:
+                st.pending[nxt.layer] = nxt._copy(t, nfirst)
         ids64 = topk_ids.to(torch.int64)
         t0 = time.perf_counter()
         # the CPU's share: its experts' slots (others -1, skipped), on the host
@@ -377,11 +385,6 @@ class KExpertsSplit(ExpertsOp):
             self._wait(copy)
             gpu_ids = torch.where(ids64 >= first, ids64 - first, -1)
             gpu_out = moe_quant(x, gpu_ids, topk_weights, copy.gate_up, copy.down)
-        nxt = st.next_layer(self.layer)
-        if nxt is not None and nxt._streamable():  # the next layer's share streams while this one computes
-            nfirst = nxt.n_cpu(t, k)
-            if nfirst < nxt.num_experts:
-                st.pending[nxt.layer] = nxt._copy(t, nfirst)
         self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy))
 
     def sync(self) -> torch.Tensor:
