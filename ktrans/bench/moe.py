@@ -234,7 +234,8 @@ def _run(shape_name, quant, tokens, threads, reference, isa, min_time_s, seed, e
             emit(json.dumps(row))
         else:
             ref = f"  ref {row['ref_ms']:.2f} ms ({row['speedup_vs_ref']}x)" if reference else ""
-            emit(f"T={T:5d}  {ms:9.3f} ms  {row['tokens_per_s']:10.1f} tok/s  {n_exp:5.0f} experts  "
+            of = f" of the first {round(share * E)}" if share < 1 else ""
+            emit(f"T={T:5d}  {ms:9.3f} ms  {row['tokens_per_s']:10.1f} tok/s  {n_exp:5.0f} experts{of}  "
                  f"{gbs:6.2f} GB/s of {read_gbs:.2f} read ({row['ratio'] * 100:.0f}%)  [{moe.path}, "
                  f"{pool.size} threads, cpu {cpu_util:.2f}]{ref}")
     return results
