@@ -100,6 +100,7 @@ struct MoEJob : Job {
   std::vector<int> offsets;   // pairs of experts[a] are offsets[a] .. offsets[a + 1]
   std::vector<int> pair_tok;  // (token, slot) pairs grouped by expert
   std::vector<float> pair_w;
+  std::vector<uint8_t> tok_used;  // per token: routed to at least one expert here (prefill's quantize skips others)
   std::vector<const uint8_t*> xg, xu, hin;  // per pair: activation rows for gate, up, down
   Buffer xg_buf, xu_buf, h_buf, hq_buf, y_buf;
   int max_group = 0;
@@ -228,11 +229,24 @@ uint64_t MoE::submit(ThreadPool& pool, const float* x, int64_t T, int64_t ldx, c
     if (fg != ACT_F32) quantize_act(fg, x, ldx, static_cast<int>(T), H, J.xg_buf.get(), lg);
     if (sep_u && fu != ACT_F32) quantize_act(fu, x, ldx, static_cast<int>(T), H, J.xu_buf.get(), lu);
   } else if (fg != ACT_F32 || (sep_u && fu != ACT_F32)) {
+    // Only the rows some pair reads: a share of the experts (split prefill's CPU part, a probe of one expert)
+    // routes few of a long step's tokens here, and quantizing all of them cost more than the experts' work.
+    J.tok_used.assign(static_cast<size_t>(T), 0);
+    for (int p = 0; p < n_pairs; ++p) J.tok_used[J.pair_tok[p]] = 1;
     job->phases.push_back({ceil_div(T, kRowsPerQuant), [=, &K](int task, int) {
-      const int t0 = task * kRowsPerQuant;
-      const int n = static_cast<int>(std::min<int64_t>(kRowsPerQuant, T - t0));
-      if (fg != ACT_F32) quantize_act(fg, x + t0 * ldx, ldx, n, H, jp->xg_buf.get() + t0 * lg, lg);
-      if (sep_u && fu != ACT_F32) quantize_act(fu, x + t0 * ldx, ldx, n, H, jp->xu_buf.get() + t0 * lu, lu);
+      const int64_t end = std::min<int64_t>(static_cast<int64_t>(task + 1) * kRowsPerQuant, T);
+      for (int64_t t0 = static_cast<int64_t>(task) * kRowsPerQuant; t0 < end;) {  // runs of used rows
+        if (!jp->tok_used[t0]) {
+          ++t0;
+          continue;
+        }
+        int64_t t1 = t0 + 1;
+        while (t1 < end && jp->tok_used[t1]) ++t1;
+        const int n = static_cast<int>(t1 - t0);
+        if (fg != ACT_F32) quantize_act(fg, x + t0 * ldx, ldx, n, H, jp->xg_buf.get() + t0 * lg, lg);
+        if (sep_u && fu != ACT_F32) quantize_act(fu, x + t0 * ldx, ldx, n, H, jp->xu_buf.get() + t0 * lu, lu);
+        t0 = t1;
+      }
     }});
   }
 

@@ -124,6 +124,27 @@ def test_awkward_routings(qtype, path, pool):
         assert rel_err(y, ref) < BOUND[qtype], f"{name} ({qtype}, {path})"
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_unrouted_tokens_of_a_long_step(path, pool):
+    # A share of the experts (split prefill's CPU part) routes only some of a step's tokens here; those rows alone
+    # are quantized, in runs that cross the 8-row quantization tasks. The others come out zero, and the routed ones
+    # equal the same tokens computed without the unrouted rows (the same pairs per expert, in the same order).
+    qtypes = ("Q4_K", "Q4_K", "Q6_K")
+    moe = make_moe(qtypes, pool, isa=path)
+    gen = torch.Generator().manual_seed(4)
+    t = 45
+    ids, w = routing(t, 3, gen)
+    unrouted = torch.tensor([0, 1, 2, 7, 8, 9, 15, 16, 30, 31, 32, 33, 34, 35, 36, 44])
+    ids[unrouted] = -1
+    ids[5, 1] = -1  # a token with some slots elsewhere keeps the rest
+    x = torch.randn(t, moe.hidden, generator=gen)
+    y = moe(x, ids, w)
+    assert torch.all(y[unrouted] == 0)
+    keep = torch.ones(t, dtype=torch.bool)
+    keep[unrouted] = False
+    assert torch.equal(y[keep], moe(x[keep], ids[keep], w[keep]))
+
+
 def test_empty_batch_and_bad_input(pool):
     moe = make_moe(("Q8_0",) * 3, pool)
     out = moe(torch.zeros(0, moe.hidden), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
