@@ -257,7 +257,10 @@ PYBIND11_MODULE(_cpu, m) {
       .def("take_error", &StreamCall::take_error,
            "The first failure of a host function since the last call ('' if none), cleared.")
       .def_property_readonly("calls", [](const StreamCall& c) { return c.calls.load(); },
-                             "Waits completed so far.");
+                             "Waits completed so far.")
+      .def_property_readonly("last_busy_ns", [](const StreamCall& c) { return c.last_busy_ns.load(); },
+                             "The pool's busy nanoseconds from the last job's submit to its wait: that job's "
+                             "compute span when nothing else ran on the pool meanwhile (0 before the first).");
 
   py::class_<PyLinear>(m, "Linear", "y = x W^T with W [n_out, n_in] in ggml blocks.")
       .def(py::init([](std::shared_ptr<ThreadPool> pool, int64_t n_out, int64_t n_in, uintptr_t w, int type,

@@ -79,6 +79,7 @@ void StreamCall::run_submit() {
     if (n < 0 || n > max_rows)
       throw std::out_of_range("live rows " + std::to_string(n) + " outside [0, " + std::to_string(max_rows) + "]");
     if (n > 0) {
+      busy_at_submit = pool->busy()[1];
       ticket = moe->submit(*pool, x, n, ldx, ids, weights, k, out, ldo);
       has_job = true;
     }
@@ -90,7 +91,10 @@ void StreamCall::run_submit() {
 
 void StreamCall::run_wait() {
   try {
-    if (has_job) pool->wait(ticket);
+    if (has_job) {
+      pool->wait(ticket);
+      last_busy_ns.store(pool->busy()[1] - busy_at_submit, std::memory_order_relaxed);
+    }
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> g(error_mu);
     if (error.empty()) error = e.what();

@@ -37,6 +37,10 @@ struct StreamCall {
   // Run state, touched by the host functions (the driver's callback thread) and read by Python.
   std::atomic<int> in_flight{0};    // between run_submit and run_wait
   std::atomic<uint64_t> calls{0};   // completed waits (tests: a replay ran its host functions)
+  // The pool's busy time (ThreadPool::busy) across the last submit..wait: the last job's own compute span when
+  // nothing else ran on the pool meanwhile (split prefill reads it as the CPU share's time, never waiting for it).
+  std::atomic<int64_t> last_busy_ns{0};
+  int64_t busy_at_submit = 0;
   uint64_t ticket = 0;
   bool has_job = false;
   std::mutex error_mu;

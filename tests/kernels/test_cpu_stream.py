@@ -37,10 +37,13 @@ def test_host_functions_equal_submit_on_the_live_rows(pool, t, live):
     _fill(staging, x, ids, w)
     staging.out.fill_(7.0)  # rows the call must not touch keep this
     staging.set_rows(live)
+    busy0 = pool.busy()[1]
     call.call.run_submit()
     call.call.run_wait()
     call.check()
     assert call.call.calls == 1
+    # the job's span on the pool (nothing else ran): what split prefill reads as its CPU share's time
+    assert call.call.last_busy_ns == (pool.busy()[1] - busy0 if live else 0)
     if live:
         want = moe.submit(x[:live].contiguous(), ids[:live].contiguous(), w[:live].contiguous()).wait()
         assert torch.equal(staging.out[:live], want)
