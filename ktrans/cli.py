@@ -154,6 +154,10 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps as CUDA graphs, one per batch-size bucket (default: on where the "
                         "model's batches are on a GPU)")
+    s.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="before listening, run throw-away requests through every kind of step (a whole chunk, "
+                        "mixed prefill and decode, decode), so the first users do not wait for kernel compiles "
+                        "and graph captures")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("chat", help="interactive terminal chat with a running server")

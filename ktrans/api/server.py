@@ -46,6 +46,7 @@ class ServeOptions:
     cpu_infer: int | None = None
     use_cuda_graph: bool | None = None  # None: on where the model's batches are on a GPU
     enable_prefix_cache: bool = True
+    warmup: bool = True  # Engine.warm_up before listening
     prefix_cache_max_snapshots: int = 32
     prefix_cache_snapshot_interval: int = 0
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
@@ -243,6 +244,10 @@ def run(opts: ServeOptions) -> None:
           f"  try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"stream\": true}}'",
           file=sys.stderr, flush=True)
+    if opts.warmup:
+        done = engine.warm_up()
+        print(f"  warmed up in {done['seconds']:.1f} s ({done['steps']} steps: kernels compiled, CUDA graphs "
+              f"captured; --no-warmup skips it)", file=sys.stderr, flush=True)
     engine.start()
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))

@@ -307,6 +307,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
+    warmup = engine.warm_up()  # what `ktrans serve` runs before it listens: every kind of step once
     bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches
     # and each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
     # and Triton compiles by token count, and split prefill measures its rates per token bucket
@@ -361,6 +362,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "gpus": [torch.cuda.get_device_name(d) for d in devices]},
         "load_s": load_s,
+        "warmup_s": warmup["seconds"],
         "prefill_tok_s": prefill_tok_s,
         "decode_tok_s": {str(s["batch_size"]): s["decode_tok_s"] for s in results},
         "ttft_ms": {str(s["batch_size"]): s["ttft_ms"] for s in results},

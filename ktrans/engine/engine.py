@@ -348,6 +348,50 @@ class Engine:
                      "prefill_tokens_per_s": len(prompt_ids) / max(prefill_s, 1e-9),
                      "decode_tokens_per_s": n_dec / decode_s if n_dec and decode_s > 0 else 0.0}
 
+    def warm_up(self) -> dict:
+        """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): one
+        prompt of a whole step, then a request decoding while another prompt's chunk of an odd length comes in
+        beside it (a mixed step), and decode at batch 1 and 2. The first users' requests then do not pay what the
+        first steps of each kind cost: Triton compiles a kernel per token-count class (1, multiples of 16, others)
+        and per one-or-more sequences, the autotuned kernels time their configs, CUDA graphs are captured, split
+        prefill measures its rates. Nothing of it stays: the prefix cache is flushed and the counters are reset,
+        and the metrics do not see it. On the caller's thread, before start(). Returns the time and steps taken."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("Engine.warm_up steps the engine itself: call it before start()")
+        t0, steps0 = time.perf_counter(), self.num_steps
+        metrics, self.metrics = self.metrics, None
+        gen = torch.Generator().manual_seed(0)
+        vocab, limit = self.model_config.vocab_size, self.max_model_len
+        ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+        greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+        try:
+            if limit >= 3:
+                self.submit(ids(min(self.config.chunk_size, limit - 2)), greedy(2))  # one whole step
+                while self.poll():
+                    pass
+            if limit >= 18:
+                first = self.submit(ids(5), greedy(12))
+                while not first.drain() and self.poll():  # its prefill and first token: it decodes from now on
+                    pass
+                # beside its decodes, a prompt whose step has an odd token count, then one whose step is a whole
+                # chunk (a multiple of 16 with more than one sequence)
+                n = max(1, min(self.config.chunk_size - 1, limit - 2))
+                for m in (n - 1 - (n % 2), n):
+                    if m >= 1:
+                        other = self.submit(ids(m), greedy(2))
+                        while not other.drain() and self.poll():
+                            pass
+                while self.poll():
+                    pass
+        finally:
+            self.metrics = metrics
+        self._flush_cache()
+        if self.prefix_cache is not None:
+            self.prefix_cache.stats = type(self.prefix_cache.stats)()
+        self.scheduler.num_preemptions = 0
+        steps, self.num_steps = self.num_steps - steps0, steps0
+        return {"seconds": time.perf_counter() - t0, "steps": steps}
+
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> None:
         sched = self.scheduler.schedule()  # 1. which requests, how many tokens each (may preempt)

@@ -156,3 +156,26 @@ def test_cache_size_from_a_memory_fraction(tiny):
     assert engine_config(ServeOptions(cache_memory_fraction=0.001), model).cache_lens > 0
     with pytest.raises(ValueError, match="cache_memory_fraction"):
         cache_lens_for_fraction(model, 1.5, num_slots=4)
+
+
+def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
+    # Engine.warm_up (what `ktrans serve` runs before it listens): a whole-chunk prompt, decodes beside an odd and
+    # a whole-chunk mixed step. Afterwards the pools are full, the prefix cache holds nothing and counts nothing, the
+    # step counter is back at 0, and a request's greedy tokens are what they are alone.
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=48, cache_lens=256))
+    seen = []
+    real_step = engine.runner.step
+    engine.runner.step = lambda chunks: (seen.append([len(c.token_ids) for c in chunks]), real_step(chunks))[1]
+    done = engine.warm_up()
+    assert done["steps"] == len(seen) > 0 and engine.num_steps == 0
+    assert [48] in seen  # one prompt, a whole step
+    mixed = [sum(s) for s in seen if len(s) == 2 and max(s) > 1]
+    assert any(n % 16 for n in mixed) and 48 in mixed  # decode + odd chunk, decode + a chunk filling the step
+    assert [1, 1] in seen  # decode at batch 2
+    s = engine.stats()
+    assert s["kv_pages_free"] == s["kv_pages"] and s["slots_free"] == s["slots"]
+    assert s["prefix_cache_hits"] == 0 and s["prefix_cache_snapshots"] == 0 and s["num_preemptions"] == 0
+    prompt = list(range(3, 40))
+    out, _ = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))
+    assert out.token_ids == reference(prompt, 6)
