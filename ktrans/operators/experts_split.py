@@ -23,15 +23,18 @@ repacked on the GPU in one Triton launch per matrix (ktrans.kernels.triton.repac
 into the planes of the quantized GPU MoE (ktrans.kernels.triton.quant_layout), which ktrans.kernels.triton.moe_quant
 runs.
 
-Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream, first thing (before
-the host waits for layer L's routing), while the CPU runs layer L's share and the GPU layer L's. The copy stream
-waits on nothing of the compute stream; the compute stream waits on the copy's event before it reads the planes, and
-the planes are recorded as used by the compute stream, so the allocator hands their memory to a later copy only once
-the kernels that read them have finished. At most two layers' planes are alive at once.
+Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream, while the CPU runs
+layer L's share and the GPU layer L's. The copy stream waits on nothing of the compute stream; the compute stream
+waits on the copy's event before it reads the planes, and the planes are recorded as used by the compute stream, so
+the allocator hands their memory to a later copy only once the kernels that read them have finished. On CUDA the
+host never waits for the GPU or the CPU within a forward, so it runs ahead; before it allocates layer L+1's planes it
+waits for layer L-1's GPU MoE to have finished, so at most two layers' planes are alive at once.
 
-The CPU's share runs on the pool as KExpertsCPU's blocking path does (its inputs copied to the host; prefill may
-sync); its time is the pool's own busy span. Rules place the op on CUDA; the tests also build it on the CPU, where
-the copies are plain and Triton's interpreter runs the MoE.
+The CPU's share runs as decode's does, on the compute stream (ktrans.kernels.cpu_stream): its inputs copied to
+pinned staging, the pool's submit and wait as host functions around the GPU's share, the result copied back. Its
+time, for the rate, is the pool's busy span between the two (StreamCall.last_busy_ns), read at the layer's next
+call. Rules place the op on CUDA; the tests also build it on the CPU, where the share runs on the pool directly, the
+copies are plain and Triton's interpreter runs the MoE.
 """
 from __future__ import annotations
 
@@ -120,6 +123,7 @@ class _Stager:
         self.calls = 0  # auto splits decided (the probe's clock)
         self.layers: "weakref.WeakValueDictionary[int, KExpertsSplit]" = weakref.WeakValueDictionary()
         self.pending: dict[int, _Copy] = {}
+        self.moe_done: dict[int, torch.cuda.Event] = {}  # per layer: its last GPU MoE's end, on the compute stream
         self._timed: list[tuple] = []  # (start, copied, end events, experts) of copies not yet folded in
         self.copy_s = self.repack_s = 0.0  # the GPU's time in copies and in repacks, summed over folded copies
         self.copied_experts = 0
@@ -128,6 +132,10 @@ class _Stager:
     def next_layer(self, layer: int) -> "KExpertsSplit | None":
         later = [k for k in self.layers.keys() if k > layer]
         return self.layers.get(min(later)) if later else None
+
+    def prev_layer(self, layer: int) -> int | None:
+        earlier = [k for k in self.layers.keys() if k < layer]
+        return max(earlier) if earlier else None
 
     def collect(self) -> None:
         """Fold the copies that have finished into the GPU rate (never waits)."""
@@ -226,6 +234,7 @@ class KExpertsSplit(ExpertsOp):
         self._prefetched = False
         self.pinned: bool | None = None  # whether the CPU experts' buffers are registered for DMA (CUDA only)
         self._busy0 = 0
+        self._on_stream: tuple | None = None  # (StreamCall, its wait count once done, tokens, n_cpu) not yet folded
         self.last: dict = {}          # the last call: tokens, n_cpu, times (for bench e2e and the tests)
 
     # ---- wiring -----------------------------------------------------------------------------------------------------
@@ -361,31 +370,65 @@ class KExpertsSplit(ExpertsOp):
             return
         st = self._stager
         st.collect()
+        self._fold_stream_rate()
         copy = self._take(t, k)
         first = copy.first if copy is not None else self.num_experts
-        # The next layer's share streams while this one computes. Enqueued before the host waits for this layer's
-        # CPU inputs (that copy syncs the compute stream, still running this layer's dense part), so the copy engine
-        # starts it that much earlier; the previous layer's planes are free by now (its sync waited for its MoE).
+        on_stream = x.is_cuda
+        # The next layer's share streams while this one computes. On CUDA nothing here waits for the GPU, so the
+        # host runs ahead of it; before it allocates the next layer's planes it waits for the layer before this one
+        # to have finished its GPU MoE, so at most two layers' planes are in flight. Off CUDA (tests) the copy is
+        # enqueued before the host copies this layer's inputs, which syncs.
         nxt = st.next_layer(self.layer)
         if nxt is not None and nxt._streamable():
             nfirst = nxt.n_cpu(t, k)
             if nfirst < nxt.num_experts:
+                done = st.moe_done.get(st.prev_layer(self.layer))
+                if done is not None:
+                    done.synchronize()
                 st.pending[nxt.layer] = nxt._copy(t, nfirst)
         ids64 = topk_ids.to(torch.int64)
         t0 = time.perf_counter()
-        # the CPU's share: its experts' slots (others -1, skipped), on the host
+        # the CPU's share: its experts' slots (others -1, skipped)
         cpu_running = first > 0
         if cpu_running:
             cpu_ids = torch.where(ids64 < first, ids64, -1)
-            inputs = [v.to("cpu") for v in (x, cpu_ids, topk_weights)]
-            self._busy0 = self.cpu_op.moe.pool.busy()[1]
-            self.cpu_op.submit(*inputs)
+            if on_stream:
+                # On the stream, as decode runs it: inputs copied to pinned staging and the pool's submit and wait
+                # as host functions, so neither the host nor a torch CPU op is in the way (a host sync per layer,
+                # and torch's threads beside the pool's, made the share ~3x slower in situ than alone).
+                self.cpu_op.submit(x, cpu_ids, topk_weights)
+                call = self.cpu_op.stream_call(k).call
+                self._on_stream = (call, call.calls + 1, t, first)
+            else:
+                inputs = [v.to("cpu") for v in (x, cpu_ids, topk_weights)]
+                self._busy0 = self.cpu_op.moe.pool.busy()[1]
+                self.cpu_op.submit(*inputs)
         gpu_out = None
         if copy is not None:
             self._wait(copy)
             gpu_ids = torch.where(ids64 >= first, ids64 - first, -1)
             gpu_out = moe_quant(x, gpu_ids, topk_weights, copy.gate_up, copy.down)
-        self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy))
+            if on_stream:
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+                st.moe_done[self.layer] = done
+        self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy, on_stream))
+
+    def _fold_stream_rate(self) -> None:
+        """Fold the CPU share's time of this layer's last call on the stream into the CPU rate, once its wait has
+        run (by this layer's next call it has: the engine's step ends by reading its tokens). Its time is the
+        pool's busy span between the host functions (StreamCall.last_busy_ns), the share's own compute."""
+        if self._on_stream is None:
+            return
+        call, calls, t, first = self._on_stream
+        if call.calls < calls:
+            return  # not run yet: fold it at a later call
+        self._on_stream = None
+        if call.calls == calls:  # else another call on it ran since: the span is not this one's
+            cpu_s = call.last_busy_ns / 1e9
+            self._stager.rates.add_cpu(t, cpu_s / first)
+            if self.last.get("tokens") == t:
+                self.last["cpu_s"] = cpu_s
 
     def sync(self) -> torch.Tensor:
         if self._pending is None:
@@ -393,18 +436,22 @@ class KExpertsSplit(ExpertsOp):
         (how, cpu_running, gpu_out, info), self._pending = self._pending, None
         if how == "cpu":
             return self.cpu_op.sync()
-        t, first, t0, copy = info
+        t, first, t0, copy, on_stream = info
         out = gpu_out
+        cpu_s = 0.0
         if cpu_running:
-            cpu_out = self.cpu_op.sync()
-            # the pool's own busy span (posted to completed): not the host's lateness in coming to wait for it
-            cpu_s = (self.cpu_op.moe.pool.busy()[1] - self._busy0) / 1e9
-            self._stager.rates.add_cpu(t, cpu_s / first)
+            cpu_out = self.cpu_op.sync()  # on the stream: enqueued, returned at once
+            if not on_stream:
+                # the pool's own busy span (posted to completed): not the host's lateness in coming to wait for it
+                cpu_s = (self.cpu_op.moe.pool.busy()[1] - self._busy0) / 1e9
+                self._stager.rates.add_cpu(t, cpu_s / first)
+            else:
+                cpu_s = None  # known once the stream has run the wait (_fold_stream_rate)
             cpu_out = cpu_out.to(self.device, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out  # both in x's dtype
-        self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched,
-                     "cpu_s": cpu_s if cpu_running else 0.0, "wall_s": time.perf_counter() - t0,
-                     "copy_host_s": copy.host_s if copy is not None else 0.0}
+        # wall_s: the host's time in this layer's submit and sync (on CUDA the GPU and the CPU run on after it)
+        self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched, "cpu_s": cpu_s,
+                     "wall_s": time.perf_counter() - t0, "copy_host_s": copy.host_s if copy is not None else 0.0}
         return out
 
     @property
@@ -424,7 +471,11 @@ def summary(model) -> dict | None:
         return None
     stagers = {id(op._stager): op._stager for op in ops if hasattr(op, "_stager")}
     for st in stagers.values():
+        if st.device.type == "cuda":
+            torch.cuda.synchronize(st.device)  # every enqueued share has run: its time can be read
         st.collect()
+    for op in ops:
+        op._fold_stream_rate()
     rates = [{"cpu_us_per_expert": {str(b): 1e6 * s for b, s in sorted(st.rates.cpu.items())},
               "gpu_us_per_expert": None if st.rates.gpu is None else 1e6 * st.rates.gpu,
               "gpu_copy_s": st.copy_s, "gpu_repack_s": st.repack_s, "copied_experts": st.copied_experts}
@@ -435,6 +486,6 @@ def summary(model) -> dict | None:
             "last_n_cpu": [x["n_cpu"] for x in last], "last_tokens": last[0]["tokens"] if last else None,
             "prefetched": sum(bool(x.get("prefetched")) for x in last),
             "pinned": [op.pinned for op in ops].count(True), "not_pinned": [op.pinned for op in ops].count(False),
-            "last_cpu_ms": [round(1e3 * x.get("cpu_s", 0.0), 2) for x in last],
+            "last_cpu_ms": [None if x.get("cpu_s") is None else round(1e3 * x["cpu_s"], 2) for x in last],
             "last_wall_ms": [round(1e3 * x.get("wall_s", 0.0), 2) for x in last],
             "last_copy_host_ms": [round(1e3 * x.get("copy_host_s", 0.0), 2) for x in last]}

@@ -158,7 +158,7 @@ def test_auto_split_balances_the_measured_rates():
 
 
 def test_auto_split_from_rates(q4_k_m, triton_device):
-    from ktrans.operators.experts_split import _PROBE_EVERY
+    from ktrans.operators.experts_split import _PROBE_EVERY, summary
 
     config, source = q4_k_m
     ours = _experts(config, source, 1, triton_device.type, gpu_prefill_min_tokens=2)
@@ -184,6 +184,7 @@ def test_auto_split_from_rates(q4_k_m, triton_device):
     op._stager.rates.cpu.clear()
     op._stager.rates.gpu = None
     ours(x, ids, w)
+    summary(torch.nn.ModuleList([ours]))  # on CUDA the share's time is read once the stream has run it
     assert op._stager.rates.cpu  # the CPU share's time was measured
 
 
@@ -264,7 +265,9 @@ def test_summary_reports_the_split(q4_k_m, triton_device):
     layer(*_batch(config, 6, 5, triton_device))
     s = summary(torch.nn.ModuleList([layer]))
     assert s["layers"] == 1 and s["last_n_cpu"] == [config.num_experts // 2] and s["last_tokens"] == 6
-    assert s["last_cpu_ms"][0] > 0 and s["last_wall_ms"][0] >= s["last_cpu_ms"][0] * 0.5
+    assert s["last_cpu_ms"][0] > 0 and s["last_wall_ms"][0] > 0
+    if triton_device.type == "cpu":  # the host waited for the share; on CUDA it only enqueued it
+        assert s["last_wall_ms"][0] >= s["last_cpu_ms"][0] * 0.5
     assert s["pinned"] + s["not_pinned"] == (1 if triton_device.type == "cuda" else 0)
 
 
