@@ -26,15 +26,18 @@ runs.
 Overlap, double buffered: layer L's submit starts layer L+1's copy and repack on a copy stream, while the CPU runs
 layer L's share and the GPU layer L's. The copy stream waits on nothing of the compute stream; the compute stream
 waits on the copy's event before it reads the planes, and the planes are recorded as used by the compute stream, so
-the allocator hands their memory to a later copy only once the kernels that read them have finished. On CUDA the
-host never waits for the GPU or the CPU within a forward, so it runs ahead; before it allocates layer L+1's planes it
-waits for layer L-1's GPU MoE to have finished, so at most two layers' planes are alive at once.
+the allocator hands their memory to a later copy only once the kernels that read them have finished.
 
-The CPU's share runs as decode's does, on the compute stream (ktrans.kernels.cpu_stream): its inputs copied to
-pinned staging, the pool's submit and wait as host functions around the GPU's share, the result copied back. Its
-time, for the rate, is the pool's busy span between the two (StreamCall.last_busy_ns), read at the layer's next
-call. Rules place the op on CUDA; the tests also build it on the CPU, where the share runs on the pool directly, the
-copies are plain and Triton's interpreter runs the MoE.
+The CPU's share runs on the pool as KExpertsCPU's blocking path does: its inputs copied to the host (a sync), the
+pool's wait on the host, its time the pool's own busy span. With the rule kwarg `cpu_on_stream: true` it runs as
+decode's does instead, on the compute stream (ktrans.kernels.cpu_stream): inputs copied to pinned staging, the
+pool's submit and wait as host functions around the GPU's share, the result copied back, its time the pool's busy
+span between the two (StreamCall.last_busy_ns), read at the layer's next call; the host never waits within a
+forward, and before it allocates layer L+1's planes it waits for layer L-1's GPU MoE, so at most two layers' planes
+are alive. That path passes the op's tests on the H200 but has not yet finished a full-size run (2026-12-02: the
+bench did not end within its call; not diagnosed), so it is not the default. Rules place the op on CUDA; the tests
+also build it on the CPU, where the share runs on the pool directly, the copies are plain and Triton's interpreter
+runs the MoE.
 """
 from __future__ import annotations
 
@@ -226,6 +229,7 @@ class KExpertsSplit(ExpertsOp):
         if share != "auto" and not (isinstance(share, (int, float)) and 0 <= share <= 1):
             raise ValueError(f"{self.key}: cpu_share must be 'auto' or a number in [0, 1], got {share!r}")
         self.cpu_share = None if share == "auto" else float(share)
+        self.cpu_on_stream = bool(opts.get("cpu_on_stream", False))
         self.source = None
         self.dtype = torch.float32
         self._cpu: tuple = ()         # (the generate op,) once attached: a tuple, so no submodule cycle
@@ -373,10 +377,10 @@ class KExpertsSplit(ExpertsOp):
         self._fold_stream_rate()
         copy = self._take(t, k)
         first = copy.first if copy is not None else self.num_experts
-        on_stream = x.is_cuda
-        # The next layer's share streams while this one computes. On CUDA nothing here waits for the GPU, so the
-        # host runs ahead of it; before it allocates the next layer's planes it waits for the layer before this one
-        # to have finished its GPU MoE, so at most two layers' planes are in flight. Off CUDA (tests) the copy is
+        on_stream = x.is_cuda and self.cpu_on_stream
+        # The next layer's share streams while this one computes. On the stream nothing here waits for the GPU, so
+        # the host runs ahead of it; before it allocates the next layer's planes it waits for the layer before this
+        # one to have finished its GPU MoE, so at most two layers' planes are in flight. Otherwise the copy is
         # enqueued before the host copies this layer's inputs, which syncs.
         nxt = st.next_layer(self.layer)
         if nxt is not None and nxt._streamable():
@@ -461,7 +465,8 @@ class KExpertsSplit(ExpertsOp):
 
     def extra_repr(self) -> str:
         share = "auto" if self.cpu_share is None else f"{self.cpu_share:g}"
-        return f"gpu_prefill_min_tokens={self.min_tokens}, cpu_share={share}"
+        return (f"gpu_prefill_min_tokens={self.min_tokens}, cpu_share={share}"
+                + (", cpu_on_stream" if self.cpu_on_stream else ""))
 
 
 def summary(model) -> dict | None:

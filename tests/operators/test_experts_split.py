@@ -93,6 +93,27 @@ def test_split_against_the_reference(q4_k_m, triton_device, share):
     assert rel(y.cpu(), ref(x.cpu(), ids.cpu(), w.cpu())) < OP_TOL
 
 
+def test_the_share_on_the_stream_equals_the_blocking_path(q4_k_m, triton_device):
+    """`cpu_on_stream: true` enqueues the CPU's share on the CUDA stream (pinned staging, host functions) instead of
+    waiting for it on the host: the same kernels on the same values, so the outputs are equal, and the share's time
+    is read from the pool once the stream has run it (summary() waits for that)."""
+    from ktrans.operators.experts_split import summary
+
+    if triton_device.type != "cuda":
+        pytest.skip("the stream path needs CUDA")
+    config, source = q4_k_m
+    x, ids, w = _batch(config, 37, 6, triton_device)
+    outs = []
+    for on_stream in (False, True):
+        ours = _experts(config, source, 1, "cuda", gpu_prefill_min_tokens=4, cpu_share=0.5, cpu_on_stream=on_stream)
+        op = _split_op(ours)
+        op._stager.rates.cpu.clear()
+        outs.append(ours(x, ids, w))
+        s = summary(torch.nn.ModuleList([ours]))
+        assert op.cpu_on_stream == on_stream and s["last_cpu_ms"][0] > 0 and op._stager.rates.cpu
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_gpu_share_from_repacked_rows_equals_plain_rows(q4_k_m, triton_device):
     """All experts on the GPU: the blocks come from the CPU op's buffers, Q4_K_X16 (put back in row order on the
     device) or plain rows; the same bytes reach the same kernels, so the outputs are equal."""
