@@ -13,6 +13,11 @@ Importing this module registers the op under LINEAR_OPS (ktrans.operators.linear
 Q4_K and Q5_K weights are repacked 16 rows at a time at load (rule kwarg `repack`, default true), the layout the
 expert kernels read: one extra buffer of the matrix's size, the file's pages left cold.
 
+A projection the GGUF stores as two tensors of different types (the split in_proj_qkvz: attn_qkv and attn_gate, Q4_K
+and Q6_K in llama-quantize's Q4_K_M mix for some layers) is kept as its two quantized matrices: both jobs are
+submitted before either is waited for, and their outputs are concatenated and put in HF's row order. Read as one
+float matrix instead, such a layer read 100 MB a token at the 80B shapes where its blocks are ~17 MB.
+
 The kernels take float32 activations and sum in float32; the output comes back in x's dtype. A bias, where the
 module has one, is added in float32 before that.
 """
@@ -48,15 +53,30 @@ class KLinearCPUInfer(Op):
         self.quant = quant
         self.repack = bool(getattr(operator, "options", {}).get("repack", True))
         self.lin: cpu.CPULinear | None = None
+        self.parts: list[cpu.CPULinear] = []  # the stored tensors' matrices, where a projection is two of them
+        self.order: torch.Tensor | None = None  # HF column j of the output is column order[j] of the parts' outputs
         self.bias: torch.Tensor | None = None
         self.qtype = ""
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
-        raw = source.get_raw(self.specs[0].name)
-        if tuple(raw.shape) != (self.n_out, self.n_in):
-            raise ValueError(f"{self.key}: {raw.name} has shape {tuple(raw.shape)}, expected {(self.n_out, self.n_in)}")
-        weight, self.qtype = self._weight(raw, dtype)
-        self.lin = cpu.CPULinear(weight, self.n_out, self.n_in, qtype=self.qtype, repack=self.repack)
+        name = self.specs[0].name
+        raws, order = source.get_raw_parts(name)
+        if len(raws) > 1 and len({r.type_name for r in raws}) > 1 and all(r.type_name in NATIVE_TYPES for r in raws):
+            if sum(r.shape[0] for r in raws) != self.n_out or any(r.shape[-1] != self.n_in for r in raws):
+                raise ValueError(f"{self.key}: {', '.join(r.name for r in raws)} have shapes "
+                                 f"{[tuple(r.shape) for r in raws]}, expected {(self.n_out, self.n_in)} in all")
+            self.parts = [cpu.CPULinear(r.data, r.shape[0], self.n_in, qtype=r.type_name, repack=self.repack)
+                          for r in raws]
+            self.lin = self.parts[0]
+            self.order = order
+            self.qtype = "+".join(r.type_name for r in raws)
+        else:  # one stored tensor, or parts of one type (the source regroups their rows itself)
+            raw = source.get_raw(name)
+            if tuple(raw.shape) != (self.n_out, self.n_in):
+                raise ValueError(f"{self.key}: {raw.name} has shape {tuple(raw.shape)}, expected "
+                                 f"{(self.n_out, self.n_in)}")
+            weight, self.qtype = self._weight(raw, dtype)
+            self.lin = cpu.CPULinear(weight, self.n_out, self.n_in, qtype=self.qtype, repack=self.repack)
         if len(self.specs) > 1:
             self.bias = source.require(self.specs[1].name, self.specs[1].shape, torch.float32, "cpu")
 
@@ -82,10 +102,17 @@ class KLinearCPUInfer(Op):
         if self.lin is None:
             raise RuntimeError(f"{self.key}: KLinearCPUInfer has no weights; load() it first")
         shape = x.shape
-        y = self.lin(x.reshape(-1, self.n_in))
+        if self.parts:
+            x2 = x.reshape(-1, self.n_in)
+            pending = [p.submit(x2) for p in self.parts]  # queued back to back on the pool
+            y = torch.cat([p.wait() for p in pending], dim=-1).index_select(-1, self.order)
+        else:
+            y = self.lin(x.reshape(-1, self.n_in))
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.n_out)
 
     def extra_repr(self) -> str:
+        if self.parts:
+            return f"{' + '.join(p.layout for p in self.parts)}, {self.lin.path}"
         return f"{self.lin.layout}, {self.lin.path}" if self.lin else "not loaded"

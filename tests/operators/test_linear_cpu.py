@@ -101,6 +101,34 @@ def test_an_unread_type_is_dequantized_at_load(caplog):
     assert float((lin(x).double() - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_split_qkvz_of_two_types_runs_as_two_quantized_matrices(tmp_path):
+    """in_proj_qkvz stored as attn_qkv and attn_gate of different types (tiny Q4_K_M: the Q8_0 / Q5_0 fallbacks in
+    some layers) is read as its two stored matrices, not as one float matrix, and its output is HF's rows in order."""
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    src = GGUFSource(write_gguf(tmp_path / "q.gguf", config, random_state_dict(config, 1), "q4_k_m"))
+    mixed = 0
+    for i in range(config.num_hidden_layers):
+        key = f"model.layers.{i}.linear_attn.in_proj_qkvz"
+        if f"{key}.weight" not in src:
+            continue
+        parts, _ = src.get_raw_parts(f"{key}.weight")
+        w = src.get(f"{key}.weight").double()
+        lin = KTransformersLinear(key, nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"), config,
+                                  generate_op="KLinearCPUInfer", prefill_op="KLinearCPUInfer")
+        lin.build_ops()
+        lin.load(src, torch.float32)
+        if parts[0].type_name != parts[1].type_name:
+            mixed += 1
+            assert lin.op.qtype == f"{parts[0].type_name}+{parts[1].type_name}" and len(lin.op.parts) == 2
+        else:
+            assert lin.op.qtype == parts[0].type_name and not lin.op.parts
+        for t in (1, 7):
+            x = torch.randn(t, w.shape[1], generator=torch.Generator().manual_seed(t))
+            ref = x.double() @ w.T
+            assert float((lin(x).double() - ref).norm() / ref.norm()) < 0.02, (key, t)
+    assert mixed > 0
+
+
 def test_bad_quant_kwarg_names_the_field():
     config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
     lin = KTransformersLinear("lm_head", nn.Linear(8, 4, device="meta"), config, generate_op="KLinearCPUInfer",
