@@ -396,8 +396,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr and the process runs on: what a stuck server or
+    benchmark is waiting in (the device scripts send it before they kill a command that ran out of time)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        except (RuntimeError, ValueError):  # stderr without a file descriptor (an embedding host)
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _stacks_on_sigusr1()
     args = build_parser().parse_args(argv)
     from ktrans.config import ConfigError
     from ktrans.inject.rules import RuleError

@@ -1,10 +1,13 @@
 # Shared by the device_*.sh scripts (sourced): e2e NAME FLAGS... runs `ktrans bench e2e --gguf_path $F --json FLAGS`
 # under $E2E_TIMEOUT (default 420 s), keeps its JSON and log under $OUT/NAME.{json,err} and prints the short lines.
+# Out of time, the command first gets SIGUSR1 (ktrans prints every thread's Python stack into NAME.err), then is
+# killed 15 s later: a stuck run says where it waited.
 e2e() {
   local name=$1
   shift
   echo "== $name: ktrans bench e2e --gguf_path $F $*"
-  timeout "${E2E_TIMEOUT:-420}" ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err"
+  timeout -s USR1 -k 15 "${E2E_TIMEOUT:-420}" ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" \
+    2> "$OUT/$name.err"
   echo "rc $?"
   python3 - "$OUT/$name.json" <<'EOF'
 import json, sys

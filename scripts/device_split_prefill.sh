@@ -4,7 +4,7 @@
 # shipped serve rules' KExpertsSplit at threshold $THRESH, prefill at 512 and $LENS tokens in steps of $CHUNK tokens.
 # Writes the file to /dev/shm first (~40 s, while the tests run).
 #   bash scripts/device_split_prefill.sh      TEST_TIMEOUT, E2E_TIMEOUT, LENS (4096), THRESH (256), CHUNK (4096),
-#                                             SHARE (auto: cpu_share), NO_TESTS=1, RULES (the base rule file),
+#                                             SHARE (auto: cpu_share), STREAM=1 (cpu_on_stream), NO_TESTS=1, RULES (the base rule file),
 #                                             TESTS (the test files), NO_KERNELS=1 (skips limits and the repack bench),
 #                                             MOE_TOKENS (also bench moe, the CPU experts alone, at these token
 #                                             counts), CONTROL=1 (then bench e2e with the experts on the CPU in both
@@ -18,7 +18,7 @@ F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 [ -f "$F" ] || (ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out "$F" > "$OUT/mk.log" 2>&1 &)
 if [ -z "${NO_TESTS:-}" ]; then
   echo "== gpu tests"
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS:-tests/kernels/test_triton_repack.py \
+  timeout -k 10 "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS:-tests/kernels/test_triton_repack.py \
     tests/operators/test_experts_split.py tests/engine/test_split_prefill_gpu.py} 2>&1 | tee "$OUT/split_tests.txt" \
     | tail -${TAIL:-25}
 fi
@@ -37,8 +37,9 @@ fi
 source "$(dirname "$0")/device_common.sh"
 sed -e "s/^\( *gpu_prefill_min_tokens: \)[0-9]*/\1${THRESH:-256}/" \
     ${SHARE:+-e "s/^\( *gpu_prefill_min_tokens: [0-9]*\)/\1\n      cpu_share: $SHARE/"} \
+    ${STREAM:+-e "s/^\( *gpu_prefill_min_tokens: [0-9]*\)/\1\n      cpu_on_stream: true/"} \
     "${RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml}" > /tmp/split.yaml
-grep -n "gpu_prefill_min_tokens\|cpu_share:" /tmp/split.yaml
+grep -n "gpu_prefill_min_tokens\|cpu_share:\|cpu_on_stream:" /tmp/split.yaml
 PYTHONUNBUFFERED=1 E2E_TIMEOUT=${E2E_TIMEOUT:-240} e2e e2e_split --optimize_config_path /tmp/split.yaml \
   --prompt_len 512 --gen_len 8 --batch_sizes 1 --prefill_lens "${LENS:-4096}" --chunk_size "${CHUNK:-4096}" \
   --profile_steps 0 --use_cuda_graph ${ITL:+--itl_prefill_len $ITL --itl_decodes ${ITL_DECODES:-4}}

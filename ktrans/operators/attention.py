@@ -16,6 +16,7 @@ import torch
 from ktrans.kernels.torch.attention import paged_attention, paged_attention_decode, write_kv
 from ktrans.model.qwen3_next import Qwen3NextAttention
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
+from ktrans.operators.linear import project
 from ktrans.operators.rope import RopeTables
 from ktrans.runtime.batch import ForwardBatch
 
@@ -94,11 +95,12 @@ class KQwen3NextAttention(BaseOperator):
         x, rope, batch = move(x, dev), move(rope, dev), batch.on(dev)
         t, d = x.shape[0], self.head_dim
         # Children may sit elsewhere, so their outputs come back here.
-        q, gate = move(self.q_proj(x), dev).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        qg, k, v = (move(y, dev) for y in project(x, self.q_proj, self.k_proj, self.v_proj))
+        q, gate = qg.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
         gate = gate.reshape(t, -1)
         q = move(self.q_norm(q), dev)
-        k = move(self.k_norm(move(self.k_proj(x), dev).view(t, self.num_kv_heads, d)), dev)
-        v = move(self.v_proj(x), dev).view(t, self.num_kv_heads, d)
+        k = move(self.k_norm(k.view(t, self.num_kv_heads, d)), dev)
+        v = v.view(t, self.num_kv_heads, d)
         q, k = rope.apply(q, k)
         out = self.op_for(phase)(q, k, v, batch)
         out = out.reshape(t, -1) * torch.sigmoid(gate)

@@ -25,6 +25,7 @@ from ktrans.kernels.torch.gated_delta import chunk_gated_delta_rule, gated_delta
 from ktrans.model.qwen3_next import Qwen3NextGatedDeltaNet
 from ktrans.operators.attention import check_pool_device
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_param, move, register_operator
+from ktrans.operators.linear import project
 from ktrans.operators.norm import rms_norm_gated
 from ktrans.runtime.batch import ForwardBatch
 from ktrans.weights.source import WeightSource
@@ -191,7 +192,8 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
         phase, dev = self.phase_device()
         x, batch = move(x, dev), batch.on(dev)
         t = x.shape[0]
-        q, k, v, z, b, a = self.split_projections(move(self.in_proj_qkvz(x), dev), move(self.in_proj_ba(x), dev))
+        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+        q, k, v, z, b, a = self.split_projections(move(qkvz, dev), move(ba, dev))
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         core = self.op_for(phase)(mixed, z, b, a, batch)
         return self.leave(move(self.out_proj(core), dev), phase)

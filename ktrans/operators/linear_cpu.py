@@ -98,19 +98,28 @@ class KLinearCPUInfer(Op):
         deq = Q.dequantize(raw.data.contiguous().numpy(), name, (self.n_out, self.n_in))
         return torch.from_numpy(np.ascontiguousarray(deq)).to(_TORCH_FLOAT[keep]), keep
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def begin(self, x: torch.Tensor):
+        """Queue this projection's job(s) on the pool and return at once a function that waits for them and gives
+        forward(x)'s result: projections of one input (ktrans.operators.linear.project) queue theirs together."""
         if self.lin is None:
             raise RuntimeError(f"{self.key}: KLinearCPUInfer has no weights; load() it first")
-        shape = x.shape
-        if self.parts:
-            x2 = x.reshape(-1, self.n_in)
-            pending = [p.submit(x2) for p in self.parts]  # queued back to back on the pool
-            y = torch.cat([p.wait() for p in pending], dim=-1).index_select(-1, self.order)
-        else:
-            y = self.lin(x.reshape(-1, self.n_in))
-        if self.bias is not None:
-            y += self.bias
-        return y.to(x.dtype).reshape(*shape[:-1], self.n_out)
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.n_in)
+        pending = [p.submit(x2) for p in (self.parts or (self.lin,))]  # queued back to back on the pool
+
+        def finish() -> torch.Tensor:
+            if self.parts:
+                y = torch.cat([p.wait() for p in pending], dim=-1).index_select(-1, self.order)
+            else:
+                y = pending[0].wait()
+            if self.bias is not None:
+                y += self.bias
+            return y.to(dtype).reshape(*shape[:-1], self.n_out)
+
+        return finish
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.begin(x)()
 
     def extra_repr(self) -> str:
         if self.parts:

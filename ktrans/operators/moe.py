@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
+from ktrans.operators.linear import project
 
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
@@ -87,5 +88,6 @@ class KQwen3NextMLP(BaseOperator):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
         x = move(x, dev)
-        h = F.silu(move(self.gate_proj(x), dev)) * move(self.up_proj(x), dev)
+        g, u = project(x, self.gate_proj, self.up_proj)
+        h = F.silu(move(g, dev)) * move(u, dev)
         return self.leave(move(self.down_proj(h), dev), phase)
