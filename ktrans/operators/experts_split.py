@@ -131,6 +131,20 @@ class _Stager:
         self.copy_s = self.repack_s = 0.0  # the GPU's time in copies and in repacks, summed over folded copies
         self.copied_experts = 0
         self.delay_cycles = 0  # tests: a spin on the copy stream before each copy (torch.cuda._sleep)
+        self._host: tuple = ()  # the CPU share's host buffers (x, ids, weights, out), grown to the longest step
+
+    def host_buffers(self, t: int, hidden: int, k: int, pinned: bool) -> tuple[torch.Tensor, ...]:
+        """Views of t rows of the model's host buffers for the CPU share waited for on the host: x and out float32
+        [t, hidden], ids int64 and weights float32 [t, k]. One set for all layers (one layer's share runs at a time),
+        kept and grown, never freed per call; pinned where the GPU copies into and out of them."""
+        h = self._host
+        if not h or h[0].shape[0] < t or h[0].shape[1] != hidden or h[1].shape[1] != k:
+            n = max(t, h[0].shape[0] if h else 0)
+            pin = pinned and torch.cuda.is_available()
+            h = self._host = (torch.empty(n, hidden, pin_memory=pin),
+                              torch.empty(n, k, dtype=torch.int64, pin_memory=pin),
+                              torch.empty(n, k, pin_memory=pin), torch.empty(n, hidden, pin_memory=pin))
+        return tuple(b[:t] for b in h)
 
     def next_layer(self, layer: int) -> "KExpertsSplit | None":
         later = [k for k in self.layers.keys() if k > layer]
@@ -239,6 +253,7 @@ class KExpertsSplit(ExpertsOp):
         self.pinned: bool | None = None  # whether the CPU experts' buffers are registered for DMA (CUDA only)
         self._busy0 = 0
         self._on_stream: tuple | None = None  # (StreamCall, its wait count once done, tokens, n_cpu) not yet folded
+        self._blocking = None  # the CPU share's Pending between submit and sync (the share waited for on the host)
         self.last: dict = {}          # the last call: tokens, n_cpu, times (for bench e2e and the tests)
 
     # ---- wiring -----------------------------------------------------------------------------------------------------
@@ -404,9 +419,16 @@ class KExpertsSplit(ExpertsOp):
                 call = self.cpu_op.stream_call(k).call
                 self._on_stream = (call, call.calls + 1, t, first)
             else:
-                inputs = [v.to("cpu") for v in (x, cpu_ids, topk_weights)]
+                # Into the model's fixed host buffers (pinned on CUDA): fresh tensors of a long step's size cost a
+                # new mapping and its page faults on every call (a 4096-token output is 32 MiB), and converting on
+                # the host ran torch's threads beside the pool's. The copies are blocking, so whatever the stream
+                # did with these buffers before (the last layer's output copy) has finished.
+                hx, hids, hw, hout = st.host_buffers(t, x.shape[1], k, pinned=x.is_cuda)
+                hx.copy_(x)
+                hids.copy_(cpu_ids)
+                hw.copy_(topk_weights)
                 self._busy0 = self.cpu_op.moe.pool.busy()[1]
-                self.cpu_op.submit(*inputs)
+                self._blocking = self.cpu_op.moe.submit(hx, hids, hw, out=hout)
         gpu_out = None
         if copy is not None:
             self._wait(copy)
@@ -416,7 +438,7 @@ class KExpertsSplit(ExpertsOp):
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
                 st.moe_done[self.layer] = done
-        self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy, on_stream))
+        self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy, on_stream, x.dtype))
 
     def _fold_stream_rate(self) -> None:
         """Fold the CPU share's time of this layer's last call on the stream into the CPU rate, once its wait has
@@ -440,18 +462,23 @@ class KExpertsSplit(ExpertsOp):
         (how, cpu_running, gpu_out, info), self._pending = self._pending, None
         if how == "cpu":
             return self.cpu_op.sync()
-        t, first, t0, copy, on_stream = info
+        t, first, t0, copy, on_stream, dtype = info
         out = gpu_out
         cpu_s = 0.0
         if cpu_running:
-            cpu_out = self.cpu_op.sync()  # on the stream: enqueued, returned at once
-            if not on_stream:
+            if on_stream:
+                cpu_out = self.cpu_op.sync()  # enqueued, returned at once, in x's dtype on the device
+                cpu_s = None  # known once the stream has run the wait (_fold_stream_rate)
+            else:
+                pending, self._blocking = self._blocking, None
+                host = pending.wait()  # the model's host buffer: copied out before the next layer refills it
                 # the pool's own busy span (posted to completed): not the host's lateness in coming to wait for it
                 cpu_s = (self.cpu_op.moe.pool.busy()[1] - self._busy0) / 1e9
                 self._stager.rates.add_cpu(t, cpu_s / first)
-            else:
-                cpu_s = None  # known once the stream has run the wait (_fold_stream_rate)
-            cpu_out = cpu_out.to(self.device, non_blocking=True)
+                if self.device.type == "cpu":
+                    cpu_out = host.to(dtype, copy=True)
+                else:  # from pinned memory, in order on the stream; converted on the device
+                    cpu_out = host.to(self.device, non_blocking=True).to(dtype)
             out = cpu_out if out is None else out + cpu_out  # both in x's dtype
         # wall_s: the host's time in this layer's submit and sync (on CUDA the GPU and the CPU run on after it)
         self.last = {"tokens": t, "n_cpu": first, "prefetched": self._prefetched, "cpu_s": cpu_s,
