@@ -4,6 +4,10 @@ y = x W^T, x [M, K] bf16 (or fp16 / fp32), W [N, K] Q4_K, Q5_K, Q6_K or Q8_0, fp
 The weights are never expanded in memory: each program decodes one super-block (256 weights) of its row tile at a
 time, sub-block by sub-block, from contiguous plane runs. Three ways to multiply, chosen by M:
 
+- M = 1 (decode of one sequence): each row's weights (d*sc_S q - dmin*m_S) times x, accumulated lane by lane
+  into a [rows, sub-block] fp32 tile over every super-block the program reads, and summed across lanes once at the
+  end: no cross-lane reduction per sub-block (those shuffles, 8 to 16 a super-block, bounded the first GEMV at
+  ~8% of HBM on the H200). Exact up to fp32 rounding.
 - M <= 4 (decode): products and sums in fp32 on the CUDA cores, each sub-block's integer codes dotted with x and
   then scaled: y = sum_S (d*sc_S) (x_S . q_S) - (dmin*m_S) sum(x_S). Exact up to fp32 rounding.
 - M <= 32: the same factoring with the code dot on tensor cores (bf16 x, integer codes exact in bf16).
@@ -52,8 +56,14 @@ def _sub_x(x_ptr, offs_m, mask_m, stride_xm, k0, SUB: tl.constexpr):
 
 @triton.jit
 def _mul_add(acc, x, q, s, m, MODE: tl.constexpr, HAS_MIN: tl.constexpr):
-    """acc [BM, BN] += x [BM, SUB] @ (s q - m)^T, q [BN, SUB] integer codes, s, m [BN] fp32."""
-    if MODE == 2:
+    """acc [BM, BN] += x [BM, SUB] @ (s q - m)^T, q [BN, SUB] integer codes, s, m [BN] fp32. MODE 3 (BM = 1): acc
+    is [BN, SUB], lane-wise partial sums, reduced by the caller."""
+    if MODE == 3:
+        w = q.to(tl.float32) * s[:, None]
+        if HAS_MIN:
+            w = w - m[:, None]
+        acc += w * x
+    elif MODE == 2:
         w = q.to(tl.float32) * s[:, None]
         if HAS_MIN:
             w = w - m[:, None]
@@ -126,11 +136,18 @@ def _qlinear_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB
     offs_m = pid_m * BM + tl.arange(0, BM)
     mask_n = offs_n < N
     mask_m = offs_m < M
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
     sb0 = pid_k * SB_PER
-    for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
-        acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
-                             mask_n, QT, MODE)
+    if MODE == 3:  # one activation row: lane-wise sums over the sub-block width, reduced once
+        lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
+        for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
+            lanes = superblock_dot(lanes, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N,
+                                   offs_n, mask_n, QT, MODE)
+        acc = tl.sum(lanes, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
+            acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
+                                 mask_n, QT, MODE)
     ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -169,9 +186,12 @@ def _sms(device: torch.device) -> int:
 
 
 def tiles(m: int) -> tuple[int, int, int, int]:
-    """(MODE, BM, BN, num_warps) for M rows of activations. The interpreter pays per program, not per element:
-    it gets wider row tiles."""
+    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, lane-wise sums; 0: a few rows, fp32
+    products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter pays per program, not per element: it gets
+    wider row tiles."""
     wide = 2 if interpreting() else 1
+    if m == 1:
+        return 3, 1, 64 * wide, 4
     if m <= 4:
         return 0, triton.next_power_of_2(m), 64 * wide, 4
     if m <= 32:
@@ -191,7 +211,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     if split is None:  # a decode GEMV streams with no software pipelining: enough programs per SM keep enough
         # loads in flight (8 per SM; a 2048-row matrix at K=2048 has only 32 row tiles)
-        split = max(1, min(nsb, triton.cdiv(8 * _sms(x.device), grid_nm))) if mode < 2 else 1
+        split = max(1, min(nsb, triton.cdiv(8 * _sms(x.device), grid_nm))) if mode != 2 else 1
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
