@@ -28,8 +28,9 @@ layer L's share and the GPU layer L's. The copy stream waits on nothing of the c
 waits on the copy's event before it reads the planes, and the planes are recorded as used by the compute stream, so
 the allocator hands their memory to a later copy only once the kernels that read them have finished.
 
-The CPU's share runs on the pool as KExpertsCPU's blocking path does: its inputs copied to the host (a sync), the
-pool's wait on the host, its time the pool's own busy span. With the rule kwarg `cpu_on_stream: true` it runs as
+The CPU's share runs on the pool as KExpertsCPU's blocking path does: its inputs copied (a sync) into the model's
+fixed host buffers (pinned; converted to float32 on the device), the pool's wait on the host, its output copied back
+from the same buffers and converted on the device, its time the pool's own busy span. With the rule kwarg `cpu_on_stream: true` it runs as
 decode's does instead, on the compute stream (ktrans.kernels.cpu_stream): inputs copied to pinned staging, the
 pool's submit and wait as host functions around the GPU's share, the result copied back, its time the pool's busy
 span between the two (StreamCall.last_busy_ns), read at the layer's next call; the host never waits within a
