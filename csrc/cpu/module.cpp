@@ -256,7 +256,7 @@ PYBIND11_MODULE(_cpu, m) {
       .def("run_wait", &StreamCall::run_wait, py::call_guard<py::gil_scoped_release>())
       .def("take_error", &StreamCall::take_error,
            "The first failure of a host function since the last call ('' if none), cleared.")
-      .def_property_readonly("calls", [](const StreamCall& c) { return c.calls.load(); },
+      .def_property_readonly("calls", [](const StreamCall& c) { return c.calls.load(std::memory_order_acquire); },
                              "Waits completed so far.")
       .def_property_readonly("last_busy_ns", [](const StreamCall& c) { return c.last_busy_ns.load(); },
                              "The pool's busy nanoseconds from the last job's submit to its wait: that job's "

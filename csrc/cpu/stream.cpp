@@ -92,6 +92,7 @@ void StreamCall::run_submit() {
 void StreamCall::run_wait() {
   try {
     if (has_job) {
+      last_busy_ns.store(0, std::memory_order_relaxed);  // a failed wait leaves no span to read
       pool->wait(ticket);
       last_busy_ns.store(pool->busy()[1] - busy_at_submit, std::memory_order_relaxed);
     }
@@ -100,7 +101,7 @@ void StreamCall::run_wait() {
     if (error.empty()) error = e.what();
   }
   has_job = false;
-  calls.fetch_add(1, std::memory_order_relaxed);
+  calls.fetch_add(1, std::memory_order_release);  // a reader that sees this count sees this call's span
   in_flight.store(0, std::memory_order_release);
 }
 

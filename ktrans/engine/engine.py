@@ -204,6 +204,10 @@ class Engine:
         if len(self.scheduler.waiting) + self._inbox.qsize() >= self.config.max_queued_requests:
             raise EngineOverloaded(f"the server is overloaded: {self.config.max_queued_requests} requests are "
                                    f"already waiting; retry later")
+        return self._queue(req, params, loop)
+
+    def _queue(self, req: Request, params: SamplingParams,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
         stream = RequestStream(req.request_id, loop)
         text = TextStream(self.tokenizer, params.stop)
         self._inbox.put(("add", _Tracked(req, stream, text)))
@@ -363,14 +367,21 @@ class Engine:
         gen = torch.Generator().manual_seed(0)
         vocab, limit = self.model_config.vocab_size, self.max_model_len
         ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
-        greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+        made: list[str] = []
+
+        def submit(n: int, max_tokens: int) -> RequestStream:  # past --max_queued_requests: these are not users'
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            req = self.make_request(ids(n), params, f"warmup-{len(made)}")
+            made.append(req.request_id)
+            return self._queue(req, params)
+
         try:
             if limit >= 3:
-                self.submit(ids(min(self.config.chunk_size, limit - 2)), greedy(2))  # one whole step
+                submit(min(self.config.chunk_size, limit - 2), 2)  # one whole step
                 while self.poll():
                     pass
             if limit >= 18:
-                first = self.submit(ids(5), greedy(12))
+                first = submit(5, 12)
                 while not first.drain() and self.poll():  # its prefill and first token: it decodes from now on
                     pass
                 # beside its decodes, a prompt whose step has an odd token count, then one whose step is a whole
@@ -378,13 +389,22 @@ class Engine:
                 n = max(1, min(self.config.chunk_size - 1, limit - 2))
                 for m in (n - 1 - (n % 2), n):
                     if m >= 1:
-                        other = self.submit(ids(m), greedy(2))
+                        other = submit(m, 2)
                         while not other.drain() and self.poll():
                             pass
                 while self.poll():
                     pass
+        except BaseException:
+            self._drain_inbox()
+            for rid in made:  # a step failed: the warm-up's requests give their pages and slots back
+                if (t := self._tracked.get(rid)) is not None:
+                    self._end(t, RequestStatus.FINISHED_ABORTED)
+            self.num_steps = steps0
+            raise
         finally:
             self.metrics = metrics
+        if self.runner.graphs is not None:
+            self.runner.graphs.num_replays = 0  # the graphs it captured stay; replays count the users' steps
         self._flush_cache()
         if self.prefix_cache is not None:
             self.prefix_cache.stats = type(self.prefix_cache.stats)()

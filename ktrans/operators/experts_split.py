@@ -425,9 +425,12 @@ class KExpertsSplit(ExpertsOp):
                 # the host ran torch's threads beside the pool's. The copies are blocking, so whatever the stream
                 # did with these buffers before (the last layer's output copy) has finished.
                 hx, hids, hw, hout = st.host_buffers(t, x.shape[1], k, pinned=x.is_cuda)
-                hx.copy_(x)
+                # Converted on the device first (a copy that also changes dtype converts on the host, through a
+                # fresh buffer). These copies must stay blocking: the last layer's output copy out of `hout`, on
+                # this stream, has then finished before the pool writes it again.
+                hx.copy_(x.float())
                 hids.copy_(cpu_ids)
-                hw.copy_(topk_weights)
+                hw.copy_(topk_weights.float())
                 self._busy0 = self.cpu_op.moe.pool.busy()[1]
                 self._blocking = self.cpu_op.moe.submit(hx, hids, hw, out=hout)
         gpu_out = None
@@ -441,18 +444,24 @@ class KExpertsSplit(ExpertsOp):
                 st.moe_done[self.layer] = done
         self._pending = ("split", cpu_running, gpu_out, (t, first, t0, copy, on_stream, x.dtype))
 
+    def check(self) -> None:
+        """After a step whose results were read (ModelRunner.check): the stream has run this layer's share, so its
+        time is folded in now, before a decode step's call on the same StreamCall replaces it."""
+        self._fold_stream_rate()
+
     def _fold_stream_rate(self) -> None:
         """Fold the CPU share's time of this layer's last call on the stream into the CPU rate, once its wait has
-        run (by this layer's next call it has: the engine's step ends by reading its tokens). Its time is the
-        pool's busy span between the host functions (StreamCall.last_busy_ns), the share's own compute."""
+        run (after the step: `check`; else at this layer's next call or summary()). Its time is the pool's busy span
+        between the host functions (StreamCall.last_busy_ns), the share's own compute."""
         if self._on_stream is None:
             return
         call, calls, t, first = self._on_stream
         if call.calls < calls:
             return  # not run yet: fold it at a later call
         self._on_stream = None
-        if call.calls == calls:  # else another call on it ran since: the span is not this one's
-            cpu_s = call.last_busy_ns / 1e9
+        busy = call.last_busy_ns
+        if call.calls == calls and busy > 0:  # else another call ran since (the span is not this one's) or it failed
+            cpu_s = busy / 1e9
             self._stager.rates.add_cpu(t, cpu_s / first)
             if self.last.get("tokens") == t:
                 self.last["cpu_s"] = cpu_s

@@ -61,7 +61,9 @@ class KLinearCPUInfer(Op):
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         name = self.specs[0].name
         raws, order = source.get_raw_parts(name)
-        if len(raws) > 1 and len({r.type_name for r in raws}) > 1 and all(r.type_name in NATIVE_TYPES for r in raws):
+        # quantized parts of two types: each as stored (float parts go through _weight: the quant kwarg, rounding)
+        if len(raws) > 1 and len({r.type_name for r in raws}) > 1 and \
+                all(r.type_name in NATIVE_TYPES and r.type_name not in _TORCH_FLOAT for r in raws):
             if sum(r.shape[0] for r in raws) != self.n_out or any(r.shape[-1] != self.n_in for r in raws):
                 raise ValueError(f"{self.key}: {', '.join(r.name for r in raws)} have shapes "
                                  f"{[tuple(r.shape) for r in raws]}, expected {(self.n_out, self.n_in)} in all")

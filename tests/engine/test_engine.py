@@ -179,3 +179,26 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
     prompt = list(range(3, 40))
     out, _ = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6))
     assert out.token_ids == reference(prompt, 6)
+
+
+def test_warm_up_past_the_queue_limit_and_after_a_failing_step(tiny, monkeypatch):
+    # Its requests are not users': --max_queued_requests 0 (every user request refused) still warms up. A step that
+    # raises inside it ends its requests, so the pools are full again and the error reaches the caller.
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=32, cache_lens=128,
+                                             max_queued_requests=0))
+    assert engine.warm_up()["steps"] > 0
+    engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=32, cache_lens=128))
+    calls = []
+    real_step = engine.runner.step
+
+    def failing(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return real_step(chunks)
+
+    monkeypatch.setattr(engine.runner, "step", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.warm_up()
+    assert pools_full(engine) and engine.num_steps == 0 and not engine._tracked
