@@ -93,7 +93,8 @@ def _prefill_case(t: int):
     return setup
 
 
-def _decode_case(batch: int):
+def _decode_case(batch: int, split_v: bool | None = None):
+    """split_v: force the one-launch (False) or two-launch (True) decode path; None: the kernel's own choice."""
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
 
@@ -109,7 +110,7 @@ def _decode_case(batch: int):
         slots = torch.randperm(n, generator=g).to(device)  # rows out of slot order, as in a running batch
         out = torch.empty(n, sh.hv, sh.d, dtype=torch.bfloat16, device=device)
         fn = lambda: gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool,  # noqa: E731
-                                        slots, sh.hk, sh.d, out=out)
+                                        slots, sh.hk, sh.d, out=out, split_v=split_v)
         per_row = (2 * sh.hv * sh.d * sh.d * 4 + 2 * sh.conv_dim * (WIDTH - 1) * BF16 + sh.conv_dim * BF16
                    + 2 * sh.hv * BF16 + sh.hv * sh.d * BF16)
         return Timed(fn, n * per_row + sh.conv_dim * WIDTH * BF16 + 2 * sh.hv * 4)
@@ -137,4 +138,6 @@ case("gdn", "chunked prefill T=8192", ("prefill",))(_prefill_case(8192))
 case("gdn", "chunked prefill T=32768", ("prefill",))(_prefill_case(32768))
 case("gdn", "conv prefill T=8192", ("prefill",))(_conv_case(8192))
 case("gdn", "decode B=1", ("decode",))(_decode_case(1))
+case("gdn", "decode B=1, one launch", ("decode",))(_decode_case(1, split_v=False))
 case("gdn", "decode B=64", ("decode",))(_decode_case(64))
+case("gdn", "decode B=64, two launches", ("decode",))(_decode_case(64, split_v=True))

@@ -155,9 +155,11 @@ def reference_decode(mixed, a, b, A_log, dt_bias, weight, conv_state, ssm_state,
                                    ssm_state)
 
 
-@pytest.mark.parametrize("heads_per_tile", [None, 1])  # all of a key head's value heads at once, or one by one
+# One launch holding all of a key head's value heads at once or one by one, or two launches (conv, gates and norms
+# per key head; the state per value head and block of columns).
+@pytest.mark.parametrize("heads_per_tile,split_v", [(None, False), (1, False), (None, True)])
 @pytest.mark.parametrize("shape,width", [(SHAPES[0], 4), (SHAPES[1], 3)])
-def test_decode_step_matches_reference(triton_device, shape, width, heads_per_tile):
+def test_decode_step_matches_reference(triton_device, shape, width, heads_per_tile, split_v):
     hk, hv, dk, dv = shape
     # A mixed step's flat batch of 7 tokens: decode rows 5, 0 and 3 (the rest belong to prefill chunks), their
     # slots out of order.
@@ -168,7 +170,7 @@ def test_decode_step_matches_reference(triton_device, shape, width, heads_per_ti
     slots = torch.tensor([4, 1, 2], device=triton_device)
     out = torch.full((7, hv, dv), 7.0, device=triton_device)
     gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, rows=rows, out=out,
-                       heads_per_tile=heads_per_tile)
+                       heads_per_tile=heads_per_tile, split_v=split_v)
     conv_ref, ssm_ref = conv0[slots], ssm0[slots]
     want = reference_decode(mixed[rows], a[rows], b[rows], A_log, dt_bias, weight, conv_ref, ssm_ref, hk, dk)
     torch.testing.assert_close(out[rows], want, **TOL)
@@ -178,14 +180,15 @@ def test_decode_step_matches_reference(triton_device, shape, width, heads_per_ti
     assert torch.equal(ssm_pool[[0, 3, 5]], ssm0[[0, 3, 5]]) and torch.equal(conv_pool[[0, 3, 5]], conv0[[0, 3, 5]])
 
 
-def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device):
+@pytest.mark.parametrize("split_v", [False, True])
+def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device, split_v):
     hk, hv, dk, dv = SHAPES[0]
     pad = 3  # StatePool.pad_slot: one past the usable slots
     mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool = decode_inputs(4, hk, hv, dk, dv, 4, triton_device,
                                                                              slots=pad + 1)
     conv0, ssm0 = conv_pool.clone(), ssm_pool.clone()
     slots = torch.tensor([2, 0, pad, pad], device=triton_device)  # a bucket of 4 with 2 live rows
-    out = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk)
+    out = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, split_v=split_v)
     live = slots[:2]
     conv_ref, ssm_ref = conv0[live], ssm0[live]
     want = reference_decode(mixed[:2], a[:2], b[:2], A_log, dt_bias, weight, conv_ref, ssm_ref, hk, dk)

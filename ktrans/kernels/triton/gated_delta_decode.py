@@ -11,6 +11,13 @@ finer, the programs sharing a key head's q/k windows would race: one could shift
 yet.) A small batch loads the R states as one [R, Dk, Dv] tile, so the whole 2 x 64 KiB of the real model is in
 flight at once from the few SMs that work; a large one takes them a head at a time in smaller programs.
 
+A small batch (fewer programs than WIDE_TILE_PROGRAMS) takes two launches instead, so that the GPU is not left to
+a few SMs (one row's 16 key-head programs took ~16 us on the H200, for ~4 MiB of state moved): `_prep_kernel`, one
+program per (row, key head) as above, does the conv windows, the gates and the q/k norms and writes q, k, v, g and
+beta (a few KiB) to a scratch; `_state_kernel`, one program per (row, value head, block of Dv columns), updates its
+block of the state. Each state column depends on the whole of q and k and on its own v only, so the blocks are
+independent (FLA's fused recurrent kernel splits V the same way).
+
 Capturable in a CUDA graph: it reads only shapes on the host and allocates nothing but its output (none when the
 caller passes `out`). Pad rows of a graph bucket name the pool's pad slot: several rows then race on that slot,
 which nobody reads; their outputs are finite garbage.
@@ -106,6 +113,89 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
         tl.store(optr, o.to(o_ptr.dtype.element_ty), mask=jmask[:, None] & (rv < DV)[None, :])
 
 
+@triton.jit
+def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, slots_ptr,
+                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_xt, stride_at, stride_bt, stride_cs, stride_cc,
+                 HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DK: tl.constexpr,
+                 DV: tl.constexpr, BK: tl.constexpr, BRV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    """Row i, key head kh: the conv of its q, k and R heads' v channels (windows shifted in place), q and k
+    L2-normed (q also scaled by Dk^-1/2), the R heads' g and beta, into the scratch [i, ...]."""
+    i = tl.program_id(0)
+    kh = tl.program_id(1)
+    row = i
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + i)
+    slot = tl.load(slots_ptr + i)
+    x_row = x_ptr + row.to(tl.int64) * stride_xt
+    conv_slot = conv_ptr + slot * stride_cs
+    key_dim: tl.constexpr = HK * DK
+    rk = tl.arange(0, BK)
+    kmask = rk < DK
+    f = tl.arange(0, BRV)
+    fmask = f < R * DV
+    vch = 2 * key_dim + kh * R * DV + f
+    qy, qwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, kh * DK + rk, kmask, K, KP)
+    ky, kwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, K, KP)
+    vy, vwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, vch, fmask, K, KP)
+    tl.debug_barrier()  # every window is read before any is shifted
+    _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
+    _store_window(conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, kwin, K, KP)
+    _store_window(conv_slot, stride_cc, vch, fmask, vwin, K, KP)
+    q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
+    k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
+    base = (i * HK + kh) * DK
+    tl.store(q_ptr + base + rk, q, mask=kmask)
+    tl.store(k_ptr + base + rk, k, mask=kmask)
+    tl.store(v_ptr + (i * HK + kh) * R * DV + f, vy, mask=fmask)
+    rj = tl.arange(0, RP)
+    jmask = rj < R
+    heads = kh * R + rj
+    av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
+    bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
+    xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
+    softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
+    g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
+    tl.store(g_ptr + i * HK * R + heads, g, mask=jmask)
+    tl.store(beta_ptr + i * HK * R + heads, 1.0 / (1.0 + tl.exp(-bv)), mask=jmask)
+
+
+@triton.jit
+def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows_ptr, o_ptr, stride_ss, stride_ot,
+                  stride_oh, HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Row i, value head h, state columns [vb*BV, vb*BV + BV): the gated delta rule on that block, in place, and
+    the output's columns."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    row = i
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + i)
+    slot = tl.load(slots_ptr + i)
+    kh = h // R
+    rk = tl.arange(0, BK)
+    kmask = rk < DK
+    rv = vb * BV + tl.arange(0, BV)
+    vmask = rv < DV
+    q = tl.load(q_ptr + (i * HK + kh) * DK + rk, mask=kmask, other=0.0)
+    k = tl.load(k_ptr + (i * HK + kh) * DK + rk, mask=kmask, other=0.0)
+    v = tl.load(v_ptr + (i * HK * R + h) * DV + rv, mask=vmask, other=0.0)
+    g = tl.load(g_ptr + i * HK * R + h)
+    beta = tl.load(beta_ptr + i * HK * R + h)
+    sp = ssm_ptr + slot * stride_ss + (h * DK + rk[:, None]) * DV + rv[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    state = tl.load(sp, mask=smask, other=0.0) * tl.exp(g)
+    kv_mem = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state predicts for k
+    state = state + k[:, None] * (beta * (v - kv_mem))[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(sp, state, mask=smask)
+    tl.store(o_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+
+
+# The two-launch path's state blocks: narrower columns until there are about this many programs.
+SPLIT_V_PROGRAMS = 512
+
+
 # Below this many programs (rows x key heads) a program loads all its R states at once (more bytes in flight where
 # few SMs work); above, one head at a time (smaller tiles, more programs resident per SM). About 2 per H200 SM.
 WIDE_TILE_PROGRAMS = 264
@@ -115,14 +205,15 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
                        dt_bias: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
                        ssm_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int,
                        rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       heads_per_tile: int | None = None) -> torch.Tensor:
+                       heads_per_tile: int | None = None, split_v: bool | None = None) -> torch.Tensor:
     """One decode token for each of B rows, updating the pools in place at `slots` [B] (int64, on the device).
 
     mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs; rows [B] the
     token rows of the decode sequences (None: row i is token i, B = T). conv_weight [conv_dim, K];
     conv_pool [slots, conv_dim, K-1]; ssm_pool [slots, HV, Dk, Dv] float32 contiguous.
     Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only. heads_per_tile
-    (1..R) overrides how many value heads' states a program holds at once (tests run both shapes).
+    (1..R) overrides how many value heads' states a program holds at once, split_v whether the two-launch path
+    runs (default: below WIDE_TILE_PROGRAMS programs); the tests run every shape.
     """
     hv, dk, dv = ssm_pool.shape[1:]
     hk = num_k_heads
@@ -143,6 +234,25 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         return out
     r = hv // hk
     bv = triton.next_power_of_2(dv)
+    if split_v if split_v is not None else n * hk < WIDE_TILE_PROGRAMS:
+        f32 = dict(dtype=torch.float32, device=mixed.device)
+        q, k = torch.empty(n, hk, dk, **f32), torch.empty(n, hk, dk, **f32)
+        v, g, beta = torch.empty(n, hv, dv, **f32), torch.empty(n, hv, **f32), torch.empty(n, hv, **f32)
+        idx = rows if rows is not None else slots
+        _prep_kernel[(n, hk)](
+            mixed, idx, a, b, A_log, dt_bias, conv_weight, conv_pool, slots, q, k, v, g, beta,
+            mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+            HAS_ROWS=rows is not None, HK=hk, R=r, RP=triton.next_power_of_2(r), DK=dk, DV=dv,
+            BK=triton.next_power_of_2(dk), BRV=triton.next_power_of_2(r * dv), K=width,
+            KP=triton.next_power_of_2(width), num_warps=4)
+        block = bv
+        while block > 16 and n * hv * triton.cdiv(dv, block) < SPLIT_V_PROGRAMS:
+            block //= 2
+        _state_kernel[(n, hv, triton.cdiv(dv, block))](
+            q, k, v, g, beta, ssm_pool, slots, idx, out, ssm_pool.stride(0), out.stride(0), out.stride(1),
+            HAS_ROWS=rows is not None, HK=hk, R=r, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block,
+            num_warps=4)
+        return out
     rb = heads_per_tile or (r if n * hk < WIDE_TILE_PROGRAMS else 1)
     rb = triton.next_power_of_2(min(rb, r))
     tile = rb * triton.next_power_of_2(dk) * bv
