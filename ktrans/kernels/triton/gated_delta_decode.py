@@ -51,6 +51,26 @@ def _store_window(conv_slot, stride_cc, ch, cmask, win, K: tl.constexpr, KP: tl.
 
 
 @triton.jit
+def _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS: tl.constexpr):
+    """Sequence i's token row (rows[i], or i) and state slot."""
+    row = i
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + i)
+    return row, tl.load(slots_ptr + i)
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jmask):
+    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) of value heads `heads` at token `row`."""
+    av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
+    bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
+    xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
+    softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
+    g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
+    return g, 1.0 / (1.0 + tl.exp(-bv))
+
+
+@triton.jit
 def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, ssm_ptr, slots_ptr, o_ptr,
                    stride_xt, stride_at, stride_bt, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
                    HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
@@ -58,10 +78,7 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
                    K: tl.constexpr, KP: tl.constexpr):
     i = tl.program_id(0)
     kh = tl.program_id(1)
-    row = i
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + i)
-    slot = tl.load(slots_ptr + i)
+    row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
     x_row = x_ptr + row.to(tl.int64) * stride_xt
     conv_slot = conv_ptr + slot * stride_cs
     key_dim: tl.constexpr = HK * DK
@@ -96,12 +113,7 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
         _store_window(conv_slot, stride_cc, vch, vmask, vwin, K, KP)
 
         v = tl.reshape(vy, (RB, BV))
-        av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
-        bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
-        xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
-        softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
-        g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
-        beta = 1.0 / (1.0 + tl.exp(-bv))
+        g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jmask)
 
         state = state * tl.exp(g)[:, None, None]
         kv_mem = tl.sum(state * k[None, :, None], axis=1)            # [RB, BV]: what S predicts for k
@@ -122,10 +134,7 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
     L2-normed (q also scaled by Dk^-1/2), the R heads' g and beta, into the scratch [i, ...]."""
     i = tl.program_id(0)
     kh = tl.program_id(1)
-    row = i
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + i)
-    slot = tl.load(slots_ptr + i)
+    row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
     x_row = x_ptr + row.to(tl.int64) * stride_xt
     conv_slot = conv_ptr + slot * stride_cs
     key_dim: tl.constexpr = HK * DK
@@ -150,13 +159,9 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
     rj = tl.arange(0, RP)
     jmask = rj < R
     heads = kh * R + rj
-    av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
-    bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
-    xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
-    softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
-    g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
+    g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jmask)
     tl.store(g_ptr + i * HK * R + heads, g, mask=jmask)
-    tl.store(beta_ptr + i * HK * R + heads, 1.0 / (1.0 + tl.exp(-bv)), mask=jmask)
+    tl.store(beta_ptr + i * HK * R + heads, beta, mask=jmask)
 
 
 @triton.jit
@@ -168,10 +173,7 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    row = i
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + i)
-    slot = tl.load(slots_ptr + i)
+    row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
     kh = h // R
     rk = tl.arange(0, BK)
     kmask = rk < DK
