@@ -240,14 +240,15 @@ def run(opts: ServeOptions) -> None:
     rules = opts.optimize_config_path or ("Qwen3Next-cpu.yaml (the default on the CPU)" if opts.device == "cpu" else
                                           f"Qwen3Next-default.yaml (every module on {opts.device}, reference ops)")
     print(summary(engine, name, opts, injection, rules), file=sys.stderr)
+    if opts.warmup:
+        done = engine.warm_up()
+        print(f"  warm-up    {done['steps']} throw-away steps in {done['seconds']:.1f} s (every kind of step once, so "
+              f"no user waits for a first compile or graph capture; --no-warmup skips it)", file=sys.stderr,
+              flush=True)
     print(f"  loaded in {time.perf_counter() - t0:.1f} s; serving the OpenAI API at {url}/v1 (model {name!r})\n"
           f"  try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"stream\": true}}'",
           file=sys.stderr, flush=True)
-    if opts.warmup:
-        done = engine.warm_up()
-        print(f"  warmed up in {done['seconds']:.1f} s ({done['steps']} steps: kernels compiled, CUDA graphs "
-              f"captured; --no-warmup skips it)", file=sys.stderr, flush=True)
     engine.start()
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
