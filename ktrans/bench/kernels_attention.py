@@ -51,7 +51,8 @@ def _paged_cache(batch: int, kv_len: int, dev: torch.device):
     return k, v, tables, lens
 
 
-def _decode(batch: int, kv_len: int, dev: torch.device) -> Timed:
+def _decode(batch: int, kv_len: int, dev: torch.device, split_tokens: int | None = None) -> Timed:
+    """split_tokens: keys per split instead of plan_decode's choice (to measure the planner's guesses)."""
     from ktrans.kernels.triton import attention as tri
 
     c = real_config()
@@ -60,6 +61,8 @@ def _decode(batch: int, kv_len: int, dev: torch.device) -> Timed:
     q = torch.randn(batch, c.num_attention_heads, c.head_dim, dtype=k.dtype, device=dev)
     out = torch.empty_like(q)
     plan = tri.plan_decode(batch, c.num_key_value_heads, kv_len, dev)
+    if split_tokens is not None and dev.type == "cuda":
+        plan = tri.DecodePlan(-(-kv_len // split_tokens), split_tokens)
     kv_bytes = 2 * batch * kv_len * c.num_key_value_heads * c.head_dim * k.element_size()
     flops = 4 * batch * kv_len * c.num_attention_heads * c.head_dim
     return Timed(lambda: tri.paged_decode(q, k, v, lens, tables, PAGE, c.head_dim ** -0.5, plan, out=out),
@@ -69,6 +72,16 @@ def _decode(batch: int, kv_len: int, dev: torch.device) -> Timed:
 @case("attention", "decode 32k B=1", ("decode",))
 def decode_32k_b1(dev: torch.device) -> Timed:
     return _decode(1, 32768, dev)
+
+
+@case("attention", "decode 32k B=1, splits of 256", ("decode",))
+def decode_32k_b1_256(dev: torch.device) -> Timed:
+    return _decode(1, 32768, dev, split_tokens=256)
+
+
+@case("attention", "decode 32k B=1, splits of 128", ("decode",))
+def decode_32k_b1_128(dev: torch.device) -> Timed:
+    return _decode(1, 32768, dev, split_tokens=128)
 
 
 @case("attention", "decode 32k B=16", ("decode",))
