@@ -57,6 +57,7 @@ class KLinearCPUInfer(Op):
         self.order: torch.Tensor | None = None  # HF column j of the output is column order[j] of the parts' outputs
         self.bias: torch.Tensor | None = None
         self.qtype = ""
+        self.raw = None  # the stored blocks it reads (a RawTensor), where it reads one matrix as stored
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         name = self.specs[0].name
@@ -79,6 +80,7 @@ class KLinearCPUInfer(Op):
                                  f"{(self.n_out, self.n_in)}")
             weight, self.qtype = self._weight(raw, dtype)
             self.lin = cpu.CPULinear(weight, self.n_out, self.n_in, qtype=self.qtype, repack=self.repack)
+            self.raw = raw if weight is raw.data else None
         if len(self.specs) > 1:
             self.bias = source.require(self.specs[1].name, self.specs[1].shape, torch.float32, "cpu")
 

@@ -80,14 +80,56 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
 
 @register_operator("KQwen2MoeMLP")
 class KQwen3NextMLP(BaseOperator):
-    """SwiGLU MLP (the shared expert, or a dense layer): down(silu(gate x) * up x)."""
+    """SwiGLU MLP (the shared expert, or a dense layer): down(silu(gate x) * up x).
+
+    Where all three projections run KLinearCPUInfer on the blocks as stored, the MLP runs as one job of the C++ CPU
+    experts instead (a CPUMoE of one expert, every token routed to it with weight 1, built from the same blocks at
+    its first call): gate and up, SiLU times up, and down in one pass over the pool, where the three projections
+    were three jobs with the SiLU and product in torch between them. The same kernels on the same blocks; the SiLU
+    is the C++ one (exp to ~1e-7 relative) and the down projection's input is quantized there.
+    """
 
     REPLACES = (Qwen3NextMLP,)
     ADOPT = ("gate_proj", "up_proj", "down_proj")
 
+    def __init__(self, key, orig, config, **kwargs):
+        super().__init__(key, orig, config, **kwargs)
+        self._fused: dict[str, object] = {}  # per phase: the one-expert CPUMoE, or None where it does not apply
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
         x = move(x, dev)
+        fused = self._fused.get(phase, False)
+        if fused is False:
+            fused = self._fused[phase] = self._fuse(phase, dev)
+        if fused is not None and x.device.type == "cpu":
+            flat = x.reshape(-1, x.shape[-1])
+            t = flat.shape[0]
+            ones = torch.ones(t, 1)
+            y = fused.submit(flat, torch.zeros(t, 1, dtype=torch.int64), ones).wait()
+            return self.leave(y.to(x.dtype).reshape(x.shape[:-1] + (y.shape[-1],)), phase)
         g, u = project(x, self.gate_proj, self.up_proj)
         h = F.silu(move(g, dev)) * move(u, dev)
         return self.leave(move(self.down_proj(h), dev), phase)
+
+    def _fuse(self, phase: str, dev: torch.device):
+        """The one-expert CPUMoE over the three projections' stored blocks, or None: projections not all read as
+        stored by KLinearCPUInfer on this device (other ops, floats converted at load, two-part matrices, a bias)."""
+        if dev.type != "cpu":
+            return None
+        raws = []
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            op = lin.op_for(phase) if isinstance(lin, BaseOperator) and phase in lin.impl else None
+            raw = getattr(op, "raw", None)
+            if raw is None or getattr(op, "bias", None) is not None or op.parts or lin.out_devices[phase] != dev \
+                    or lin.devices[phase] != dev or raw.type_name in ("F32", "F16", "BF16"):
+                return None
+            raws.append((raw, op.repack))
+        from ktrans.kernels import cpu
+
+        (g, rg), (u, _), (d, _) = raws
+        inter, hidden = g.shape
+        if u.shape != (inter, hidden) or d.shape != (hidden, inter):
+            return None
+        return cpu.CPUMoE(g.data[None], u.data[None], d.data[None], n_experts=1, hidden=hidden, intermediate=inter,
+                          types=(g.type_name, u.type_name, d.type_name), hugepages=False, repack=rg)

@@ -129,6 +129,28 @@ def test_split_qkvz_of_two_types_runs_as_two_quantized_matrices(tmp_path):
     assert mixed > 0
 
 
+def test_mlp_of_stored_blocks_runs_as_one_cpu_job(tmp_path):
+    """Under the CPU rules on a Q4_K_M GGUF, a SwiGLU MLP (here the shared experts) runs as one job of the C++
+    experts (a one-expert CPUMoE on the projections' blocks) and gives what its three projections give."""
+    import torch.nn.functional as F
+
+    from ktrans.kernels import cpu
+    from ktrans.operators.moe import KQwen3NextMLP
+
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    source = GGUFSource(write_gguf(tmp_path / "t.gguf", config, random_state_dict(config, seed=5), "q4_k_m"))
+    model = build_injected_model(config, parse_rules(CPU_RULES, "test.yaml"), source, torch.float32)[0]
+    mlps = [m for m in model.modules() if isinstance(m, KQwen3NextMLP)]
+    assert mlps
+    for mlp in mlps:
+        for t in (1, 9):
+            x = torch.randn(t, config.hidden_size, generator=torch.Generator().manual_seed(t))
+            y = mlp(x)
+            assert isinstance(mlp._fused["prefill"], cpu.CPUMoE)
+            ref = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            assert float((y - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_bad_quant_kwarg_names_the_field():
     config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
     lin = KTransformersLinear("lm_head", nn.Linear(8, 4, device="meta"), config, generate_op="KLinearCPUInfer",
