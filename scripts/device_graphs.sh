@@ -31,7 +31,7 @@ start)
       > /tmp/llb.log 2>&1 < /dev/null &
   fi
   echo "== gpu tests"
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-tests/engine tests/kernels tests/inject tests/model tests/operators tests/bench} 2>&1 \
+  timeout -k 10 "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-tests/engine tests/kernels tests/inject tests/model tests/operators tests/bench} 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -40
   echo "== background: $(tail -c 300 /tmp/write.log 2>/dev/null | tr '\r' '\n' | tail -2)"
   echo "== llama build: $(tail -2 /tmp/llb.log 2>/dev/null)"

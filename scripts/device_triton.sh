@@ -14,7 +14,7 @@ if [ ${#files[@]} -eq 0 ]; then
     tests/operators/test_*marlin*.py tests/operators/test_gpu_quant_rules.py tests/bench/test_kernels_*.py 2>/dev/null)
 fi
 echo "== tests: ${files[*]}"
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb="${TB:-short}" -m "gpu or triton" "${files[@]}" 2>&1 \
+timeout -k 10 "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --tb="${TB:-short}" -m "gpu or triton" "${files[@]}" 2>&1 \
   | tee "$OUT/triton_tests.txt" | tail -${TAIL:-30}
 [ -n "${NO_KERNELS:-}" ] || {
 echo "== ktrans bench kernels"
