@@ -331,3 +331,17 @@ def test_on_cuda_only_the_token_ids_come_back():
     assert tv.max() < 1e-3, tv.max()
     one = sample(logits[5:6], [params[5]], [histories[5]], [steps[5]])
     assert one == [tokens[5]]
+
+
+def test_greedy_on_the_cpu_is_torchs_argmax():
+    # The CPU's greedy rows take numpy's argmax (torch's is ~25x slower there): the same first maximum on ties, and
+    # a NaN counted as the maximum, as torch.argmax does; other dtypes keep torch's.
+    logits = torch.randn(5, 1001, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = logits[1, 900] = 50.0  # a tie: the first
+    logits[2, 13] = float("nan")
+    logits[3, :] = -float("inf")
+    logits[3, 500] = 0.0
+    greedy = [SamplingParams(temperature=0.0)] * 5
+    assert sample(logits, greedy) == logits.argmax(dim=-1).tolist() == [int(logits[0].argmax()), 7, 13, 500,
+                                                                        int(logits[4].argmax())]
+    assert sample(logits.bfloat16(), greedy) == logits.bfloat16().argmax(dim=-1).tolist()
