@@ -71,6 +71,27 @@ def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jm
 
 
 @triton.jit
+def _qk_conv(x_row, w_ptr, conv_slot, stride_cc, kh, rk, kmask, KEY_DIM: tl.constexpr, DK: tl.constexpr,
+             K: tl.constexpr, KP: tl.constexpr):
+    """Key head kh's q and k channels: their SiLU(conv) outputs and shifted windows (to store after a barrier)."""
+    qy, qwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, kh * DK + rk, kmask, K, KP)
+    ky, kwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, KEY_DIM + kh * DK + rk, kmask, K, KP)
+    return qy, qwin, ky, kwin
+
+
+@triton.jit
+def _qk_store_and_norm(conv_slot, stride_cc, kh, rk, kmask, qy, qwin, ky, kwin, KEY_DIM: tl.constexpr,
+                       DK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+    """Store the q/k windows (every window read before: the caller's barrier) and return q and k L2-normed, q also
+    scaled by Dk^-1/2."""
+    _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
+    _store_window(conv_slot, stride_cc, KEY_DIM + kh * DK + rk, kmask, kwin, K, KP)
+    q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
+    k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
+    return q, k
+
+
+@triton.jit
 def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, ssm_ptr, slots_ptr, o_ptr,
                    stride_xt, stride_at, stride_bt, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
                    HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
@@ -85,13 +106,9 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
 
     rk = tl.arange(0, BK)
     kmask = rk < DK
-    qy, qwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, kh * DK + rk, kmask, K, KP)
-    ky, kwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, K, KP)
+    qy, qwin, ky, kwin = _qk_conv(x_row, w_ptr, conv_slot, stride_cc, kh, rk, kmask, key_dim, DK, K, KP)
     tl.debug_barrier()  # every thread has read the q/k windows before any is shifted
-    _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
-    _store_window(conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, kwin, K, KP)
-    q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
-    k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
+    q, k = _qk_store_and_norm(conv_slot, stride_cc, kh, rk, kmask, qy, qwin, ky, kwin, key_dim, DK, K, KP)
 
     # The group's R value heads, RB at a time: their states as one [RB, Dk, Dv] tile, their v channels as one
     # flat range (head j, column c).
@@ -143,15 +160,11 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
     f = tl.arange(0, BRV)
     fmask = f < R * DV
     vch = 2 * key_dim + kh * R * DV + f
-    qy, qwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, kh * DK + rk, kmask, K, KP)
-    ky, kwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, K, KP)
+    qy, qwin, ky, kwin = _qk_conv(x_row, w_ptr, conv_slot, stride_cc, kh, rk, kmask, key_dim, DK, K, KP)
     vy, vwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, vch, fmask, K, KP)
     tl.debug_barrier()  # every window is read before any is shifted
-    _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
-    _store_window(conv_slot, stride_cc, key_dim + kh * DK + rk, kmask, kwin, K, KP)
+    q, k = _qk_store_and_norm(conv_slot, stride_cc, kh, rk, kmask, qy, qwin, ky, kwin, key_dim, DK, K, KP)
     _store_window(conv_slot, stride_cc, vch, fmask, vwin, K, KP)
-    q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
-    k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
     base = (i * HK + kh) * DK
     tl.store(q_ptr + base + rk, q, mask=kmask)
     tl.store(k_ptr + base + rk, k, mask=kmask)
