@@ -6,14 +6,24 @@ of a GGUF file's mmap, so CPUMoE copies (or repacks) its matrices into buffers a
 Once copied, the source pages of the file's mapping are let go (`release_file_pages`): the experts are then resident
 once, in the copy, instead of twice (the copy plus the mapped file pages the copy read). A later read of the source
 (a streaming prefill op reading the same blocks) faults them back in from the file.
+
+Registration for DMA (`register_for_dma`): split prefill copies experts to the GPU straight from the CPU experts'
+buffers, which cudaHostRegister pins in place for the copy engine (no second, pinned host copy); the registration
+is undone when the tensor is freed, before its pages can go to another buffer.
 """
 from __future__ import annotations
+
+import logging
+import weakref
 
 import torch
 
 from ktrans import _cpu
 
+log = logging.getLogger(__name__)
+
 _HUGEPAGE_MIN_BYTES = 4 << 20
+_CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 def host_rss() -> tuple[int | None, int | None]:
@@ -84,3 +94,55 @@ def in_hugepages(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     view, ok = hugepage_buffer(t.numel() * t.element_size())
     view.view(t.dtype).view(t.shape).copy_(t)  # one copy, also from a non-contiguous t
     return view, ok
+
+
+_REGISTERED: dict[int, int] = {}  # host address -> bytes this process registered (unregistered when freed)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call we handled (else the next kernel launch's check would
+    report it): through the process's own libcudart where it can be opened, else by letting torch's launch check
+    report it once."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+
+
+def register_for_dma(t: torch.Tensor) -> bool:
+    """Pin a host tensor's pages in place for DMA (cudaHostRegister), until the tensor is freed; False where it
+    cannot be (copies are then staged by the driver, far slower; split prefill's experts report it)."""
+    if not torch.cuda.is_available():
+        return False
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if ptr in _REGISTERED or t.is_pinned():
+        return True
+    rt = torch.cuda.cudart()
+    err = None
+    # read-only pages (a GGUF file's mapping) take only the read-only flag
+    for flags in (0, _CUDA_HOST_REGISTER_READ_ONLY):
+        err = rt.cudaHostRegister(ptr, nbytes, flags)
+        if int(err) == 0:
+            _REGISTERED[ptr] = nbytes
+            weakref.finalize(t, _unregister, ptr)  # before the pages go back: a later buffer may reuse them
+            return True
+        _clear_cuda_error()
+    log.warning("cudaHostRegister of %.1f MiB failed (%s): copies from it will be staged by the driver",
+                nbytes / 2**20, err)
+    return False
+
+
+def _unregister(ptr: int) -> None:
+    if _REGISTERED.pop(ptr, None) is not None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:  # interpreter shutdown: the driver lets go of the process's pages anyway
+            pass

@@ -30,15 +30,15 @@ the allocator hands their memory to a later copy only once the kernels that read
 
 The CPU's share runs on the pool as KExpertsCPU's blocking path does: its inputs copied (a sync) into the model's
 fixed host buffers (pinned; converted to float32 on the device), the pool's wait on the host, its output copied back
-from the same buffers and converted on the device, its time the pool's own busy span. With the rule kwarg `cpu_on_stream: true` it runs as
-decode's does instead, on the compute stream (ktrans.kernels.cpu_stream): inputs copied to pinned staging, the
-pool's submit and wait as host functions around the GPU's share, the result copied back, its time the pool's busy
-span between the two (StreamCall.last_busy_ns), read at the layer's next call; the host never waits within a
-forward, and before it allocates layer L+1's planes it waits for layer L-1's GPU MoE, so at most two layers' planes
-are alive. That path passes the op's tests on the H200 but has not yet finished a full-size run (2026-12-02: the
-bench did not end within its call; not diagnosed), so it is not the default. Rules place the op on CUDA; the tests
-also build it on the CPU, where the share runs on the pool directly, the copies are plain and Triton's interpreter
-runs the MoE.
+from the same buffers and converted on the device, its time the pool's own busy span. With the rule kwarg
+`cpu_on_stream: true` it runs as decode's does instead, on the compute stream (ktrans.kernels.cpu_stream): inputs
+copied to pinned staging, the pool's submit and wait as host functions around the GPU's share, the result copied
+back, its time the pool's busy span between the two (StreamCall.last_busy_ns), read after the step (`check`); the
+host never waits within a forward, and before it allocates layer L+1's planes it waits for layer L-1's GPU MoE, so
+at most two layers' planes are alive. That path passes the op's tests on the H200 but has not yet finished a
+full-size run (2026-12-02: the bench did not end within its call; not diagnosed), so it is not the default. Rules
+place the op on CUDA; the tests also build it on the CPU, where the share runs on the pool directly, the copies are
+plain and Triton's interpreter runs the MoE.
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ktrans.kernels.host_memory import register_for_dma
 from ktrans.kernels.triton.moe_quant import moe_quant
 from ktrans.kernels.triton.quant_layout import BLOCK_BYTES, PackedWeight, concat_rows
 from ktrans.kernels.triton.repack import repack_blocks
@@ -67,7 +68,6 @@ DEFAULT_MIN_TOKENS = 1024
 # (doc/benchmarks.md, 2026-12-02): 3,499 tok/s at 4096-token steps, 345 at 512.
 STEP_TOKENS = 4096
 _EMA = 0.5  # weight of a new measurement
-_READ_ONLY = 8  # cudaHostRegisterReadOnly
 _PROBE_EVERY = 16  # of the layer calls the auto split gives one side nothing, one gives it one expert instead
 
 
@@ -180,57 +180,6 @@ def _stager(device: torch.device, source) -> _Stager:
     return _STAGERS[key]
 
 
-_REGISTERED: dict[int, int] = {}  # host address -> bytes this process registered (unregistered when freed)
-
-
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed call we handled (else the next kernel launch's check would
-    report it): through the process's own libcudart where it can be opened, else by letting torch's launch check
-    report it once."""
-    import ctypes
-
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
-    try:
-        torch.zeros(1, device="cuda")
-    except RuntimeError:
-        pass
-
-
-def _register_host(t: torch.Tensor) -> bool:
-    """Pin a host tensor's pages in place for DMA (cudaHostRegister), until the tensor is freed; False where it
-    cannot be (copies are then staged by the driver, far slower: bench e2e's split_prefill reports it)."""
-    if not torch.cuda.is_available():
-        return False
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    if ptr in _REGISTERED or t.is_pinned():
-        return True
-    rt = torch.cuda.cudart()
-    err = None
-    for flags in (0, _READ_ONLY):  # read-only pages (a GGUF file's mapping) take only the read-only flag
-        err = rt.cudaHostRegister(ptr, nbytes, flags)
-        if int(err) == 0:
-            _REGISTERED[ptr] = nbytes
-            weakref.finalize(t, _unregister, ptr)  # before the pages go back: a later buffer may reuse them
-            return True
-        _clear_cuda_error()
-    log.warning("cudaHostRegister of %.1f MiB failed (%s): expert copies will be staged by the driver",
-                nbytes / 2**20, err)
-    return False
-
-
-def _unregister(ptr: int) -> None:
-    if _REGISTERED.pop(ptr, None) is not None:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        except Exception:  # interpreter shutdown: the driver lets go of the process's pages anyway
-            pass
-
-
 @EXPERT_OPS.register("KExpertsSplit", devices=("cuda",))
 class KExpertsSplit(ExpertsOp):
     def __init__(self, operator, device: torch.device, streaming: bool = False):
@@ -293,7 +242,7 @@ class KExpertsSplit(ExpertsOp):
                     break
                 out.append((w, qtype, name in _X16))
             if out and self.device.type == "cuda":
-                self.pinned = all([_register_host(w) for w, _, _ in out])
+                self.pinned = all([register_for_dma(w) for w, _, _ in out])
             self._layout = tuple(out)
         return self._layout
 
@@ -421,13 +370,11 @@ class KExpertsSplit(ExpertsOp):
                 self._on_stream = (call, call.calls + 1, t, first)
             else:
                 # Into the model's fixed host buffers (pinned on CUDA): fresh tensors of a long step's size cost a
-                # new mapping and its page faults on every call (a 4096-token output is 32 MiB), and converting on
-                # the host ran torch's threads beside the pool's. The copies are blocking, so whatever the stream
-                # did with these buffers before (the last layer's output copy) has finished.
+                # new mapping and its page faults on every call (a 4096-token output is 32 MiB). Converted on the
+                # device first (a copy that also changes dtype converts on the host, through a fresh buffer, on
+                # torch's threads beside the pool's). These copies must stay blocking: the last layer's output copy
+                # out of `hout`, on this stream, has then finished before the pool writes it again.
                 hx, hids, hw, hout = st.host_buffers(t, x.shape[1], k, pinned=x.is_cuda)
-                # Converted on the device first (a copy that also changes dtype converts on the host, through a
-                # fresh buffer). These copies must stay blocking: the last layer's output copy out of `hout`, on
-                # this stream, has then finished before the pool writes it again.
                 hx.copy_(x.float())
                 hids.copy_(cpu_ids)
                 hw.copy_(topk_weights.float())
