@@ -29,7 +29,7 @@ from ktrans.runtime.pools import KVPool, SplitKVPool, SplitStatePool, StatePool,
 from ktrans.engine.cache import CacheManager
 from ktrans.engine.prefix_cache import PrefixCache, check_snapshot_interval
 from ktrans.engine.grammar import GrammarCompiler, GrammarError, grammar_masks
-from ktrans.engine.output import RequestOutput, TextStream
+from ktrans.engine.output import RequestOutput, RequestStream, TextStream, collect
 from ktrans.engine.request import Request, RequestStatus, TokenLogprob
 from ktrans.engine.sampler import SamplingParams, sample, token_logprob, top_logprobs
 from ktrans.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -87,50 +87,6 @@ class InvalidRequest(ValueError):
 
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full (HTTP 503)."""
-
-
-class RequestStream:
-    """A request's outputs, in order, ending with one that has finished=True. Iterate with `async for` when made
-    with an event loop (the API), or with `for` from a plain thread."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
-        self.request_id = request_id
-        self._loop = loop
-        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
-        self.finished = False
-
-    def put(self, out: RequestOutput) -> None:  # engine thread
-        if self._loop is None:
-            self._queue.put(out)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    async def __aiter__(self):
-        while not self.finished:
-            out = await self._queue.get()
-            self.finished = out.finished
-            yield out
-
-    def drain(self) -> list[RequestOutput]:
-        """The outputs queued so far, without waiting (a stream made without an event loop)."""
-        outs = []
-        while not self.finished:
-            try:
-                out = self._queue.get_nowait()
-            except (queue.Empty, asyncio.QueueEmpty):
-                break
-            self.finished = out.finished
-            outs.append(out)
-        return outs
-
-    def __iter__(self):
-        while not self.finished:
-            out = self._queue.get()
-            self.finished = out.finished
-            yield out
 
 
 @dataclass(eq=False)
@@ -524,22 +480,6 @@ class Engine:
         if self.metrics is not None:
             self.metrics.on_finish(req)
         self._publish(t, out)
-
-
-def collect(stream: RequestStream) -> RequestOutput:
-    """All of a stream's outputs joined into one (blocking; for tests and offline use)."""
-    total = RequestOutput(stream.request_id, logprobs=[])
-    for out in stream:
-        total.token_ids += out.token_ids
-        total.text += out.text
-        total.logprobs += out.logprobs or []
-        if out.prompt_logprobs is not None:
-            total.prompt_logprobs = out.prompt_logprobs
-        total.finished, total.finish_reason, total.stop_reason = out.finished, out.finish_reason, out.stop_reason
-        total.num_prompt_tokens, total.num_output_tokens, total.error = (out.num_prompt_tokens, out.num_output_tokens,
-                                                                         out.error)
-        total.num_cached_tokens = out.num_cached_tokens
-    return total
 
 
 def wait_idle(engine: Engine, timeout: float = 30.0) -> bool:

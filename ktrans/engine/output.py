@@ -1,5 +1,5 @@
-"""What the engine sends back per request and step, and the text side of it: incremental detokenization with
-stop strings matched across token boundaries.
+"""What the engine sends back per request and step (RequestOutput, and the RequestStream a request's outputs arrive
+on), and the text side of it: incremental detokenization with stop strings matched across token boundaries.
 
 A stop string may begin in one token and end several tokens later, so text that could be the start of a stop
 string is held back until it either completes one (the request stops and that text, from the stop string on,
@@ -7,6 +7,8 @@ is dropped) or stops matching (it is sent).
 """
 from __future__ import annotations
 
+import asyncio
+import queue
 from dataclasses import dataclass, field
 
 from ktrans.engine.request import TokenLogprob
@@ -73,3 +75,63 @@ class TextStream:
         keep = 0 if final else held_suffix(text, self.stops)
         self._pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
+
+
+class RequestStream:
+    """A request's outputs, in order, ending with one that has finished=True. Iterate with `async for` when made
+    with an event loop (the API), or with `for` from a plain thread."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop | None = None):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if loop else queue.SimpleQueue()
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:  # engine thread
+        if self._loop is None:
+            self._queue.put(out)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    async def __aiter__(self):
+        while not self.finished:
+            out = await self._queue.get()
+            self.finished = out.finished
+            yield out
+
+    def drain(self) -> list[RequestOutput]:
+        """The outputs queued so far, without waiting (a stream made without an event loop)."""
+        outs = []
+        while not self.finished:
+            try:
+                out = self._queue.get_nowait()
+            except (queue.Empty, asyncio.QueueEmpty):
+                break
+            self.finished = out.finished
+            outs.append(out)
+        return outs
+
+    def __iter__(self):
+        while not self.finished:
+            out = self._queue.get()
+            self.finished = out.finished
+            yield out
+
+
+def collect(stream: RequestStream) -> RequestOutput:
+    """All of a stream's outputs joined into one (blocking; for tests and offline use)."""
+    total = RequestOutput(stream.request_id, logprobs=[])
+    for out in stream:
+        total.token_ids += out.token_ids
+        total.text += out.text
+        total.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            total.prompt_logprobs = out.prompt_logprobs
+        total.finished, total.finish_reason, total.stop_reason = out.finished, out.finish_reason, out.stop_reason
+        total.num_prompt_tokens, total.num_output_tokens, total.error = (out.num_prompt_tokens, out.num_output_tokens,
+                                                                         out.error)
+        total.num_cached_tokens = out.num_cached_tokens
+    return total
