@@ -307,10 +307,10 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
-    warmup = engine.warm_up()  # what `ktrans serve` runs before it listens: every kind of step once
-    bench.run(1, min(opts.prompt_len, 16), 4)  # first calls: allocator, kernels, caches
-    # and each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
-    # and Triton compiles by token count, and split prefill measures its rates per token bucket
+    # What `ktrans serve` runs before it listens (every kind of step once: first calls, compiles, graph captures),
+    # then each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
+    # by token count, and split prefill measures its rates per token bucket
+    warmup = engine.warm_up()
     for n in sorted({min(n, chunk) for n in (opts.prompt_len, *opts.prefill_lens)}):
         if n > 16:
             bench.run(1, n, 2)
