@@ -2,9 +2,22 @@
 # under $E2E_TIMEOUT (default 420 s), keeps its JSON and log under $OUT/NAME.{json,err} and prints the short lines.
 # Out of time, the command first gets SIGUSR1 (ktrans prints every thread's Python stack into NAME.err), then is
 # killed 15 s later: a stuck run says where it waited.
+# Before it starts, e2e waits (up to $QUIET_WAIT s, default 240) for background builds and file writers to end: the
+# CPU pool's pinned workers wait for the slowest of them, so a compiler beside a measurement multiplied the experts'
+# time by ~9 on 2026-12-02 (doc/benchmarks.md, session 11). A run that starts anyway says so.
+quiet() {
+  local i
+  for i in $(seq "${QUIET_WAIT:-240}"); do
+    pgrep -f "ninja|nvcc|cicc|cc1plus|make-tiny" > /dev/null || return 0
+    sleep 1
+  done
+  echo "WARNING: a build or writer is still running ($(pgrep -af 'ninja|nvcc|cicc|cc1plus|make-tiny' | head -2 |
+    cut -c1-80 | tr '\n' ' ')): $1's figures are not from a quiet machine"
+}
 e2e() {
   local name=$1
   shift
+  quiet "$name"
   echo "== $name: ktrans bench e2e --gguf_path $F $*"
   timeout -s USR1 -k 15 "${E2E_TIMEOUT:-420}" ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" \
     2> "$OUT/$name.err"

@@ -79,6 +79,9 @@ def _add_bench_e2e_parser(bench_sub) -> None:
                    help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
     b.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps replay CUDA graphs (default: on where the model's batches are on a GPU)")
+    b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine's warm-up (what `ktrans serve` runs before it listens) before measuring; "
+                        "each measured step size is run once beforehand either way")
     b.set_defaults(func=cmd_bench_e2e)
 
 

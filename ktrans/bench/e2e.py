@@ -310,7 +310,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     # What `ktrans serve` runs before it listens (every kind of step once: first calls, compiles, graph captures),
     # then each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
     # by token count, and split prefill measures its rates per token bucket
-    warmup = engine.warm_up()
+    warmup = engine.warm_up() if getattr(opts, "warmup", True) else {"seconds": 0.0}
     for n in sorted({min(n, chunk) for n in (opts.prompt_len, *opts.prefill_lens)}):
         if n > 16:
             bench.run(1, n, 2)

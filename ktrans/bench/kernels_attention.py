@@ -74,9 +74,9 @@ def decode_32k_b1(dev: torch.device) -> Timed:
     return _decode(1, 32768, dev)
 
 
-@case("attention", "decode 32k B=1, splits of 256", ("decode",))
-def decode_32k_b1_256(dev: torch.device) -> Timed:
-    return _decode(1, 32768, dev, split_tokens=256)
+@case("attention", "decode 32k B=1, splits of 512", ("decode",))
+def decode_32k_b1_512(dev: torch.device) -> Timed:
+    return _decode(1, 32768, dev, split_tokens=512)
 
 
 @case("attention", "decode 32k B=1, splits of 128", ("decode",))

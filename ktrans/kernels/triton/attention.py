@@ -195,8 +195,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 DECODE_BLOCK_N = 64      # keys per step of a decode program
 # A split's fixed costs (its q load, its partials written and merged, the pipeline's fill) want long splits; the GPU
-# wants about two programs per SM. Both are guesses to measure on the device (bench `decode 32k`).
-MIN_SPLIT_TOKENS = 512
+# wants about two programs per SM. On the H200 at 32k keys, B=1 (`ktrans bench kernels --family attention`,
+# 2026-12-02): splits of 512 keys 38.6 us, of 256 36.4 us, of 128 41.9 us.
+MIN_SPLIT_TOKENS = 256
 PROGRAMS_PER_SM = 2
 
 

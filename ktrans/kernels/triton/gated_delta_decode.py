@@ -11,11 +11,11 @@ finer, the programs sharing a key head's q/k windows would race: one could shift
 yet.) A small batch loads the R states as one [R, Dk, Dv] tile, so the whole 2 x 64 KiB of the real model is in
 flight at once from the few SMs that work; a large one takes them a head at a time in smaller programs.
 
-A small batch (fewer programs than WIDE_TILE_PROGRAMS) takes two launches instead, so that the GPU is not left to
-a few SMs (one row's 16 key-head programs took ~16 us on the H200, for ~4 MiB of state moved): `_prep_kernel`, one
-program per (row, key head) as above, does the conv windows, the gates and the q/k norms and writes q, k, v, g and
-beta (a few KiB) to a scratch; `_state_kernel`, one program per (row, value head, block of Dv columns), updates its
-block of the state. Each state column depends on the whole of q and k and on its own v only, so the blocks are
+By default the step takes two launches instead (TWO_LAUNCHES), so that the state's traffic is spread over the whole
+GPU: `_prep_kernel`, one program per (row, key head) as above, does the conv windows, the gates and the q/k norms and
+writes q, k, v, g and beta (a few KiB) to a scratch; `_state_kernel`, one program per (row, value head, block of Dv
+columns), updates its block of the state. On the H200 (`ktrans bench kernels --family gdn --match decode`,
+2026-12-02) two launches took 10.3 us at B=1 and 82 us at B=64 (0.79 of HBM), the one launch 15.3 and 125 us. Each state column depends on the whole of q and k and on its own v only, so the blocks are
 independent (FLA's fused recurrent kernel splits V the same way).
 
 Capturable in a CUDA graph: it reads only shapes on the host and allocates nothing but its output (none when the
@@ -211,9 +211,11 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows
 SPLIT_V_PROGRAMS = 512
 
 
-# Below this many programs (rows x key heads) a program loads all its R states at once (more bytes in flight where
-# few SMs work); above, one head at a time (smaller tiles, more programs resident per SM). About 2 per H200 SM.
+# The one-launch kernel: below this many programs (rows x key heads) a program loads all its R states at once (more
+# bytes in flight where few SMs work); above, one head at a time (smaller tiles, more programs resident per SM).
 WIDE_TILE_PROGRAMS = 264
+# The default path (split_v=None): the two-launch kernels at every batch size, measured faster at B=1 and B=64.
+TWO_LAUNCHES = True
 
 
 def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -228,7 +230,7 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
     conv_pool [slots, conv_dim, K-1]; ssm_pool [slots, HV, Dk, Dv] float32 contiguous.
     Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only. heads_per_tile
     (1..R) overrides how many value heads' states a program holds at once, split_v whether the two-launch path
-    runs (default: below WIDE_TILE_PROGRAMS programs); the tests run every shape.
+    runs (default: TWO_LAUNCHES); the tests run every shape.
     """
     hv, dk, dv = ssm_pool.shape[1:]
     hk = num_k_heads
@@ -249,7 +251,7 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         return out
     r = hv // hk
     bv = triton.next_power_of_2(dv)
-    if split_v if split_v is not None else n * hk < WIDE_TILE_PROGRAMS:
+    if split_v if split_v is not None else TWO_LAUNCHES:
         f32 = dict(dtype=torch.float32, device=mixed.device)
         q, k = torch.empty(n, hk, dk, **f32), torch.empty(n, hk, dk, **f32)
         v, g, beta = torch.empty(n, hv, dv, **f32), torch.empty(n, hv, **f32), torch.empty(n, hv, **f32)
