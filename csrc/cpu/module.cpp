@@ -17,6 +17,7 @@
 #include "moe.h"
 #include "pool.h"
 #include "quant.h"
+#include "row_ops.h"
 #include "stream.h"
 
 namespace py = pybind11;
@@ -333,6 +334,31 @@ PYBIND11_MODULE(_cpu, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Write B new tokens' K and V at their slot_mapping rows, then attend each sequence's query heads over its "
         "kv_lens[i] cached tokens through its block table (see csrc/cpu/layers.h).");
+
+  // Per-row ops of a CPU decode step (row_ops.h), on the calling thread; ktrans/kernels/cpu_layers.py checks the
+  // tensors. residual / sum_out = 0: no residual add.
+  m.def("rms_norm_rows",
+        [](int64_t T, int64_t n, uintptr_t x, int64_t ldx, uintptr_t residual, int64_t ldr, uintptr_t sum_out,
+           int64_t lds, uintptr_t w, float w_offset, float eps, uintptr_t out, int64_t ldo) {
+          rms_norm_rows(T, n, ptr<const float>(x), ldx, ptr<const float>(residual), ldr, ptr<float>(sum_out), lds,
+                        ptr<const float>(w), w_offset, eps, ptr<float>(out), ldo);
+        },
+        py::arg("T"), py::arg("n"), py::arg("x"), py::arg("ldx"), py::arg("residual"), py::arg("ldr"),
+        py::arg("sum_out"), py::arg("lds"), py::arg("w"), py::arg("w_offset"), py::arg("eps"), py::arg("out"),
+        py::arg("ldo"), py::call_guard<py::gil_scoped_release>());
+  m.def("moe_route",
+        [](int64_t T, int64_t E, uintptr_t logits, int64_t ld, int k, bool renorm, uintptr_t ids, uintptr_t weights) {
+          moe_route(T, E, ptr<const float>(logits), ld, k, renorm, ptr<int64_t>(ids), ptr<float>(weights));
+        },
+        py::arg("T"), py::arg("E"), py::arg("logits"), py::arg("ld"), py::arg("k"), py::arg("renorm"), py::arg("ids"),
+        py::arg("weights"), py::call_guard<py::gil_scoped_release>());
+  m.def("moe_gated_sum",
+        [](int64_t T, int64_t n, uintptr_t routed, uintptr_t shared, uintptr_t gate, uintptr_t out) {
+          moe_gated_sum(T, n, ptr<const float>(routed), ptr<const float>(shared), ptr<const float>(gate),
+                        ptr<float>(out));
+        },
+        py::arg("T"), py::arg("n"), py::arg("routed"), py::arg("shared"), py::arg("gate"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
 
   m.attr("AVX2_TILE_MIN_TOKENS") = kAvx2TileMinTokens;
 

@@ -155,7 +155,8 @@ class _Bench:
 
     def itl_during_prefill(self, decodes: int, prompt_len: int, long_len: int, gen_len: int) -> dict:
         """The inter-token latency of `decodes` requests while a `long_len`-token prompt arrives and is prefilled in
-        chunks beside them (each step carries their decode tokens and a chunk of it). The sample is every ITL of the
+        chunks beside them (each step carries their decode tokens and a chunk of it; every step's wall time is kept,
+        in order, as chunk_walls_ms). The sample is every ITL of the
         decoders from _ITL_BEFORE decode-only steps before the long prompt is submitted until its first token; the
         chunk time is the median wall time of the steps that carried its chunks. Chunked prefill keeps the decodes
         flowing when ITL p99 <= chunk time + 2 ITL p50 (`holds`)."""
@@ -208,6 +209,7 @@ class _Bench:
         chunk = sorted(chunk_walls)[len(chunk_walls) // 2]
         return {"decodes": decodes, "prompt_len": long_len, "ttft_ms": 1e3 * (t_long_first - t_long),
                 "chunk_steps": len(chunk_walls), "chunk_ms": 1e3 * chunk, "chunk_ms_max": 1e3 * max(chunk_walls),
+                "chunk_walls_ms": [round(1e3 * w, 2) for w in chunk_walls],  # in order: which chunk is slow
                 "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
                 "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
 

@@ -71,6 +71,8 @@ def operator_ops(model: nn.Module, method: str) -> list:
 
 # KTRANS_SPIN_WAIT=1: wait for a forward's end by polling, as a bare CUDA copy back does (for comparison)
 _SPIN_WAIT = os.environ.get("KTRANS_SPIN_WAIT", "0") not in ("", "0")
+# A CPU-only model's decode steps run ktrans.engine.cpu_decode's flat loop (the same ops and kernels) unless this is 0.
+_CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "1") not in ("", "0")
 
 
 class ModelRunner:
@@ -107,6 +109,13 @@ class ModelRunner:
         for op in operator_ops(model, "reserve"):  # buffers an op needs per token, at their final addresses
             op.reserve(max_num_tokens)
         self.graphs = None
+        self.cpu_decode = None  # ktrans.engine.cpu_decode.CPUDecodeStep where the model is all on the CPU ops it covers
+        if self.device.type == "cpu" and _CPU_DECODE:
+            from ktrans.engine.cpu_decode import CPUDecodeStep
+
+            self.cpu_decode, why = CPUDecodeStep.build(model)
+            if self.cpu_decode is None:
+                log.debug("decode steps run the module forward: %s", why)
         if cuda_graph:
             if self.device.type != "cuda":
                 raise ValueError(f"CUDA graphs need the model's batches on a GPU, not {self.device} "
@@ -211,6 +220,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""
         self.plan(batch)
+        if self.cpu_decode is not None and self.cpu_decode.takes(batch):
+            return self.cpu_decode(batch)
         logits = self.model(batch)
         self.mark_end(logits.device)
         return logits

@@ -3,7 +3,9 @@
 `gdn_decode` is one fused Gated DeltaNet step for B sequences of one token each (conv window + causal conv + SiLU,
 the gates, q/k L2 norm, the delta rule in place in the state pool, the gated RMSNorm of the output); `attn_decode`
 writes B new tokens' K and V into the paged cache and attends each sequence over its pages. Their references are
-ktrans/kernels/torch/{conv,gated_delta,attention}.py and ktrans/operators/norm.py `rms_norm_gated`.
+ktrans/kernels/torch/{conv,gated_delta,attention}.py and ktrans/operators/norm.py `rms_norm_gated`. `rms_norm`,
+`moe_route` and `moe_gated_sum` are the small per-row ops of a decode step (csrc/cpu/row_ops.*, on the calling
+thread) against norm.py's rms_norm and moe.py's route and gated sum.
 
 Activations are float32 (other dtypes are converted here); the conv window and the KV cache may be float32 or bf16
 (the engine's pools take the model dtype), the recurrent state is float32. Both run on `pool` (a ktrans._cpu
@@ -102,4 +104,53 @@ def attn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     _cpu.attn_decode(pool, bsz, hq, hkv, d, page_size, float(scale), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                      slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
                      n_rows, kv_lens.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], out.data_ptr(), isa)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             w_offset: float = 1.0):
+    """ktrans/operators/norm.py's rms_norm (zero-centred: weight + 1) of float32 rows [T, n] on the calling thread;
+    with `residual`, also the add before it: returns (norm(residual + x), residual + x)."""
+    n = x.shape[-1]
+    x2 = _f32(x.reshape(-1, n))
+    t = x2.shape[0]
+    weight = _f32(weight)
+    if weight.numel() != n:
+        raise ValueError(f"rms_norm: weight has {weight.numel()} values for rows of {n}")
+    out = torch.empty(t, n, dtype=torch.float32)
+    if residual is None:
+        _cpu.rms_norm_rows(t, n, x2.data_ptr(), n, 0, 0, 0, 0, weight.data_ptr(), w_offset, float(eps),
+                           out.data_ptr(), n)
+        return out.reshape(x.shape)
+    r2 = _f32(residual.reshape(-1, n))
+    if r2.shape[0] != t:
+        raise ValueError(f"rms_norm: residual {tuple(residual.shape)} does not fit x {tuple(x.shape)}")
+    total = torch.empty(t, n, dtype=torch.float32)
+    _cpu.rms_norm_rows(t, n, x2.data_ptr(), n, r2.data_ptr(), n, total.data_ptr(), n, weight.data_ptr(), w_offset,
+                       float(eps), out.data_ptr(), n)
+    return out.reshape(x.shape), total.reshape(x.shape)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ktrans/operators/moe.py's route on float32 logits [T, E]: (ids [T, k] int64, weights [T, k] float32)."""
+    logits = _f32(logits)
+    t, e = logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"moe_route: top_k {top_k} outside [1, {e}]")
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    _cpu.moe_route(t, e, logits.data_ptr(), e, top_k, bool(renorm), ids.data_ptr(), weights.data_ptr())
+    return ids, weights
+
+
+def moe_gated_sum(routed: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(gate) * shared for rows [T, n] and gate [T, 1] (float32)."""
+    routed, shared, gate = _f32(routed), _f32(shared), _f32(gate)
+    n = routed.shape[-1]
+    t = routed.numel() // n
+    if shared.shape != routed.shape or gate.numel() != t:
+        raise ValueError(f"moe_gated_sum: routed {tuple(routed.shape)}, shared {tuple(shared.shape)} and gate "
+                         f"{tuple(gate.shape)} do not fit")
+    out = torch.empty_like(routed)
+    _cpu.moe_gated_sum(t, n, routed.data_ptr(), shared.data_ptr(), gate.data_ptr(), out.data_ptr())
     return out

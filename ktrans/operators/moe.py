@@ -18,6 +18,8 @@ from ktrans.operators.linear import project
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                    provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
+ROUTER_OPS.declare("KRouterCPU", devices=("cpu",), module="ktrans.operators.layers_cpu",
+                   provided_by="the C++ extension (ktrans._cpu)")
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

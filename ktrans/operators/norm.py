@@ -17,6 +17,8 @@ from ktrans.weights.source import WeightSource
 NORM_OPS = OpRegistry("rmsnorm")
 NORM_OPS.declare("KRMSNormTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                  provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
+NORM_OPS.declare("KRMSNormCPU", devices=("cpu",), module="ktrans.operators.layers_cpu",
+                 provided_by="the C++ extension (ktrans._cpu)")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

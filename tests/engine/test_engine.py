@@ -116,16 +116,21 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny, monkeypatch):
     model, tok = tiny
     e = Engine(model, tok, EngineConfig()).start()
     try:
-        real = e.runner.model
         calls = {"n": 0}
 
-        def flaky(batch):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("boom")
-            return real(batch)
+        def flaky(real):  # the second forward fails, through whichever path runs it
+            def run(batch):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("boom")
+                return real(batch)
+            return run
 
-        e.runner.model = flaky
+        e.runner.model = flaky(e.runner.model)
+        flat = e.runner.cpu_decode  # the CPU placement's decode steps take the flat step (ktrans.engine.cpu_decode)
+        if flat is not None:
+            e.runner.cpu_decode = type("Flaky", (), {"takes": staticmethod(flat.takes),
+                                                     "__call__": lambda self, batch, run=flaky(flat): run(batch)})()
         first = collect(e.submit(tok.encode("a b c"), SamplingParams(temperature=0.0, max_tokens=5)))
         assert first.finish_reason == "error" and "boom" in first.error
         assert wait_idle(e) and pools_full(e)

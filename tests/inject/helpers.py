@@ -32,7 +32,8 @@ def cpu_variant(name: str) -> str:
     text = (RULES_DIR / name).read_text().replace('"cuda"', '"cpu"')
     for op, ref in (("KExpertsCPU", "KExpertsTorch"), ("KLinearCPUInfer", "KLinearTorch"),
                     ("KExpertsMarlin", "KExpertsTorch"), ("KLinearMarlin", "KLinearTorch"),
-                    ("KExpertsSplit", "KExpertsTorch")):
+                    ("KExpertsSplit", "KExpertsTorch"), ("KRMSNormCPU", "KRMSNormTorch"),
+                    ("KRouterCPU", "KRouterTorch")):
         text = text.replace(f'"{op}"', f'"{ref}"')
     # the Triton layer ops: each operator's default op is its torch reference
     return re.sub(r'(?m)^ *(generate|prefill)_op: "K\w+Triton"\n', "", text)

@@ -169,3 +169,52 @@ def test_attn_decode_refuses_a_page_outside_the_cache():
     with pytest.raises(ValueError, match="outside the cache"):
         attn_decode(q, k, k, k_cache, v_cache, slot_mapping, torch.tensor([10]), tables, 4, 1.0)
     assert torch.equal(k_cache, before)
+
+
+# ---- the per-row ops (csrc/cpu/row_ops.*) against norm.py's rms_norm and moe.py's route / gated sum --------------
+@pytest.mark.parametrize("rows,n", [(1, 2048), (3, 37), (5, 16), (2, 1)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_rows_matches_reference(rows, n, with_residual):
+    from ktrans.kernels.cpu_layers import rms_norm
+    from ktrans.operators.norm import rms_norm as reference
+
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x, res, w = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g), 0.3 * torch.randn(n, generator=g)
+    if not with_residual:
+        torch.testing.assert_close(rms_norm(x, w, 1e-6), reference(x, w, 1e-6), **TOL)
+        return
+    out, total = rms_norm(x[:, None], w, 1e-6, residual=res[:, None])  # [rows, 1, n]: the shape comes back
+    torch.testing.assert_close(total, (res + x)[:, None], atol=0, rtol=0)
+    torch.testing.assert_close(out, reference(res + x, w, 1e-6)[:, None], **TOL)
+
+
+@pytest.mark.parametrize("rows,experts,k", [(1, 512, 10), (4, 37, 5), (2, 8, 8), (3, 64, 1)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_moe_route_matches_reference(rows, experts, k, renorm):
+    from ktrans.kernels.cpu_layers import moe_route
+    from ktrans.operators.moe import route
+
+    logits = 3 * torch.randn(rows, experts, generator=torch.Generator().manual_seed(experts + k))
+    ids, weights = moe_route(logits, k, renorm)
+    ref_ids, ref_weights = route(logits, k, renorm)
+    assert torch.equal(ids, ref_ids)  # random logits: no ties
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_route_ties_keep_the_lower_expert_first_and_refuses_bad_k():
+    from ktrans.kernels.cpu_layers import moe_route
+
+    ids, weights = moe_route(torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0]]), 2, False)
+    assert ids.tolist() == [[1, 2]] and weights[0, 0] == weights[0, 1]
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(torch.zeros(1, 4), 5, True)
+
+
+def test_moe_gated_sum_matches_reference():
+    from ktrans.kernels.cpu_layers import moe_gated_sum
+
+    g = torch.Generator().manual_seed(3)
+    routed, shared, gate = torch.randn(3, 41, generator=g), torch.randn(3, 41, generator=g), torch.randn(3, 1, generator=g)
+    torch.testing.assert_close(moe_gated_sum(routed, shared, gate), routed + torch.sigmoid(gate) * shared, **TOL)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_gated_sum(routed, shared[:2], gate)

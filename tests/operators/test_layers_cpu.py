@@ -1,8 +1,10 @@
-"""KGatedDeltaNetCPU and KAttentionCPU (the C++ decode kernels) in a whole small model against the reference ops:
-the same checkpoint, the same CPU placement with the reference experts and linears; only these two ops differ.
+"""KGatedDeltaNetCPU, KAttentionCPU, KRMSNormCPU and KRouterCPU (the C++ kernels) in a whole small model against the
+reference ops: the same checkpoint, the same CPU placement with the reference experts and linears; only these ops
+differ.
 
 Teacher-forced (tests/operators/helpers.py): chunked prefill, a mixed step (one sequence decoding beside two
-prefilling: the ops' torch path), then pure decode steps (the C++ kernels), the logits of every step compared.
+prefilling: the DeltaNet and attention ops' torch path), then pure decode steps (the C++ kernels), the logits of
+every step compared. The norms and the router take their C++ path at every step of up to 64 tokens.
 Tolerance: fp32 models, so the kernels differ from torch only in summation order (ulps per op) through 4 layers:
 max |diff| / max |logit| below 1e-4; a wrong head, gate, state slot or page moves the logits by O(1).
 """
@@ -23,19 +25,22 @@ TOL = 1e-4
 # 8 query heads on 2 kv heads of 24.
 SHAPE = {**OTHER_SHAPE, "num_hidden_layers": 4, "mlp_only_layers": [2], "linear_num_value_heads": 6,
          "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"]}
-OURS = cpu_variant(CPU_RULES.name)
-REFERENCE = OURS.replace('"KGatedDeltaNetCPU"', '"KGatedDeltaNetTorch"').replace('"KAttentionCPU"', '"KAttentionTorch"')
+# cpu_variant maps every C++ op to its reference; the layer ops under test are put back
+OURS = cpu_variant(CPU_RULES.name).replace('"KRMSNormTorch"', '"KRMSNormCPU"').replace('"KRouterTorch"', '"KRouterCPU"')
+REFERENCE = (OURS.replace('"KGatedDeltaNetCPU"', '"KGatedDeltaNetTorch"').replace('"KAttentionCPU"', '"KAttentionTorch"')
+             .replace('"KRMSNormCPU"', '"KRMSNormTorch"').replace('"KRouterCPU"', '"KRouterTorch"'))
 
 
 def test_shipped_cpu_rules_use_them():
     assert GDN_OPS.built("KGatedDeltaNetCPU") and ATTENTION_OPS.built("KAttentionCPU")
     text = CPU_RULES.read_text()
     assert text.count('_op: "KGatedDeltaNetCPU"') == 2 and text.count('_op: "KAttentionCPU"') == 2
-    assert OURS != REFERENCE
+    assert text.count('_op: "KRMSNormCPU"') == 2 and text.count('_op: "KRouterCPU"') == 2
+    assert OURS != REFERENCE and "CPU\"" not in REFERENCE.replace('"KLinearCPUInfer"', "").replace('"KExpertsCPU"', "")
 
 
 def test_cpu_ops_match_reference_ops_teacher_forced(tmp_path, monkeypatch):
-    calls = {"gdn": 0, "attn": 0}
+    calls = {"gdn": 0, "attn": 0, "norm": 0, "route": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -45,6 +50,8 @@ def test_cpu_ops_match_reference_ops_teacher_forced(tmp_path, monkeypatch):
 
     monkeypatch.setattr(layers_cpu, "gdn_decode", counted("gdn", layers_cpu.gdn_decode))
     monkeypatch.setattr(layers_cpu, "attn_decode", counted("attn", layers_cpu.attn_decode))
+    monkeypatch.setattr(layers_cpu.cpu_layers, "rms_norm", counted("norm", layers_cpu.cpu_layers.rms_norm))
+    monkeypatch.setattr(layers_cpu.cpu_layers, "moe_route", counted("route", layers_cpu.cpu_layers.moe_route))
     ckpt = make_checkpoint(tmp_path, "small", seed=7, **SHAPE)
     ref_model, _ = injected(ckpt, rules(REFERENCE))
     model, _ = injected(ckpt, rules(OURS))
@@ -52,4 +59,5 @@ def test_cpu_ops_match_reference_ops_teacher_forced(tmp_path, monkeypatch):
     assert type(model.model.layers[1].self_attn.op).__name__ == "KAttentionCPU"
     compare_teacher_forced(ref_model, model, torch.device("cpu"), TOL)
     # 3 pure decode steps x 2 layers of each kind went through the kernels; the prefill and mixed steps did not.
-    assert calls == {"gdn": 6, "attn": 6}
+    assert calls["gdn"] == 6 and calls["attn"] == 6
+    assert calls["norm"] > 0 and calls["route"] > 0

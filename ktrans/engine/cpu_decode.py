@@ -1,0 +1,270 @@
+"""A CPU-only model's decode step without the module tree: the same ops and kernels, called in a flat loop.
+
+A decode step of the CPU placement spent ~1.1 ms a layer in Python at the 80B's 48 layers (H200 machine, 54.7 of
+91.8 ms a token; doc/benchmarks.md), about 650 Python calls a layer: module calls, device moves and phase lookups
+around ~25 calls that do the work. `CPUDecodeStep` makes the same calls into the same ops and C++ kernels for a
+pure decode batch, in the model's order, with the operator tree resolved once at build time:
+
+- the projections as raw C++ jobs on the pool (KLinearCPUInfer's matrices: every projection of one input queued
+  before any is waited for, as `project` does), the split parts put in HF's order by one gather;
+- the DeltaNet's q|k|v and z taken from in_proj_qkvz's per-key-head groups by one gather each (the module's
+  split, reshape and cat move the same values);
+- the norms, the router, the DeltaNet and attention cores, the experts and the shared expert through their ops
+  (KRMSNormCPU, KRouterCPU, KGatedDeltaNetCPU, KAttentionCPU, KExpertsCPU's CPUMoE, the one-expert CPUMoE of the
+  shared expert), whose own size checks choose their paths as in the module forward.
+
+Every value is computed by the same kernel from the same inputs as the module forward, so the logits are equal
+(tests/engine/test_cpu_decode.py). `build` returns None, with the reason, for any model it does not cover: another
+op anywhere (the module forward then runs), a GPU, a bias, streamed experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ktrans.kernels import cpu
+from ktrans.runtime.batch import GENERATE, ForwardBatch
+
+_NEEDS = {"norm": "KRMSNormCPU", "gdn": "KGatedDeltaNetCPU", "attn": "KAttentionCPU", "router": "KRouterCPU",
+          "experts": "KExpertsCPU", "linear": "KLinearCPUInfer", "embedding": "KEmbeddingTorch", "rope": "KRoPETorch"}
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _op(module, kind: str):
+    """The module's generate op, which must be `_NEEDS[kind]` on the CPU."""
+    impl = getattr(module, "impl", None)
+    op = impl.get(GENERATE) if impl else None
+    if op is None or type(op).__name__ != _NEEDS[kind] or op.device.type != "cpu" \
+            or any(d.type != "cpu" for d in getattr(module, "out_devices", {}).values()):
+        raise Unsupported(f"{getattr(module, 'key', type(module).__name__)}: not {_NEEDS[kind]} on the CPU "
+                          f"({type(op).__name__ if op is not None else 'no op'})")
+    return op
+
+
+_POSTED: dict = {}  # pool -> the last ticket a flat step posted there (waited for when the step fails midway)
+
+
+class _Linear:
+    """One KLinearCPUInfer as its C++ matrices: submit() queues them, done() waits and returns the output."""
+
+    def __init__(self, module):
+        op = _op(module, "linear")
+        if op.bias is not None or op.lin is None:
+            raise Unsupported(f"{op.key}: a bias or no weights")
+        self.mats = [(p._lin, p.n_out) for p in (op.parts or [op.lin])]
+        self.pool = op.lin.pool
+        self.n_in, self.n_out = op.n_in, op.n_out
+        self.order = op.order if op.parts else None
+
+    def submit(self, x: torch.Tensor) -> tuple:
+        t = x.shape[0]
+        jobs = []
+        for lin, n in self.mats:
+            y = torch.empty(t, n)
+            jobs.append((lin.submit(x.data_ptr(), t, self.n_in, y.data_ptr(), n), y))
+        _POSTED[self.pool] = jobs[-1][0]
+        return x, jobs  # x kept alive until the jobs are waited for
+
+    def done(self, pending: tuple, *index: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """The output; with `index` tensors, one gather of the output's columns (HF's order) per index instead."""
+        _, jobs = pending
+        for ticket, _ in jobs:
+            self.pool.wait(ticket)
+        if len(jobs) == 1:
+            y = jobs[0][1]
+            return [y.index_select(1, i) for i in index] if index else y
+        y = torch.cat([y for _, y in jobs], dim=1)
+        return [y.index_select(1, self.order[i]) for i in index] if index else y.index_select(1, self.order)
+
+
+def _submit_all(x: torch.Tensor, *linears: _Linear) -> list[tuple]:
+    return [lin.submit(x) for lin in linears]
+
+
+class _MoE:
+    """A CPUMoE called with raw pointers (what CPUMoE.submit does once its inputs are checked)."""
+
+    def __init__(self, moe):
+        self.moe, self.hidden = moe, moe.hidden
+
+    def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        out = torch.empty(x.shape[0], self.hidden)
+        ticket = self.moe._moe.submit(x.data_ptr(), x.shape[0], self.hidden, ids.data_ptr(), weights.data_ptr(),
+                                      ids.shape[1], out.data_ptr(), self.hidden)
+        _POSTED[self.moe.pool] = ticket
+        return ticket, out, (x, ids, weights)
+
+    def done(self, pending: tuple) -> torch.Tensor:
+        ticket, out, _ = pending
+        self.moe.pool.wait(ticket)
+        return out
+
+
+class _Mlp:
+    """A SwiGLU MLP (a dense layer or the shared expert): its one-expert CPUMoE, or its three projections."""
+
+    def __init__(self, mlp):
+        devices = getattr(mlp, "devices", {})
+        if not hasattr(mlp, "_fuse") or GENERATE not in devices or devices[GENERATE].type != "cpu":
+            raise Unsupported(f"{getattr(mlp, 'key', type(mlp).__name__)}: not KQwen3NextMLP on the CPU")
+        fused = mlp._fused.get(GENERATE, False)
+        if fused is False:
+            fused = mlp._fused[GENERATE] = mlp._fuse(GENERATE, torch.device("cpu"))
+        self.fused = _MoE(fused) if fused is not None else None
+        if self.fused is None:
+            self.gate, self.up, self.down = (_Linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self._ones: dict[int, tuple] = {}
+
+    def submit(self, x: torch.Tensor):
+        if self.fused is None:
+            return "linears", x
+        t = x.shape[0]
+        if t not in self._ones:
+            self._ones[t] = (torch.zeros(t, 1, dtype=torch.int64), torch.ones(t, 1))
+        return "fused", self.fused.submit(x, *self._ones[t])
+
+    def done(self, pending) -> torch.Tensor:
+        kind, p = pending
+        if kind == "fused":
+            return self.fused.done(p)
+        g, u = (lin.done(q) for lin, q in zip((self.gate, self.up), _submit_all(p, self.gate, self.up)))
+        h = F.silu(g) * u
+        return self.down.done(self.down.submit(h))
+
+
+class _Layer:
+    def __init__(self, layer):
+        self.norm_in = _op(layer.input_layernorm, "norm")
+        self.norm_post = _op(layer.post_attention_layernorm, "norm")
+        if hasattr(layer, "linear_attn"):
+            m = layer.linear_attn
+            self.gdn = _op(m, "gdn")
+            self.qkvz, self.ba, self.out = _Linear(m.in_proj_qkvz), _Linear(m.in_proj_ba), _Linear(m.out_proj)
+            hk, dk, dv, r = m.num_k_heads, m.head_k_dim, m.head_v_dim, m.num_v_heads // m.num_k_heads
+            w = 2 * dk + 2 * r * dv  # one key head's group: q | k | v (r heads) | z (r heads)
+            col = lambda lo, n: torch.cat([torch.arange(h * w + lo, h * w + lo + n) for h in range(hk)])  # noqa
+            self.mixed_idx = torch.cat((col(0, dk), col(dk, dk), col(2 * dk, r * dv)))
+            self.z_idx = col(2 * dk + r * dv, r * dv)
+            ba = lambda lo: torch.cat([torch.arange(h * 2 * r + lo, h * 2 * r + lo + r) for h in range(hk)])  # noqa
+            self.b_idx, self.a_idx = ba(0), ba(r)
+            self.attn = None
+        else:
+            m = layer.self_attn
+            self.attn = _op(m, "attn")
+            self.q, self.k, self.v, self.o = (_Linear(x) for x in (m.q_proj, m.k_proj, m.v_proj, m.o_proj))
+            self.q_norm, self.k_norm = _op(m.q_norm, "norm"), _op(m.k_norm, "norm")
+            self.heads, self.kv_heads, self.head_dim = m.num_heads, m.num_kv_heads, m.head_dim
+            self.gdn = None
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            self.router = _op(mlp, "router")
+            self.route_gate = _Linear(mlp.gate)
+            experts = _op(mlp.experts, "experts")
+            if experts.moe is None:
+                raise Unsupported(f"{experts.key}: streamed experts (no CPUMoE at build time)")
+            self.experts = _MoE(experts.moe)
+            self.shared = _Mlp(mlp.shared_expert)
+            g = mlp.shared_expert_gate
+            if isinstance(g, torch.nn.Linear) and g.weight.device.type == "cpu" and g.weight.dtype == torch.float32:
+                self.shared_gate = (g.weight, g.bias)
+            else:
+                self.shared_gate = _Linear(g)
+            self.dense = None
+        else:
+            self.dense, self.router = _Mlp(mlp), None
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope, batch: ForwardBatch):
+        if residual is None:
+            h, residual = self.norm_in(h), h
+        else:
+            h, residual = self.norm_in(h, residual)
+        h = self._gdn(h, batch) if self.gdn is not None else self._attention(h, rope, batch)
+        h, residual = self.norm_post(h, residual)
+        return (self._moe(h) if self.router is not None else self.dense.done(self.dense.submit(h))), residual
+
+    def _gdn(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        pq, pb = _submit_all(x, self.qkvz, self.ba)
+        mixed, z = self.qkvz.done(pq, self.mixed_idx, self.z_idx)
+        b, a = self.ba.done(pb, self.b_idx, self.a_idx)
+        core = self.gdn(mixed, z, b, a, batch)
+        return self.out.done(self.out.submit(core))
+
+    def _attention(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        qg, k, v = (lin.done(p) for lin, p in zip((self.q, self.k, self.v), _submit_all(x, self.q, self.k, self.v)))
+        q, gate = qg.view(t, self.heads, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(t, self.kv_heads, d))
+        q, k = rope.apply(q, k)
+        out = self.attn(q, k, v.view(t, self.kv_heads, d), batch)
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o.done(self.o.submit(out))
+
+    def _moe(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router.route(self.route_gate.done(self.route_gate.submit(x)))
+        routed = self.experts.submit(x, ids, weights)
+        shared = self.shared.submit(x)
+        if isinstance(self.shared_gate, _Linear):
+            gate = self.shared_gate.done(self.shared_gate.submit(x))
+        else:
+            gate = F.linear(x, *self.shared_gate)
+        shared = self.shared.done(shared)
+        return self.router.combine(self.experts.done(routed), shared, gate)
+
+
+class CPUDecodeStep:
+    """The decode step of a model whose every operator runs the CPU ops above; see the module docstring."""
+
+    def __init__(self, model):
+        inner = model.model
+        self.embed = _op(inner.embed_tokens, "embedding")
+        if self.embed.weight is None or self.embed.weight.dtype != torch.float32:
+            raise Unsupported("the model's dtype is not float32 (the C++ jobs here are given float32 buffers)")
+        self.rope = _op(inner.rotary_emb, "rope")
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.norm = _op(inner.norm, "norm")
+        self.lm_head = _Linear(model.lm_head)
+        if any(getattr(layer, "_ktrans_device", None) not in (None, torch.device("cpu")) for layer in inner.layers):
+            raise Unsupported("layers placed on another device")
+
+    @classmethod
+    def build(cls, model) -> tuple["CPUDecodeStep | None", str]:
+        """(the step, "") for a model it covers, else (None, why)."""
+        if not hasattr(model, "model") or not hasattr(model, "lm_head"):
+            return None, "not a Qwen3NextForCausalLM"
+        try:
+            return cls(model), ""
+        except Unsupported as e:
+            return None, str(e)
+
+    @staticmethod
+    def takes(batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.device.type == "cpu"
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        """fp32 logits [N, vocab] for batch.logits_indices, as the model's forward gives them."""
+        try:
+            with batch.active():
+                x = self.embed(batch.input_ids)
+                rope = self.rope(batch.positions, x.dtype)
+                h, residual = x, None
+                for layer in self.layers:
+                    h, residual = layer.forward(h, residual, rope, batch)
+                idx = batch.logits_indices
+                h = self.norm(h[idx], residual[idx])[0]
+                return self.lm_head.done(self.lm_head.submit(h.contiguous())).float()
+        except BaseException:
+            # Jobs posted and not waited for may still read and write this step's tensors, which the raise frees:
+            # let them end first (a ticket stands for its job and every earlier one; their errors are this one's).
+            for pool, ticket in list(_POSTED.items()):
+                try:
+                    pool.wait(ticket)
+                except Exception:
+                    pass
+            raise
+        finally:
+            _POSTED.clear()

@@ -1,0 +1,53 @@
+"""The CPU placement's decode step, flat (ktrans.engine.cpu_decode) against the module forward, in one process.
+
+One request decodes on an Engine; rounds of STEPS steps alternate between the two paths (runner.cpu_decode
+toggled), so both see the same memory, cache and KV length. Prints per round the wall ms a step and the ms outside
+the CPU pool's jobs ("host"), and their medians.
+    python3 scripts/cpu_decode_ab.py GGUF [--rules R] [--rounds 6] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from ktrans.api.server import ServeOptions, load
+from ktrans.engine.engine import Engine, EngineConfig
+from ktrans.engine.sampler import SamplingParams
+from ktrans.kernels import cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("gguf")
+    ap.add_argument("--rules", default="ktrans/optimize_rules/Qwen3Next-cpu.yaml")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
+    a = ap.parse_args()
+    model, tokenizer = load(ServeOptions(gguf_path=a.gguf, optimize_config_path=a.rules), show_progress=False)[:2]
+    n = a.rounds * a.steps * 2 + 32
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=512, cache_lens=n + 64,
+                                              max_new_tokens=n, max_model_len=n + 32))
+    flat = engine.runner.cpu_decode
+    if flat is None:
+        raise SystemExit("this model's decode does not take the flat step (see ktrans.engine.cpu_decode)")
+    engine.submit(list(range(1, 17)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    for _ in range(10):
+        engine.poll()
+    pool = cpu.get_pool()
+    res: dict[str, list[tuple[float, float]]] = {"flat": [], "module": []}
+    for _ in range(a.rounds):
+        for kind in res:
+            engine.runner.cpu_decode = flat if kind == "flat" else None
+            b0, t0 = pool.busy()[1], time.perf_counter()
+            for _ in range(a.steps):
+                engine.poll()
+            wall = (time.perf_counter() - t0) / a.steps
+            res[kind].append((1e3 * wall, 1e3 * (wall - (pool.busy()[1] - b0) / 1e9 / a.steps)))
+    for kind, v in res.items():
+        print(f"{kind:6s} wall ms {[round(w, 1) for w, _ in v]} median {statistics.median(w for w, _ in v):.2f} | "
+              f"host ms {[round(h, 2) for _, h in v]} median {statistics.median(h for _, h in v):.2f}")
+
+
+if __name__ == "__main__":
+    main()
