@@ -3,7 +3,7 @@
 One request decodes on an Engine; rounds of STEPS steps alternate between the two paths (runner.cpu_decode
 toggled), so both see the same memory, cache and KV length. Prints per round the wall ms a step and the ms outside
 the CPU pool's jobs ("host"), and their medians.
-    python3 scripts/cpu_decode_ab.py GGUF [--rules R] [--rounds 6] [--steps 20]
+    python3 scripts/cpu_decode_ab.py GGUF [--rules R] [--rounds 6] [--steps 20] [--cpu_infer N]
 """
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def main() -> None:
     ap.add_argument("--rules", default="ktrans/optimize_rules/Qwen3Next-cpu.yaml")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--cpu_infer", type=int, default=None, help="CPU threads (default: ktrans serve's, cores - 1)")
     a = ap.parse_args()
-    model, tokenizer = load(ServeOptions(gguf_path=a.gguf, optimize_config_path=a.rules), show_progress=False)[:2]
+    model, tokenizer = load(ServeOptions(gguf_path=a.gguf, optimize_config_path=a.rules,
+                                                 cpu_infer=a.cpu_infer), show_progress=False)[:2]
     n = a.rounds * a.steps * 2 + 32
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=512, cache_lens=n + 64,
                                               max_new_tokens=n, max_model_len=n + 32))
