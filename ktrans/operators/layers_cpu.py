@@ -9,8 +9,8 @@ takes the torch op's path they inherit, so the two ops agree wherever the kernel
 
 KRMSNormCPU (the residual add and the norm) and KRouterCPU (softmax/top-k and the gated sum of the MoE block) do in
 one C++ call, on the calling thread, what the torch ops do in 3-10 dispatches: at one token the dispatches were the
-time (~33 us for add + norm on the dev box). Steps of more than SMALL_ROWS tokens keep the torch path, whose
-intra-op threads then have real work.
+time (~33 us for add + norm on the dev box). Tensors of more than SMALL_ELEMENTS values (128 tokens of the 80B's
+hidden size 2048; rows of the q/k norms are heads) keep the torch path, whose intra-op threads then have real work.
 
 Imported lazily by GDN_OPS and ATTENTION_OPS (declared in gdn.py and attention.py), so ktrans imports where the
 extension is not built.
@@ -82,11 +82,11 @@ class KAttentionCPU(KAttentionTorch):
         return out.to(q.dtype)
 
 
-SMALL_ROWS = 64  # tokens up to which the per-row C++ ops replace the torch ones
+SMALL_ELEMENTS = 1 << 18  # values up to which the per-row C++ ops replace the torch ones (1 MiB of float32)
 
 
 def _small(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_cpu for t in ts) and ts[0].numel() <= SMALL_ROWS * ts[0].shape[-1]
+    return all(t.dtype == torch.float32 and t.is_cpu for t in ts) and ts[0].numel() <= SMALL_ELEMENTS
 
 
 @NORM_OPS.register("KRMSNormCPU", devices=("cpu",))

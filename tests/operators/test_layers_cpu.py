@@ -4,7 +4,7 @@ differ.
 
 Teacher-forced (tests/operators/helpers.py): chunked prefill, a mixed step (one sequence decoding beside two
 prefilling: the DeltaNet and attention ops' torch path), then pure decode steps (the C++ kernels), the logits of
-every step compared. The norms and the router take their C++ path at every step of up to 64 tokens.
+every step compared. The norms and the router take their C++ path at every step of these sizes.
 Tolerance: fp32 models, so the kernels differ from torch only in summation order (ulps per op) through 4 layers:
 max |diff| / max |logit| below 1e-4; a wrong head, gate, state slot or page moves the logits by O(1).
 """
