@@ -80,7 +80,9 @@ def teacher_forced_steps(runners, prompts, pages, tol: float, steps: int = 64) -
     for step in range(steps):
         chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
         ref, got = (r.step(chunks).float() for r in runners)
-        worst = max(worst, float((got - ref).abs().max()))
+        # a NaN would compare as no difference (max(0.0, nan) is 0.0): non-finite logits are the worst case
+        finite = bool(torch.isfinite(ref).all() and torch.isfinite(got).all())
+        worst = max(worst, float((got - ref).abs().max()) if finite else float("inf"))
         top2 = ref.topk(2, dim=-1).values
         sure = (top2[:, 0] - top2[:, 1]) > 2 * tol
         if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
