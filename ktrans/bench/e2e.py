@@ -343,7 +343,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         itl = bench.itl_during_prefill(opts.itl_decodes, opts.prompt_len, opts.itl_prefill_len, itl_gen)
         log(f"  {opts.itl_decodes} decodes while a {opts.itl_prefill_len}-token prompt prefills: ITL p50 "
             f"{itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms, chunk {itl['chunk_ms']:.1f} ms "
-            f"x {itl['chunk_steps']}, TTFT {itl['ttft_ms']:.0f} ms")
+            f"x {itl['chunk_steps']} ({', '.join(f'{w:.0f}' for w in itl['chunk_walls_ms'])}), "
+            f"TTFT {itl['ttft_ms']:.0f} ms")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
     gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
     if "step_ms" in one:
