@@ -9,13 +9,14 @@ pure decode batch, in the model's order, with the operator tree resolved once at
   before any is waited for, as `project` does), the split parts put in HF's order by one gather;
 - the DeltaNet's q|k|v and z taken from in_proj_qkvz's per-key-head groups by one gather each (the module's
   split, reshape and cat move the same values);
-- the norms, the router, the DeltaNet and attention cores, the experts and the shared expert through their ops
-  (KRMSNormCPU, KRouterCPU, KGatedDeltaNetCPU, KAttentionCPU, KExpertsCPU's CPUMoE, the one-expert CPUMoE of the
-  shared expert), whose own size checks choose their paths as in the module forward.
+- the layer norms as KRMSNormCPU's C++ row op called directly, under the op's own size rule;
+- the q/k norms, the router, the DeltaNet and attention cores through their ops (KRMSNormCPU, KRouterCPU,
+  KGatedDeltaNetCPU, KAttentionCPU), whose own checks choose their paths as in the module forward, and the experts
+  and the shared expert as raw jobs of their CPUMoE (KExpertsCPU's, the shared expert's one-expert one).
 
 Every value is computed by the same kernel from the same inputs as the module forward, so the logits are equal
 (tests/engine/test_cpu_decode.py). `build` returns None, with the reason, for any model it does not cover: another
-op anywhere (the module forward then runs), a GPU, a bias, streamed experts.
+op anywhere (the module forward then runs), a GPU, a bias, streamed experts, a dtype other than float32.
 """
 from __future__ import annotations
 
