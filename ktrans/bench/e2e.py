@@ -409,6 +409,9 @@ def main(args) -> int:
         print(f"prefill {out['prefill_tok_s'] or 0:.1f} tok/s; load {out['load_s']:.1f} s, "
               f"RSS {out['host_rss_gib'] or 0:.1f} GiB")
         if sp:
-            print(f"one decode token: {sp['wall']:.2f} ms = GPU {sp['gpu']:.2f} + CPU experts {sp['cpu_experts']:.2f} "
+            # The pool runs the CPU experts, and on the CPU placement also every projection, lm_head and (with
+            # more than one worker) the DeltaNet and attention steps: "CPU pool" then, not "CPU experts".
+            pool = "CPU experts" if sp["gpu_span"] else "CPU pool"
+            print(f"one decode token: {sp['wall']:.2f} ms = GPU {sp['gpu']:.2f} + {pool} {sp['cpu_experts']:.2f} "
                   f"+ host {sp['host']:.2f}" + ("" if sp["gpu_measured"] else " (no GPU)"))
     return 0
