@@ -52,6 +52,7 @@ class E2EOptions:
     prefill_lens: tuple[int, ...] = ()  # more prompt lengths whose time to first token is measured (batch 1)
     itl_prefill_len: int = 0  # a prompt this long arrives while itl_decodes requests decode: their ITL (0: skip)
     itl_decodes: int = 4
+    warmup: bool = True  # the engine's warm-up (what ktrans serve runs before it listens) before measuring
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -312,7 +313,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     # What `ktrans serve` runs before it listens (every kind of step once: first calls, compiles, graph captures),
     # then each step size the measured prompts take (a whole chunk, and shorter prompts whole): ops switch kernels
     # by token count, and split prefill measures its rates per token bucket
-    warmup = engine.warm_up() if getattr(opts, "warmup", True) else {"seconds": 0.0}
+    warmup = engine.warm_up() if opts.warmup else {"seconds": 0.0}
     for n in sorted({min(n, chunk) for n in (opts.prompt_len, *opts.prefill_lens)}):
         if n > 16:
             bench.run(1, n, 2)
@@ -397,7 +398,7 @@ def main(args) -> int:
                       gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
                       cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
                       use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens),
-                      itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes)
+                      itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes, warmup=args.warmup)
     quiet = args.json
     # with --json stdout is the JSON alone; the progress lines go to stderr as they come
     out = run(opts, show_progress=not quiet,

@@ -91,3 +91,13 @@ def test_itl_flags_are_checked():
 
     with pytest.raises(ValueError, match="--itl_decodes"):
         E2EOptions(itl_prefill_len=100, itl_decodes=0)
+
+
+def test_no_warmup_reaches_the_run(report):
+    """`--no-warmup` skips the engine's warm-up (warmup_s 0; the default run above warms up)."""
+    out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--optimize_config_path",
+                          str(RULES_DIR / "Qwen3Next-cpu.yaml"), "--prompt_len", "8", "--gen_len", "2",
+                          "--batch_sizes", "1", "--profile_steps", "0", "--no-warmup", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["warmup_s"] == 0.0 and report["warmup_s"] > 0
