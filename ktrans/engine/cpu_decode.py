@@ -9,8 +9,7 @@ pure decode batch, in the model's order, with the operator tree resolved once at
   before any is waited for, as `project` does), the split parts put in HF's order by one gather;
 - the DeltaNet's q|k|v and z taken from in_proj_qkvz's per-key-head groups by one gather each (the module's
   split, reshape and cat move the same values);
-- the layer norms as KRMSNormCPU's C++ row op called directly, under the op's own size rule;
-- the q/k norms, the router, the DeltaNet and attention cores through their ops (KRMSNormCPU, KRouterCPU,
+- the norms, the router, the DeltaNet and attention cores through their ops (KRMSNormCPU, KRouterCPU,
   KGatedDeltaNetCPU, KAttentionCPU), whose own checks choose their paths as in the module forward, and the experts
   and the shared expert as raw jobs of their CPUMoE (KExpertsCPU's, the shared expert's one-expert one).
 
@@ -23,8 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ktrans import _cpu
-from ktrans.operators.layers_cpu import SMALL_ELEMENTS
 from ktrans.runtime.batch import GENERATE, ForwardBatch
 
 _NEEDS = {"norm": "KRMSNormCPU", "gdn": "KGatedDeltaNetCPU", "attn": "KAttentionCPU", "router": "KRouterCPU",
@@ -80,31 +77,6 @@ class _Linear:
             return [y.index_select(1, i) for i in index] if index else y
         y = torch.cat([y for _, y in jobs], dim=1)
         return [y.index_select(1, self.order[i]) for i in index] if index else y.index_select(1, self.order)
-
-
-class _Norm:
-    """A KRMSNormCPU with the residual add, calling its C++ row op directly where the op would (the same call, the
-    same arguments: its small-size rule, contiguous float32 rows); anything else goes through the op."""
-
-    def __init__(self, module):
-        self.op = _op(module, "norm")
-        self.w32 = self.op.w32  # held: its address is passed on every call
-        self.w, self.eps = self.w32.data_ptr(), float(self.op.eps)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.dim() != 2 or x.numel() > SMALL_ELEMENTS or not x.is_contiguous() or x.dtype != torch.float32 or \
-                residual is not None and (residual.shape != x.shape or not residual.is_contiguous()
-                                          or residual.dtype != torch.float32):
-            return self.op(x) if residual is None else self.op(x, residual)
-        t, n = x.shape
-        out = torch.empty(t, n)
-        if residual is None:
-            _cpu.rms_norm_rows(t, n, x.data_ptr(), n, 0, 0, 0, 0, self.w, 1.0, self.eps, out.data_ptr(), n)
-            return out
-        total = torch.empty(t, n)
-        _cpu.rms_norm_rows(t, n, x.data_ptr(), n, residual.data_ptr(), n, total.data_ptr(), n, self.w, 1.0, self.eps,
-                           out.data_ptr(), n)
-        return out, total
 
 
 def _submit_all(x: torch.Tensor, *linears: _Linear) -> list[tuple]:
@@ -164,7 +136,8 @@ class _Mlp:
 
 class _Layer:
     def __init__(self, layer):
-        self.norm_in, self.norm_post = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
+        self.norm_in = _op(layer.input_layernorm, "norm")
+        self.norm_post = _op(layer.post_attention_layernorm, "norm")
         if hasattr(layer, "linear_attn"):
             m = layer.linear_attn
             self.gdn = _op(m, "gdn")
@@ -251,7 +224,7 @@ class CPUDecodeStep:
             raise Unsupported("the model's dtype is not float32 (the C++ jobs here are given float32 buffers)")
         self.rope = _op(inner.rotary_emb, "rope")
         self.layers = [_Layer(layer) for layer in inner.layers]
-        self.norm = _Norm(inner.norm)
+        self.norm = _op(inner.norm, "norm")
         self.lm_head = _Linear(model.lm_head)
         if any(getattr(layer, "_ktrans_device", None) not in (None, torch.device("cpu")) for layer in inner.layers):
             raise Unsupported("layers placed on another device")

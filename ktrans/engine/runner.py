@@ -111,12 +111,9 @@ class ModelRunner:
         self.graphs = None
         self.cpu_decode = None  # ktrans.engine.cpu_decode.CPUDecodeStep where the model is all on the CPU ops it covers
         if self.device.type == "cpu" and _CPU_DECODE:
-            try:
-                from ktrans.engine.cpu_decode import CPUDecodeStep
+            from ktrans.engine.cpu_decode import CPUDecodeStep
 
-                self.cpu_decode, why = CPUDecodeStep.build(model)
-            except ImportError as e:  # the C++ extension is not built: no CPU op it covers can run either
-                why = str(e)
+            self.cpu_decode, why = CPUDecodeStep.build(model)
             if self.cpu_decode is None:
                 log.debug("decode steps run the module forward: %s", why)
         if cuda_graph:
