@@ -33,6 +33,7 @@ import torch
 
 from ktrans.engine.sampler import SamplingParams
 from ktrans.kernels import cpu
+from ktrans.kernels.triton import CompileLog
 
 
 @dataclass
@@ -166,6 +167,7 @@ class _Bench:
                                       params) for _ in range(decodes)]
         times: list[list[float]] = [[] for _ in streams]
         long_stream, t_long, t_long_first, chunk_walls, decode_steps = None, None, None, [], 0
+        chunk_tokens: list[int] = []
 
         def step() -> bool:
             t0 = time.perf_counter()
@@ -179,6 +181,7 @@ class _Bench:
                     times[i] += [t1] * len(out.token_ids)
             if t_long is not None and t_long_first is None:
                 chunk_walls.append(t1 - t0)
+                chunk_tokens.append(self.engine.last_step_tokens)
             return alive
 
         while min(len(t) for t in times) == 0 or decode_steps < _ITL_BEFORE:  # the decoders' prefill, then steady
@@ -211,6 +214,7 @@ class _Bench:
         return {"decodes": decodes, "prompt_len": long_len, "ttft_ms": 1e3 * (t_long_first - t_long),
                 "chunk_steps": len(chunk_walls), "chunk_ms": 1e3 * chunk, "chunk_ms_max": 1e3 * max(chunk_walls),
                 "chunk_walls_ms": [round(1e3 * w, 2) for w in chunk_walls],  # in order: which chunk is slow
+                "chunk_tokens": chunk_tokens,  # each of those steps' tokens (decode rows plus the chunk)
                 "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
                 "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
 
@@ -321,8 +325,10 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     results = []
     prefill_tok_s = None
     split = None
+    compiles = {"decode": CompileLog(), "itl": CompileLog()}  # what the measured phases compiled (the warm-up's misses)
     for b in opts.batch_sizes:
-        r = bench.run(b, opts.prompt_len, opts.gen_len)
+        with compiles["decode"]:
+            r = bench.run(b, opts.prompt_len, opts.gen_len)
         s = _summary(r, b)
         if b == 1:
             prefill_tok_s = opts.prompt_len / r.ttft_s[0]
@@ -341,11 +347,16 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         log(f"  prefill {n:>6} tokens: TTFT {1e3 * r.ttft_s[0]:.0f} ms, {n / r.ttft_s[0]:.1f} tok/s")
     itl = None
     if opts.itl_prefill_len:
-        itl = bench.itl_during_prefill(opts.itl_decodes, opts.prompt_len, opts.itl_prefill_len, itl_gen)
+        with compiles["itl"]:
+            itl = bench.itl_during_prefill(opts.itl_decodes, opts.prompt_len, opts.itl_prefill_len, itl_gen)
         log(f"  {opts.itl_decodes} decodes while a {opts.itl_prefill_len}-token prompt prefills: ITL p50 "
             f"{itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms, chunk {itl['chunk_ms']:.1f} ms "
-            f"x {itl['chunk_steps']} ({', '.join(f'{w:.0f}' for w in itl['chunk_walls_ms'])}), "
+            f"x {itl['chunk_steps']} ({', '.join(f'{w:.0f} ms/{n}' for w, n in zip(itl['chunk_walls_ms'], itl['chunk_tokens']))} "
+            f"tokens), "
             f"TTFT {itl['ttft_ms']:.0f} ms")
+    for phase, got in compiles.items():
+        if got.compiled:
+            log(f"  {len(got.compiled)} Triton compiles during the measured {phase} steps: {', '.join(got.kernels)}")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
     gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
     if "step_ms" in one:
@@ -374,6 +385,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "split_ms": split,
         "prefill": prefill,
         "itl_during_prefill": itl,
+        "triton_compiles": {phase: got.compiled for phase, got in compiles.items()},
         "split_prefill": _split_prefill(model),
         "cuda_graphs": (None if engine.runner.graphs is None else
                         {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),

@@ -151,6 +151,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        self.last_step_tokens = 0  # tokens the last step computed (decode rows plus prefill chunks)
 
     # ---- API side (any thread) ----------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -373,6 +374,7 @@ class Engine:
         sched = self.scheduler.schedule()  # 1. which requests, how many tokens each (may preempt)
         if not sched.chunks:
             return
+        self.last_step_tokens = sum(c.num_tokens for c in sched.chunks)
         # 2. batch into the runner's buffers, 3. plan and forward
         logits = self.runner.step([SeqChunk(c.token_ids, c.start, c.request.slot, c.request.pages, c.logits, c.emit)
                                    for c in sched.chunks])

@@ -84,6 +84,7 @@ def test_itl_while_a_long_prompt_prefills():
     assert (itl["decodes"], itl["prompt_len"], itl["chunk_steps"], itl["itl_count"]) == (2, 300, 5, 2 * (16 + 5))
     assert 0 < itl["itl_p50_ms"] <= itl["itl_p99_ms"] <= itl["itl_max_ms"] and itl["chunk_ms"] <= itl["chunk_ms_max"]
     assert itl["ttft_ms"] > 0 and isinstance(itl["holds"], bool)
+    assert itl["chunk_tokens"] == [64, 64, 64, 64, 300 - 4 * 62 + 2]  # each step's decode rows plus its chunk
 
 
 def test_itl_flags_are_checked():

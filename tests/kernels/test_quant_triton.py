@@ -105,3 +105,22 @@ def test_kernel_weights_are_gguf_py_values(qtype, triton_device):
     x[torch.arange(len(cols)), cols] = 1.0
     got = qlinear(x, w).cpu()
     assert torch.allclose(got, want, rtol=2 ** -22, atol=2 ** -22 * float(want.abs().max()))
+    one_row = torch.cat([qlinear(x[i:i + 1], w) for i in range(len(cols))]).cpu()  # the GEMV kernel's decoding
+    assert torch.allclose(one_row, want, rtol=2 ** -22, atol=2 ** -22 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("tiling", [{"bn": 64, "warps": 8, "per_sm": 1}, {"bn": 16, "warps": 2, "per_sm": 16}])
+def test_gemv_tilings(qtype, tiling, triton_device, monkeypatch):
+    """The one-row GEMV under other tilings scripts/gemv_sweep.py tries: wider and narrower row tiles, split less
+    and more along K (N = 200: a partial last tile; K = 768: three super-blocks, so a split leaves one program a
+    single super-block)."""
+    from ktrans.kernels.triton import quant
+
+    for key, value in tiling.items():
+        monkeypatch.setitem(quant.GEMV, key, value)
+    n, k = 200, 768
+    w = _weight(qtype, n, k, triton_device, seed=3)
+    x = torch.randn(1, k, device=triton_device).to(torch.bfloat16).float()
+    for split in (None, 1, 2):
+        assert _err(quant.qlinear(x, w, split=split), quant_linear(x, w)) < 2e-5, (qtype, split)

@@ -28,3 +28,39 @@ def unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU, slowly, for tests)"
     return None
+
+
+class CompileLog:
+    """The Triton kernels compiled (or loaded from Triton's disk cache) while entered, one `repr` each (the kernel,
+    its launch options and its arguments' specialization): a measured phase that compiles pays ~0.1-1 s a kernel,
+    which a warm-up should have paid. Uses `triton.knobs.runtime.jit_cache_hook` (called on a miss of the
+    in-memory kernel cache) and chains any hook already set; records nothing where Triton lacks it."""
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self._runtime = None
+
+    def __enter__(self) -> "CompileLog":
+        try:
+            from triton import knobs
+            self._runtime = knobs.runtime
+            self._prev = self._runtime.jit_cache_hook
+        except (ImportError, AttributeError):
+            self._runtime = None
+            return self
+
+        def hook(**kw):
+            self.compiled.append(str(kw.get("repr", "?")))
+            return self._prev(**kw) if self._prev is not None else False
+
+        self._runtime.jit_cache_hook = hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook = self._prev
+
+    @property
+    def kernels(self) -> list[str]:
+        """The compiled kernels' names, in order (one per compile)."""
+        return [r.split("[", 1)[0] for r in self.compiled]

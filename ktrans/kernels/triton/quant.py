@@ -4,10 +4,9 @@ y = x W^T, x [M, K] bf16 (or fp16 / fp32), W [N, K] Q4_K, Q5_K, Q6_K or Q8_0, fp
 The weights are never expanded in memory: each program decodes one super-block (256 weights) of its row tile at a
 time, sub-block by sub-block, from contiguous plane runs. Three ways to multiply, chosen by M:
 
-- M = 1 (decode of one sequence): each row's weights (d*sc_S q - dmin*m_S) times x, accumulated lane by lane
-  into a [rows, sub-block] fp32 tile over every super-block the program reads, and summed across lanes once at the
-  end: no cross-lane reduction per sub-block (those shuffles, 8 to 16 a super-block, bounded the first GEMV at
-  ~8% of HBM on the H200). Exact up to fp32 rounding.
+- M = 1 (decode of one sequence): the GEMV kernel of ktrans.kernels.triton.quant_gemv (lane-wise sums, codes
+  turned into floats without a conversion instruction, the next super-block loaded ahead). Exact up to fp32
+  rounding.
 - M <= 4 (decode): products and sums in fp32 on the CUDA cores, each sub-block's integer codes dotted with x and
   then scaled: y = sum_S (d*sc_S) (x_S . q_S) - (dmin*m_S) sum(x_S). Exact up to fp32 rounding.
 - M <= 32: the same factoring with the code dot on tensor cores (bf16 x, integer codes exact in bf16).
@@ -28,6 +27,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.quant_gemv import gemv_kernel
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
 QT_CODE = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3}
@@ -56,14 +56,8 @@ def _sub_x(x_ptr, offs_m, mask_m, stride_xm, k0, SUB: tl.constexpr):
 
 @triton.jit
 def _mul_add(acc, x, q, s, m, MODE: tl.constexpr, HAS_MIN: tl.constexpr):
-    """acc [BM, BN] += x [BM, SUB] @ (s q - m)^T, q [BN, SUB] integer codes, s, m [BN] fp32. MODE 3 (BM = 1): acc
-    is [BN, SUB], lane-wise partial sums, reduced by the caller."""
-    if MODE == 3:
-        w = q.to(tl.float32) * s[:, None]
-        if HAS_MIN:
-            w = w - m[:, None]
-        acc += w * x
-    elif MODE == 2:
+    """acc [BM, BN] += x [BM, SUB] @ (s q - m)^T, q [BN, SUB] integer codes, s, m [BN] fp32."""
+    if MODE == 2:
         w = q.to(tl.float32) * s[:, None]
         if HAS_MIN:
             w = w - m[:, None]
@@ -137,17 +131,10 @@ def _qlinear_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB
     mask_n = offs_n < N
     mask_m = offs_m < M
     sb0 = pid_k * SB_PER
-    if MODE == 3:  # one activation row: lane-wise sums over the sub-block width, reduced once
-        lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
-        for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
-            lanes = superblock_dot(lanes, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N,
-                                   offs_n, mask_n, QT, MODE)
-        acc = tl.sum(lanes, axis=1)[None, :]
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
-            acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
-                                 mask_n, QT, MODE)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
+        acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
+                             mask_n, QT, MODE)
     ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -185,18 +172,32 @@ def _sms(device: torch.device) -> int:
     return 4  # the interpreter: small, but enough that the tests take the split-K path
 
 
+# The one-row GEMV's tiling (ktrans.kernels.triton.quant_gemv): rows per program, warps, programs wanted per SM (K
+# is split until the grid has that many). Set from scripts/gemv_sweep.py on the H200 (doc/benchmarks.md, 2026-12-02):
+# 100.4 us over the nine Q4_K shapes of a layer's projections, within 1% of the best of 54 tilings tried (64, 4, 8:
+# 104.7); the interpreter gets wider tiles.
+GEMV = {"bn": 32, "warps": 4, "per_sm": 4}
+
+
 def tiles(m: int) -> tuple[int, int, int, int]:
-    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, lane-wise sums; 0: a few rows, fp32
+    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel; 0: a few rows, fp32
     products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter pays per program, not per element: it gets
     wider row tiles."""
     wide = 2 if interpreting() else 1
     if m == 1:
-        return 3, 1, 64 * wide, 4
+        return 3, 1, GEMV["bn"] * wide, GEMV["warps"]
     if m <= 4:
         return 0, triton.next_power_of_2(m), 64 * wide, 4
     if m <= 32:
         return 1, (16 if m <= 16 else 32), 64 * wide, 4
     return 2, (64 if m <= 64 else 128), 128, 8
+
+
+def _scale_words(w: PackedWeight) -> torch.Tensor:
+    """The sub-block scale plane as int32 words (four a row and super-block); a stand-in for Q8_0."""
+    if not w.sc.numel():
+        return plane_args(w)[0].new_zeros(1, dtype=torch.int32)
+    return w.sc.view(torch.int32)
 
 
 def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch.Tensor:
@@ -209,13 +210,27 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     m, n, nsb = x.shape[0], w.n, w.k // QK
     mode, bm, bn, warps = tiles(m)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
-    if split is None:  # a decode GEMV streams with no software pipelining: enough programs per SM keep enough
-        # loads in flight (8 per SM; a 2048-row matrix at K=2048 has only 32 row tiles)
-        split = max(1, min(nsb, triton.cdiv(8 * _sms(x.device), grid_nm))) if mode != 2 else 1
+    if split is None:  # a decode GEMV streams with no software pipelining across programs: enough programs per SM
+        # keep enough loads in flight (a 2048-row matrix at K=2048 has only 32 row tiles)
+        per_sm = GEMV["per_sm"] if mode == 3 else 8
+        split = max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), grid_nm))) if mode != 2 else 1
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if mode == 3:
+        lo, hi, d, _ = plane_args(w)
+        gemv_kernel[(triton.cdiv(n, bn), split)](x, dst, lo, hi, d, _scale_words(w), n, nsb, sb_per, n,
+                                                 QT=QT_CODE[w.qtype], BN=bn, num_warps=warps)
+    else:
+        _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
+    return out
+
+
+def _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps) -> None:
     key = (x.device, w.qtype, mode, bm, bn)
     for stages in _STAGES.get(key, (None, 2, 1)):
         try:
@@ -224,13 +239,9 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
             _qlinear_kernel[grid](x, dst, *plane_args(w), m, n, nsb, sb_per, x.stride(0), n, m * n,
                                   QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn, num_warps=warps, **extra)
             _STAGES[key] = (stages,)
-            break
+            return
         except OutOfResources:
             # Triton's default pipelining stages the prefill tiles in more shared memory than some GPUs have
             # (237,568 B asked on an H200's 232,448 at BM = BN = 128): fewer stages, found once per shape and kept
             if stages == 1:
                 raise
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
-    return out

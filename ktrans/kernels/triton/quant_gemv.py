@@ -1,0 +1,157 @@
+"""Triton GEMV on GGUF-quantized weights in the packed layout (ktrans.kernels.triton.quant_layout): y = x W^T for
+one activation row (decode of one sequence), x [1, K], W [N, K] Q4_K, Q5_K, Q6_K or Q8_0, fp32 accumulate.
+
+At one row the multiply is nothing; what bounds a GEMV is the work per weight (unpacking) and the bytes in flight.
+This kernel keeps both small:
+
+- No integer-to-float conversion per weight (a quarter-rate instruction on recent NVIDIA GPUs). A K-quant's code q
+  is moved into the mantissa of 1.0f instead: with b bits, the bits (q << (23 - b)) | 0x3F800000 are the float
+  1 + q / 2^b exactly, and subtracting 1.0 gives q / 2^b exactly (Sterbenz). The weight is then one fused
+  multiply-add, (q / 2^b) * (2^b * d * sc) - dmin * m, which is ggml's d * sc * q - dmin * m rounded once: the same
+  value the other paths compute, up to one fp32 rounding. Q6_K's codes are offset by 32, and its weight
+  (q6 / 64) * (64 * s) - 32 * s equals s * (q6 - 32) exactly.
+- Lane-wise sums: each row keeps one fp32 partial per lane of a sub-block over every super-block the program reads,
+  summed across lanes once at the end (a reduction per sub-block, 8 to 16 per super-block, cost far more).
+- The sub-block scales are read as four int32 words a row and split into bytes in registers, not as sixteen
+  byte loads.
+
+Measured on the H200 (scripts/gemv_sweep.py, doc/benchmarks.md): the tiling (rows per program, warps, K splits)
+moves the time by ~5%, and loading the next super-block ahead of the current one's arithmetic made it slower; at
+one layer's shapes every call sits near a fixed ~8 us (two launches, the split-K sum among them) plus ~1.5 TB/s.
+
+K is split across programs when the row tiles alone would not fill the GPU; ktrans.kernels.triton.quant.qlinear
+sums the fp32 partials (deterministic, no atomics). The oracle is ktrans.kernels.torch.quant.quant_linear.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ONE_F32 = tl.constexpr(0x3F800000)  # the bits of 1.0f
+
+
+@triton.jit
+def _bits_at(v, src: tl.constexpr, dst: tl.constexpr, mask: tl.constexpr):
+    """The bits of v that start at bit `src`, moved to start at bit `dst`, under `mask` (already at `dst`)."""
+    if dst >= src:
+        t = v << (dst - src)
+    else:
+        t = v >> (src - dst)
+    return t & mask
+
+
+@triton.jit
+def _frac(bits):
+    """q / 2^b from bits = q << (23 - b) (q < 2^b): the float 1 + q / 2^b, minus 1 (exact)."""
+    return (bits | ONE_F32).to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _byte(word, j: tl.constexpr, SIGNED: tl.constexpr):
+    """Byte j of each int32 word as an int32 (sign-extended if SIGNED)."""
+    if SIGNED:
+        return (word << (24 - 8 * j)) >> 24
+    return (word >> (8 * j)) & 0xFF
+
+
+@triton.jit
+def _split4(t):
+    """[BN, 4] -> its four columns [BN]."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], 2, 2]))  # a: columns 0, 2; b: columns 1, 3
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask, QT: tl.constexpr):
+    """One super-block of the row tile: (a, b, c code tensors, d, dmin (fp32 [BN]), the four scale words [BN]
+    int32). Q4_K: a = codes [BN, 32]; Q5_K: b = the high bits [BN, 32]; Q6_K: a, b = the low-nibble words of
+    sub-blocks 0..7 and 8..15 [BN, 16], c = the high bits [BN, 16], and dmin is d. Unused ones are zero stand-ins."""
+    row = sb * N + offs_n
+    none = tl.zeros([1, 1], dtype=tl.int32)
+    if QT == 2:
+        j = tl.arange(0, 16)
+        a = tl.load(lo_ptr + row[:, None] * 32 + j[None, :], mask=mask[:, None], other=0)
+        b = tl.load(lo_ptr + row[:, None] * 32 + 16 + j[None, :], mask=mask[:, None], other=0)
+        c = tl.load(hi_ptr + row[:, None] * 16 + j[None, :], mask=mask[:, None], other=0)
+        d = tl.load(d_ptr + row, mask=mask, other=0.0).to(tl.float32)
+        dmin = d
+    else:
+        i = tl.arange(0, 32)
+        a = tl.load(lo_ptr + row[:, None] * 32 + i[None, :], mask=mask[:, None], other=0)
+        if QT == 1:
+            b = tl.load(hi_ptr + row[:, None] * 32 + i[None, :], mask=mask[:, None], other=0).to(tl.int32)
+        else:
+            b = none
+        c = none
+        dd = tl.load(d_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
+        d, dmin = tl.split(dd.to(tl.float32))
+    w = tl.load(sc_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=mask[:, None], other=0)
+    s0, s1, s2, s3 = _split4(w)
+    return a, b, c, d, dmin, s0, s1, s2, s3
+
+
+@triton.jit
+def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, QT: tl.constexpr):
+    """lanes [BN, SUB] += the products of one loaded super-block, lane by lane."""
+    if QT == 2:  # Q6_K: 16 sub-blocks of 16, signed scales, codes - 32
+        i = tl.arange(0, 16)
+        for S in tl.static_range(16):
+            word = s0 if S < 4 else (s1 if S < 8 else (s2 if S < 12 else s3))
+            s = d * _byte(word, S % 4, True).to(tl.float32)
+            bits = _bits_at(a if S < 8 else b, 4 * (S % 8), 17, 0x1E0000) | _bits_at(c, 2 * S, 21, 0x600000)
+            w = _frac(bits) * (s * 64.0)[:, None] - (s * 32.0)[:, None]
+            x = tl.load(x_ptr + k0 + S * 16 + i).to(tl.float32)
+            lanes += w * x[None, :]
+    else:  # Q4_K / Q5_K: 8 sub-blocks of 32, six-bit scales and mins times d and dmin
+        i = tl.arange(0, 32)
+        for S in tl.static_range(8):
+            sw = s0 if S < 4 else s1
+            mw = s2 if S < 4 else s3
+            s = d * _byte(sw, S % 4, False).to(tl.float32)
+            m = dmin * _byte(mw, S % 4, False).to(tl.float32)
+            if QT == 1:  # five bits: the nibble at mantissa bits 18..21, the high bit at 22
+                bits = _bits_at(a, 4 * S, 18, 0x3C0000) | _bits_at(b, S, 22, 0x400000)
+                w = _frac(bits) * (s * 32.0)[:, None] - m[:, None]
+            else:
+                w = _frac(_bits_at(a, 4 * S, 19, 0x780000)) * (s * 16.0)[:, None] - m[:, None]
+            x = tl.load(x_ptr + k0 + S * 32 + i).to(tl.float32)
+            lanes += w * x[None, :]
+    return lanes
+
+
+@triton.jit
+def _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n):
+    """Q8_0: int8 codes in element order, one fp16 scale per 32 (the conversion is kept: one byte a weight)."""
+    row = sb * N + offs_n
+    i = tl.arange(0, 32)
+    for S in tl.static_range(8):
+        q = tl.load(lo_ptr + row[:, None] * 256 + S * 32 + i[None, :], mask=mask_n[:, None], other=0)
+        s = tl.load(d_ptr + row * 8 + S, mask=mask_n, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + sb * 256 + S * 32 + i).to(tl.float32)
+        lanes += q.to(tl.float32) * s[:, None] * x[None, :]
+    return lanes
+
+
+@triton.jit
+def gemv_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, stride_os, QT: tl.constexpr,
+                BN: tl.constexpr):
+    """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; out row pid_k (fp32 partials when split).
+    sc_ptr is the scale plane as int32 words (four a row and super-block)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    sb0 = pid_k * SB_PER
+    sb_end = tl.minimum(sb0 + SB_PER, NSB)
+    lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
+    if QT == 3:
+        for sb in range(sb0, sb_end):
+            lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
+    else:
+        for sb in range(sb0, sb_end):
+            a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
+            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
+    acc = tl.sum(lanes, axis=1)
+    tl.store(out_ptr + pid_k * stride_os + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)

@@ -1,0 +1,63 @@
+"""The one-row quantized GEMV (ktrans.kernels.triton.quant_gemv) under a grid of tilings, on the GPU: device time by
+CUDA-graph replay with a cold L2 (ktrans.bench.kernels.time_cuda), as a fraction of the HBM bandwidth measured in the
+same run. Prints one line per (tiling, shape) and, last, the tiling with the best total over the shapes: the one
+to write into ktrans.kernels.triton.quant.GEMV.
+
+    python3 scripts/gemv_sweep.py [--reps 20] [--types Q4_K,Q6_K] [--bn 32,64,128] [--warps 2,4,8]
+                                  [--per_sm 4,8,16]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from ktrans.bench.kernels import _l2_bytes, hbm_gb_per_s, time_cuda
+from ktrans.bench.kernels_quant import ATTENTION, DELTANET, SHARED, _packed
+from ktrans.kernels.triton import quant
+
+SHAPES = DELTANET + ATTENTION + SHARED
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--types", default="Q4_K,Q6_K")
+    ap.add_argument("--bn", default="32,64,128")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--per_sm", default="4,8,16")
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    dev = torch.device("cuda")
+    hbm = hbm_gb_per_s(dev)
+    flush = torch.empty(2 * _l2_bytes(dev), dtype=torch.uint8, device=dev)
+    print(f"HBM {hbm:.0f} GB/s (device-to-device copy)")
+    totals: dict[tuple, float] = {}
+    for qtype in args.types.split(","):
+        ws = {name: _packed(qtype, n, k, dev, s) for s, (name, n, k) in enumerate(SHAPES)}
+        xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _, _, k in SHAPES}
+        for bn, warps, per_sm in itertools.product(ints(args.bn), ints(args.warps), ints(args.per_sm)):
+            quant.GEMV.update(bn=bn, warps=warps, per_sm=per_sm)
+            key = (bn, warps, per_sm)
+            line = []
+            for name, n, k in SHAPES:
+                w, x = ws[name], xs[k]
+                try:
+                    ms = statistics.median(time_cuda(lambda: quant.qlinear(x, w), dev, args.reps, flush))
+                except Exception as e:  # a tiling that does not compile (registers, shared memory) is reported
+                    line.append(f"{name}=FAIL({type(e).__name__})")
+                    totals[(qtype, key)] = float("inf")
+                    break
+                frac = (w.nbytes + 2 * (k + n)) / ms / 1e6 / hbm
+                totals[(qtype, key)] = totals.get((qtype, key), 0.0) + ms
+                line.append(f"{name}={ms * 1e3:.1f}us/{frac:.2f}")
+            print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm}: " + " ".join(line), flush=True)
+    for qtype in args.types.split(","):
+        best = min((v, k) for (t, k), v in totals.items() if t == qtype)
+        print(f"best {qtype}: bn, warps, per_sm = {best[1]}, all shapes {best[0] * 1e3:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""ktrans.kernels.triton.CompileLog: what bench e2e reports as the Triton compiles of its measured phases. Without a
+GPU nothing compiles (the interpreter runs kernels as Python), so the hook Triton calls on a kernel-cache miss is
+called here as Triton calls it: by keyword."""
+from __future__ import annotations
+
+import pytest
+
+knobs = pytest.importorskip("triton").knobs
+
+
+def test_records_misses_chains_and_restores(monkeypatch):
+    from ktrans.kernels.triton import CompileLog
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["repr"]) or False)
+    before = knobs.runtime.jit_cache_hook
+    with CompileLog() as log:
+        assert knobs.runtime.jit_cache_hook is not before
+        skip = knobs.runtime.jit_cache_hook(key=1, repr="gemv_kernel[num_warps=4](x_ptr: *bf16, N: i32)", fn=None,
+                                            compile={}, is_manual_warmup=False, already_compiled=False)
+    assert skip is False  # False: Triton goes on and compiles
+    assert knobs.runtime.jit_cache_hook is before and seen == ["gemv_kernel[num_warps=4](x_ptr: *bf16, N: i32)"]
+    assert log.kernels == ["gemv_kernel"] and len(log.compiled) == 1
