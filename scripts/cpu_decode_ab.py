@@ -8,13 +8,15 @@ the CPU pool's jobs ("host"), and their medians.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
-from ktrans.api.server import ServeOptions, load
-from ktrans.engine.engine import Engine, EngineConfig
-from ktrans.engine.sampler import SamplingParams
-from ktrans.kernels import cpu
+os.environ["KTRANS_CPU_DECODE"] = "1"  # the flat step is opt-in; this script toggles it per round itself
+from ktrans.api.server import ServeOptions, load  # noqa: E402
+from ktrans.engine.engine import Engine, EngineConfig  # noqa: E402
+from ktrans.engine.sampler import SamplingParams  # noqa: E402
+from ktrans.kernels import cpu  # noqa: E402
 
 
 def main() -> None:

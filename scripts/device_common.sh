@@ -5,14 +5,25 @@
 # Before it starts, e2e waits (up to $QUIET_WAIT s, default 240) for background builds and file writers to end: the
 # CPU pool's pinned workers wait for the slowest of them, so a compiler beside a measurement multiplied the experts'
 # time by ~9 on 2026-12-02 (doc/benchmarks.md, session 11). A run that starts anyway says so.
+# busy PATTERN: the PIDs whose command line matches PATTERN, this shell, its subshell and its ancestors left out. A
+# caller's own command line may name what it waits for (`bash -c '... make-tiny ...; wait for make-tiny'`): a bare
+# `pgrep -f` loop then waits on itself, which spent a whole device call on 2026-12-02.
+busy() {
+  local skip=" $$ $BASHPID " p=$$ q f
+  while [ "${p:-1}" -gt 1 ]; do p=$(ps -o ppid= -p "$p" | tr -d ' '); skip+="$p "; done
+  f=$(mktemp)
+  pgrep -f "$1" > "$f"
+  while read -r q; do [[ $skip == *" $q "* ]] || echo "$q"; done < "$f"
+  rm -f "$f"
+}
 quiet() {
   local i
   for i in $(seq "${QUIET_WAIT:-240}"); do
-    pgrep -f "ninja|nvcc|cicc|cc1plus|make-tiny" > /dev/null || return 0
+    [ -n "$(busy 'ninja|nvcc|cicc|cc1plus|make-tiny')" ] || return 0
     sleep 1
   done
-  echo "WARNING: a build or writer is still running ($(pgrep -af 'ninja|nvcc|cicc|cc1plus|make-tiny' | head -2 |
-    cut -c1-80 | tr '\n' ' ')): $1's figures are not from a quiet machine"
+  echo "WARNING: a build or writer is still running ($(busy 'ninja|nvcc|cicc|cc1plus|make-tiny' | head -2 |
+    xargs -r ps -o args= -p | cut -c1-80 | tr '\n' ' ')): $1's figures are not from a quiet machine"
 }
 e2e() {
   local name=$1

@@ -23,7 +23,7 @@ start)
       -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && ninja -C $LBB -j $((T - 1)) llama-bench" \
       > /tmp/llb.log 2>&1 < /dev/null &
   fi
-  for i in $(seq 100); do pgrep -f "make-tiny|ninja" > /dev/null || break; sleep 5; done
+  for i in $(seq 100); do [ -n "$(busy 'make-tiny|ninja')" ] || break; sleep 5; done
   echo "== file: $(tail -c 200 /tmp/write.log 2>/dev/null | tr '\r' '\n' | tail -1)"
   echo "== llama: $(tail -1 /tmp/llb.log 2>/dev/null)"
   ;;

@@ -22,7 +22,8 @@ if [ -z "${NO_TESTS:-}" ]; then
     tests/operators/test_experts_split.py tests/engine/test_split_prefill_gpu.py} 2>&1 | tee "$OUT/split_tests.txt" \
     | tail -${TAIL:-25}
 fi
-while pgrep -f "make-tiny" > /dev/null; do sleep 1; done
+source "$(dirname "$0")/device_common.sh"
+while [ -n "$(busy make-tiny)" ]; do sleep 1; done
 tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
 if [ -z "${NO_KERNELS:-}" ]; then
   echo "== ktrans bench limits"
@@ -34,7 +35,6 @@ if [ -n "${MOE_TOKENS:-}" ]; then
   echo "== ktrans bench moe --tokens $MOE_TOKENS"
   timeout 150 ktrans bench moe --tokens "$MOE_TOKENS" 2>&1 | tail -12
 fi
-source "$(dirname "$0")/device_common.sh"
 sed -e "s/^\( *gpu_prefill_min_tokens: \)[0-9]*/\1${THRESH:-256}/" \
     ${SHARE:+-e "s/^\( *gpu_prefill_min_tokens: [0-9]*\)/\1\n      cpu_share: $SHARE/"} \
     ${STREAM:+-e "s/^\( *gpu_prefill_min_tokens: [0-9]*\)/\1\n      cpu_on_stream: true/"} \

@@ -16,6 +16,11 @@ pure decode batch, in the model's order, with the operator tree resolved once at
 Every value is computed by the same kernel from the same inputs as the module forward, so the logits are equal
 (tests/engine/test_cpu_decode.py). `build` returns None, with the reason, for any model it does not cover: another
 op anywhere (the module forward then runs), a GPU, a bias, streamed experts, a dtype other than float32.
+
+Opt-in (`KTRANS_CPU_DECODE=1`, read by ktrans.engine.runner): 1.30x the module forward's decode on a 2-core VM, but
+5.35 against 12.02 tok/s at full size on a 16-core Xeon in the one run there (doc/benchmarks.md, session 12; the
+flat run came first after llama-bench, so the order may have a part). scripts/cpu_decode_ab.py alternates the two
+in one process: that is the next measurement.
 """
 from __future__ import annotations
 

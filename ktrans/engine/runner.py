@@ -71,8 +71,10 @@ def operator_ops(model: nn.Module, method: str) -> list:
 
 # KTRANS_SPIN_WAIT=1: wait for a forward's end by polling, as a bare CUDA copy back does (for comparison)
 _SPIN_WAIT = os.environ.get("KTRANS_SPIN_WAIT", "0") not in ("", "0")
-# A CPU-only model's decode steps run ktrans.engine.cpu_decode's flat loop (the same ops and kernels) unless this is 0.
-_CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "1") not in ("", "0")
+# KTRANS_CPU_DECODE=1: a CPU-only model's decode steps run ktrans.engine.cpu_decode's flat loop (the same ops and
+# kernels). Off by default: 1.30x the module forward's speed on a 2-core VM (4-layer slice), but 5.35 against 12.02
+# tok/s at full size on the 16-core H200 machine (doc/benchmarks.md, 2026-12-02 session 12), cause not yet found.
+_CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "0") not in ("", "0")
 
 
 class ModelRunner:

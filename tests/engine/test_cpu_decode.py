@@ -20,15 +20,18 @@ STEPS = 24
 
 
 def _runner(model, flat: bool):
-    from ktrans.engine.runner import ModelRunner
+    """A runner with the flat step asked for (KTRANS_CPU_DECODE=1, read at import) or not."""
+    from ktrans.engine import runner as runner_mod
     from ktrans.runtime.pools import KVPool, StatePool
 
     kv = KVPool(model.config, 16, 32, torch.float32, torch.device("cpu"))
     states = StatePool(model.config, 4, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=64, max_pages_per_seq=4, device="cpu")
-    if not flat:
-        runner.cpu_decode = None
-    return runner
+    saved, runner_mod._CPU_DECODE = runner_mod._CPU_DECODE, flat
+    try:
+        return runner_mod.ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=64, max_pages_per_seq=4,
+                                      device="cpu")
+    finally:
+        runner_mod._CPU_DECODE = saved
 
 
 def _flat_equals_modules(models, vocab: int, monkeypatch):
