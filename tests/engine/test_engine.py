@@ -178,6 +178,13 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
     mixed = [sum(s) for s in seen if len(s) == 2 and max(s) > 1]
     assert any(n % 16 for n in mixed) and 48 in mixed  # decode + odd chunk, decode + a chunk filling the step
     assert [1, 1] in seen  # decode at batch 2
+    assert not any(s.count(1) == 2 and len(s) == 3 for s in seen)  # the batch holds two: no two-decode mixed step
+    engine = Engine(model, tok, EngineConfig(max_batch_size=3, chunk_size=48, cache_lens=256))
+    seen.clear()
+    real_step = engine.runner.step
+    engine.runner.step = lambda chunks: (seen.append([len(c.token_ids) for c in chunks]), real_step(chunks))[1]
+    engine.warm_up()
+    assert any(len(s) == 3 and s.count(1) == 2 and max(s) > 1 for s in seen)  # two decode rows beside a chunk
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages"] and s["slots_free"] == s["slots"]
     assert s["prefix_cache_hits"] == 0 and s["prefix_cache_snapshots"] == 0 and s["num_preemptions"] == 0

@@ -116,6 +116,18 @@ def test_plan_decode_depends_on_sizes_only():
     assert tri.plan_decode(256, 2, 32768, cpu).num_splits == 1  # enough programs without splitting
 
 
+def test_autotune_keys_are_size_classes():
+    """The autotuners key on a few size classes, not on each size (a new key times every config, ~1 s, in the
+    middle of serving): prefill's new tokens <= 64, <= 512, more; decode's keys per split <= 128, <= 256, <= 1024,
+    more. Every split length plan_decode makes at up to 256 rows and 128k keys falls in one of the four."""
+    classes = [tri.tune_class(n, tri.PREFILL_TUNE_CLASSES) for n in (1, 16, 64, 65, 257, 512, 513, 4096, 16384)]
+    assert classes == [64, 64, 64, 512, 512, 512, 1024, 1024, 1024]
+    cpu = torch.device("cpu")
+    seen = {tri.tune_class(tri.plan_decode(rows, 2, n, cpu).split_tokens, tri.DECODE_TUNE_CLASSES)
+            for rows in (1, 2, 4, 16, 64, 256) for n in (1, 100, 128, 300, 1000, 4096, 32768, 131072)}
+    assert seen <= {128, 256, 1024, 2048}
+
+
 def test_write_kv_then_mixed_batch_by_separate_calls(triton_device):
     """A mixed step: write every new token's K/V (pad row into the pad page), then its prefill sequences through
     the varlen kernel and its decode sequences through the split-K kernel, against the reference doing the same."""

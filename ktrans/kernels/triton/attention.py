@@ -155,6 +155,19 @@ def _prefill_configs() -> list[triton.Config]:
 
 _prefill_tuned = triton.autotune(configs=_prefill_configs(), key=["N_BUCKET", "D", "GROUP", "PAGE"])(_prefill_kernel)
 
+# The autotuners time every config the first time they see a key: ~0.1 s a config with Triton's default timing, about
+# a second in all. A key per power of two of the new tokens (prefill) or per split length (decode) made serving pay
+# that whenever a step first had a new size: at full size a 20-token step took 940 ms in the middle of a 16k prompt's
+# prefill (doc/benchmarks.md, session 12). The keys are classes instead, few enough for Engine.warm_up to meet each
+# (`tune_class`); an unused kernel argument carries the class, so the kernel itself is unchanged.
+PREFILL_TUNE_CLASSES = (64, 512)         # new tokens of the longest sequence: <= 64, <= 512, more
+DECODE_TUNE_CLASSES = (128, 256, 1024)   # keys per split: <= 128, <= 256, <= 1024, more
+
+
+def tune_class(n: int, bounds: tuple[int, ...]) -> int:
+    """The first bound >= n, else twice the last: the autotune key for a size n."""
+    return next((b for b in bounds if n <= b), 2 * bounds[-1])
+
 
 def _prec(dtype: torch.dtype) -> str:
     # fp32 caches (the CPU-sized tests, a fp32 model) keep full precision; bf16/fp16 ignore this.
@@ -180,12 +193,12 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     args = (q, k_cache, v_cache, o, block_tables, cu_seqlens, kv_lens, scale * LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), o.stride(0), o.stride(1), block_tables.stride(0))
     meta = dict(PAGE=page_size, GROUP=hq // hkv, D=d, BLOCK_D=_block_d(d), PREC=_prec(q.dtype))
-    bucket = triton.next_power_of_2(max_new)
+    bucket = tune_class(max_new, PREFILL_TUNE_CLASSES)
     if interpreting():
         bm = 16 if max_new <= 16 else 32
         _prefill_kernel[(triton.cdiv(max_new, bm), b, hq)](*args, bucket, **meta, BLOCK_M=bm, BLOCK_N=16)
     else:
-        # Autotuned per (new-token bucket, shape): prefill runs eagerly, never inside a CUDA graph.
+        # Autotuned per (new-token class, shape): prefill runs eagerly, never inside a CUDA graph.
         grid = lambda m: (triton.cdiv(max_new, m["BLOCK_M"]), b, hq)  # noqa: E731
         _prefill_tuned[grid](*args, bucket, **meta)
     return o
@@ -221,8 +234,9 @@ def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) ->
 
 @triton.jit
 def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
-                         stride_bt, split_tokens, PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+                         stride_bt, split_tokens, TUNE, PAGE: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -289,9 +303,9 @@ def _decode_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
 
 
-# Tuned per split length and shape on the first call of each, which runs eagerly: the runner's first step of a
-# graph bucket, or a bench's warm-up, precedes any capture.
-_decode_tuned = triton.autotune(configs=_decode_configs(), key=["split_tokens", "D", "GROUP", "PAGE"])(
+# Tuned per class of split length (TUNE) and shape on the first call of each, which runs eagerly: the runner's first
+# step of a graph bucket, or the warm-up, precedes any capture.
+_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE"])(
     _decode_split_kernel)
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -321,7 +335,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return o
     part, lse = _scratch(bsz, hq, plan.num_splits, block_d, q.device)
     args = (q, k_cache, v_cache, block_tables, kv_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), plan.split_tokens)
+            k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), plan.split_tokens,
+            tune_class(plan.split_tokens, DECODE_TUNE_CLASSES))
     meta = dict(PAGE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
                 PREC=_prec(q.dtype))
     grid = (bsz, hkv, plan.num_splits)
