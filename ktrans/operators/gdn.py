@@ -34,6 +34,9 @@ GDN_OPS = OpRegistry("gated deltanet")
 # The Triton kernels (FLA-style chunked rule, fused decode step): on CUDA, and on the CPU under Triton's interpreter.
 GDN_OPS.declare("KGatedDeltaNetTriton", devices=("cpu", "cuda"), module="ktrans.operators.gdn_triton",
                 provided_by="Triton (`pip install triton`)")
+# fla-core's recurrent kernel for decode steps (an optional backend), our Triton kernels for the rest.
+GDN_OPS.declare("KGatedDeltaNetFLA", devices=("cpu", "cuda"), module="ktrans.operators.gdn_fla",
+                provided_by="fla-core (`pip install fla-core`) and Triton")
 # The C++ fused decode step (ktrans._cpu) for the CPU placement; prefill and mixed steps take the torch op's path.
 GDN_OPS.declare("KGatedDeltaNetCPU", devices=("cpu",), module="ktrans.operators.layers_cpu",
                 provided_by="the C++ extension ktrans._cpu (built by `pip install -e .`)")

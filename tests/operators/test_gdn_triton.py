@@ -35,14 +35,18 @@ def default_rules(op: str):
     return rules(text.replace('"KGatedDeltaNetTorch"', f'"{op}"'), op)
 
 
-def test_triton_op_matches_torch_op(tmp_path, triton_device):
-    assert GDN_OPS.built("KGatedDeltaNetTriton")
+def matches_torch_op(tmp_path, device, op: str) -> None:
+    """The SHAPE model with `op` against the same checkpoint with KGatedDeltaNetTorch, teacher-forced."""
+    assert GDN_OPS.built(op)
     ckpt = make_checkpoint(tmp_path, "small", seed=5, **SHAPE)
-    dev = str(triton_device)
-    torch_model, _ = injected(ckpt, default_rules("KGatedDeltaNetTorch"), default_device=dev)
-    triton_model, _ = injected(ckpt, default_rules("KGatedDeltaNetTriton"), default_device=dev)
-    assert type(triton_model.model.layers[0].linear_attn.op).__name__ == "KGatedDeltaNetTriton"
-    compare_teacher_forced(torch_model, triton_model, triton_device, TOL)
+    torch_model, _ = injected(ckpt, default_rules("KGatedDeltaNetTorch"), default_device=str(device))
+    model, _ = injected(ckpt, default_rules(op), default_device=str(device))
+    assert type(model.model.layers[0].linear_attn.op).__name__ == op
+    compare_teacher_forced(torch_model, model, device, TOL)
+
+
+def test_triton_op_matches_torch_op(tmp_path, triton_device):
+    matches_torch_op(tmp_path, triton_device, "KGatedDeltaNetTriton")
 
 
 # bf16 logits of the `small` model (|logits| up to ~5). Twice the CUDA-graph tests' bound (same kernels, other
@@ -53,10 +57,13 @@ GPU_TOL = 0.15
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_op_in_cuda_graphs_matches_torch_op():
-    """The gpu placement in bf16 with the Triton op, decode replayed from CUDA graphs (3 sequences in the 4-row
-    bucket: one pad row on the pad slot), against the same placement with the torch op run eagerly; teacher-forced
-    for 64 steps (the torch model's greedy tokens fed to both)."""
+@pytest.mark.parametrize("op", ["KGatedDeltaNetTriton", "KGatedDeltaNetFLA"])
+def test_triton_op_in_cuda_graphs_matches_torch_op(op):
+    """The gpu placement in bf16 with the Triton op (or fla-core's decode, KGatedDeltaNetFLA), decode replayed from
+    CUDA graphs (3 sequences in the 4-row bucket: one pad row on the pad slot), against the same placement with the
+    torch op run eagerly; teacher-forced for 64 steps (the torch model's greedy tokens fed to both)."""
+    if op == "KGatedDeltaNetFLA":
+        pytest.importorskip("fla.ops.gated_delta_rule")
     from ktrans.config import ModelConfig
     from ktrans.inject import build_injected_model
     from ktrans.model.tiny import preset_config, random_state_dict
@@ -69,10 +76,10 @@ def test_triton_op_in_cuda_graphs_matches_torch_op():
     line = 'class: KQwen3NextGatedDeltaNet\n    kwargs: {generate_device: "cuda", prefill_device: "cuda"'
     assert line in text
     weights = random_state_dict(config, 3)
-    models = [build_injected_model(config, rules(text.replace(line, f'{line}, prefill_op: "{op}", '
-                                                              f'generate_op: "{op}"'), op),
+    models = [build_injected_model(config, rules(text.replace(line, f'{line}, prefill_op: "{name}", '
+                                                              f'generate_op: "{name}"'), name),
                                    StateDictSource(weights), torch.bfloat16)[0]
-              for op in ("KGatedDeltaNetTorch", "KGatedDeltaNetTriton")]
+              for name in ("KGatedDeltaNetTorch", op)]
     # a 70-token prompt in one step, then 64 decode steps: 134 tokens, 5 pages of 32
     runners = [_model_runner(m, graphs=g, max_num_tokens=128, max_pages_per_seq=5)
                for m, g in zip(models, (False, True))]
