@@ -10,6 +10,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _hf_deltanet_in_torch() -> None:
+    """transformers' Qwen3-Next calls fla-core's kernels for its DeltaNet whenever fla-core imports (its hub-kernel
+    fallback, on any device: on a CPU they fail, on a GPU they change the numerics). fla-core is a test dependency
+    (KGatedDeltaNetFLA), and the oracle is transformers' own torch code: the two functions are unwrapped back to it."""
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return
+    import inspect
+
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(hf, name, inspect.unwrap(getattr(hf, name)))
+
+
+_hf_deltanet_in_torch()
+
+
 @pytest.fixture(autouse=True)
 def seed_torch():
     """Every test starts from the same random state, so a failure reproduces when the test is run alone."""

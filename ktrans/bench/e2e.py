@@ -33,6 +33,7 @@ import torch
 
 from ktrans.engine.sampler import SamplingParams
 from ktrans.kernels import cpu
+from ktrans.kernels.host_memory import host_hugepages
 from ktrans.kernels.triton import CompileLog
 
 
@@ -252,7 +253,9 @@ class _Bench:
 
 def _rss() -> dict[str, float]:
     now, peak = cpu.host_rss()
-    return {"host_rss_gib": now and now / 2**30, "host_peak_rss_gib": peak and peak / 2**30}
+    huge = host_hugepages()
+    return {"host_rss_gib": now and now / 2**30, "host_peak_rss_gib": peak and peak / 2**30,
+            "host_hugepages_gib": huge and huge / 2**30}
 
 
 def _gpu_memory(devices: list[torch.device]) -> dict[str, dict[str, float]]:
@@ -420,7 +423,7 @@ def main(args) -> int:
     else:
         sp = out["split_ms"]
         print(f"prefill {out['prefill_tok_s'] or 0:.1f} tok/s; load {out['load_s']:.1f} s, "
-              f"RSS {out['host_rss_gib'] or 0:.1f} GiB")
+              f"RSS {out['host_rss_gib'] or 0:.1f} GiB ({out['host_hugepages_gib'] or 0:.1f} GiB in huge pages)")
         if sp:
             # The pool runs the CPU experts, and on the CPU placement also every projection, lm_head and (with
             # more than one worker) the DeltaNet and attention steps: "CPU pool" then, not "CPU experts".

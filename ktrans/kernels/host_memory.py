@@ -40,6 +40,21 @@ def host_rss() -> tuple[int | None, int | None]:
     return fields.get("VmRSS"), fields.get("VmHWM")
 
 
+def host_hugepages() -> int | None:
+    """Bytes of this process's anonymous memory backed by transparent huge pages now (AnonHugePages of
+    /proc/self/smaps_rollup; None where there is none). hugepage_buffer's advice can take and the kernel still back
+    a buffer with 4 KiB pages when it finds no free 2 MiB ones (memory fragmented by a large process just ended):
+    this says what the experts actually got."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _file_mapping(addr: int, n: int) -> str | None:
     """The file whose mapping holds [addr, addr + n) in this process, or None (anonymous memory, several mappings,
     or no /proc)."""

@@ -13,7 +13,7 @@ from ktrans.config import RULES_DIR
 
 FIELDS = {"model", "gguf_path", "rules", "options", "layers", "threads", "machine", "load_s", "prefill_tok_s",
           "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms", "batches", "host_rss_gib", "host_peak_rss_gib",
-          "gpu_memory"}
+          "host_hugepages_gib", "gpu_memory"}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,8 @@ def test_every_field(report):
     assert report["prefill_tok_s"] > 0 and all(v > 0 for v in report["decode_tok_s"].values())
     assert report["load_s"] > 0 and report["host_rss_gib"] > 0.05 and report["host_peak_rss_gib"] >= report[
         "host_rss_gib"] * 0.99
+    huge = report["host_hugepages_gib"]  # where /proc has smaps_rollup: the THP part of the process's memory
+    assert huge is None or 0 <= huge <= report["host_peak_rss_gib"]
     assert report["gpu_memory"] == {} and report["machine"]["gpus"] == []
 
 
