@@ -251,6 +251,21 @@ class _Bench:
         return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps
 
 
+def _threads_per_core() -> int | None:
+    """Hardware threads per core of CPU 0 (None where /sys does not say). With more than one, the pool's worker
+    pinned to CPU 0's sibling shares the caller's core: a polling worker then slows the caller's own work."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    n = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n
+
+
 def _rss() -> dict[str, float]:
     now, peak = cpu.host_rss()
     huge = host_hugepages()
@@ -378,6 +393,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "layers": model.config.num_hidden_layers,
         "threads": pool.size if pool is not None else torch.get_num_threads(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "threads_per_core": _threads_per_core(), "pool_pinned": pool.pinned if pool else None,
                     "gpus": [torch.cuda.get_device_name(d) for d in devices]},
         "load_s": load_s,
         "warmup_s": warmup["seconds"],

@@ -36,6 +36,7 @@ def test_every_field(report):
     huge = report["host_hugepages_gib"]  # where /proc has smaps_rollup: the THP part of the process's memory
     assert huge is None or 0 <= huge <= report["host_peak_rss_gib"]
     assert report["gpu_memory"] == {} and report["machine"]["gpus"] == []
+    assert report["machine"]["threads_per_core"] in (None, 1, 2, 4, 8) and report["machine"]["pool_pinned"] in (True, False)
 
 
 def test_steps_add_up(report):
