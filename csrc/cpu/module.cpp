@@ -142,6 +142,8 @@ PYBIND11_MODULE(_cpu, m) {
     return type_row_bytes(type, k);
   }, py::arg("type"), py::arg("k"), "Bytes of a row of k values of ggml type `type`.");
 
+  m.def("pin_order", &pin_order, py::arg("cpus"), py::arg("caller_siblings"),
+        "The CPUs in the order a pool pins to: cpus[0] (the caller's) first, its SMT siblings last.");
   py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool",
       "n_threads threads per job: n_threads - 1 persistent workers plus the caller of wait(), which takes tasks "
       "instead of sleeping. Jobs run and complete in submission order.")
@@ -149,6 +151,7 @@ PYBIND11_MODULE(_cpu, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("size", &ThreadPool::size)
       .def_property_readonly("pinned", &ThreadPool::pinned)
+      .def_property_readonly("worker_cpus", &ThreadPool::worker_cpus, "the CPU each worker is pinned to (empty: none)")
       .def_property("spin_us", &ThreadPool::spin_us, &ThreadPool::set_spin_us,
                     "how long idle workers poll for the next job before sleeping (0 where they share cores)")
       .def("wait", &ThreadPool::wait, py::arg("ticket"), py::call_guard<py::gil_scoped_release>(),

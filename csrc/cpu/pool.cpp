@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -17,7 +18,47 @@ using Clock = std::chrono::steady_clock;
 
 int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
 
+// The CPUs sharing a core with `cpu` (itself included), from sysfs ("0,8" or "0-1"); just `cpu` where it says nothing.
+std::vector<int> core_siblings(int cpu) {
+  std::vector<int> out;
+  std::string path = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/thread_siblings_list";
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[256] = {0};
+    if (std::fgets(buf, sizeof(buf), f)) {
+      const char* p = buf;
+      while (*p) {
+        char* end;
+        long lo = std::strtol(p, &end, 10);
+        if (end == p) break;
+        long hi = lo;
+        p = end;
+        if (*p == '-') {
+          hi = std::strtol(p + 1, &end, 10);
+          p = end;
+        }
+        for (long c = lo; c <= hi; ++c) out.push_back(static_cast<int>(c));
+        if (*p == ',') ++p;
+        else break;
+      }
+    }
+    std::fclose(f);
+  }
+  if (out.empty()) out.push_back(cpu);
+  return out;
+}
+
 }  // namespace
+
+std::vector<int> pin_order(const std::vector<int>& cpus, const std::vector<int>& caller_siblings) {
+  if (cpus.empty()) return {};
+  std::vector<int> order{cpus[0]}, shared;
+  for (size_t i = 1; i < cpus.size(); ++i) {
+    bool sibling = std::find(caller_siblings.begin(), caller_siblings.end(), cpus[i]) != caller_siblings.end();
+    (sibling ? shared : order).push_back(cpus[i]);
+  }
+  order.insert(order.end(), shared.begin(), shared.end());
+  return order;
+}
 
 ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
     : n_threads_(n_threads), n_workers_(std::max(n_threads - 1, 1)), spin_us_(std::max(spin_us, 0)) {
@@ -28,11 +69,14 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
   if (sched_getaffinity(0, sizeof(set), &set) == 0)
     for (int c = 0; c < CPU_SETSIZE; ++c)
       if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  // Every thread (the workers and the caller) has a core of its own: pin the workers to all but the first.
+  // Every thread (the workers and the caller) has a core of its own: pin the workers to all but the first, and to
+  // the first's SMT siblings last (a polling worker there would share the caller's core: its norms, gathers and
+  // Python between the jobs).
   const bool own_cores = static_cast<int>(cpus.size()) >= n_workers_ + 1;
   own_cores_ = own_cores;
   pinned_ = pin && own_cores;
   if (!own_cores) spin_us_ = 0;
+  if (pinned_) cpus = pin_order(cpus, core_siblings(cpus[0]));
   scratch_.resize(n_workers_ + 1);
   slots_.reset(new std::atomic<Job*>[kSlots]);
   for (int i = 0; i < kSlots; ++i) slots_[i].store(nullptr, std::memory_order_relaxed);
@@ -45,6 +89,7 @@ ThreadPool::ThreadPool(int n_threads, bool pin, int spin_us)
         CPU_ZERO(&one);
         CPU_SET(cpus[i + 1], &one);
         pthread_setaffinity_np(threads_.back().native_handle(), sizeof(one), &one);
+        worker_cpus_.push_back(cpus[i + 1]);
       }
     }
   } catch (...) {  // could not start them all: stop and join the ones that did, then report

@@ -97,6 +97,10 @@ class SpinLock {
   std::atomic<bool> flag_{false};
 };
 
+// The CPUs in the order the pool pins to: the caller's (cpus[0]) first, then the others, the caller's SMT siblings
+// (caller_siblings) last.
+std::vector<int> pin_order(const std::vector<int>& cpus, const std::vector<int>& caller_siblings);
+
 class ThreadPool {
  public:
   // n_threads: threads working on a job, the caller of wait() included: n_threads - 1 workers. With n_threads = 1
@@ -117,6 +121,7 @@ class ThreadPool {
   void set_spin_us(int us) { spin_us_.store(own_cores_ ? std::max(us, 0) : 0); }
   int spin_us() const { return spin_us_.load(); }
   bool pinned() const { return pinned_; }
+  const std::vector<int>& worker_cpus() const { return worker_cpus_; }  // where each worker is pinned (empty: none)
   // Whether wait() works on the jobs (the default) or only waits, polling for spin_us and then sleeping: the
   // workers alone then stream the weights, and the caller's caches keep what it runs next (tuning).
   void set_caller_helps(bool on) { caller_helps_.store(on); }
@@ -150,6 +155,7 @@ class ThreadPool {
   std::atomic<bool> caller_helps_{true};
   std::vector<std::thread> threads_;
   bool pinned_ = false;
+  std::vector<int> worker_cpus_;
   std::atomic<int> spin_us_;
   bool own_cores_ = false;
   std::mutex mu_;       // sleeping and waking (cv_work_, cv_done_), errors_, stop_
