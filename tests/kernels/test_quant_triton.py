@@ -69,10 +69,14 @@ def test_gemm_prefill_tile(qtype, triton_device):
 
 
 @pytest.mark.gpu
-def test_gemv_captured_in_a_cuda_graph():
-    """The split-K GEMV replays from a CUDA graph on new activations as an eager call computes them."""
+@pytest.mark.parametrize("fused_sum", [False, True])
+def test_gemv_captured_in_a_cuda_graph(fused_sum, monkeypatch):
+    """The split-K GEMV replays from a CUDA graph on new activations as an eager call computes them (with the
+    fused sum: the per-tile counters are back at zero after every replay)."""
+    from ktrans.kernels.triton import quant
     from ktrans.kernels.triton.quant import qlinear
 
+    monkeypatch.setitem(quant.GEMV, "fused_sum", fused_sum)
     dev = torch.device("cuda")
     w = _weight("Q4_K", 2048, 2048, dev)
     x = torch.randn(1, 2048, device=dev).to(torch.bfloat16)
@@ -81,10 +85,12 @@ def test_gemv_captured_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = qlinear(x, w)
-    x.copy_(torch.randn(1, 2048, device=dev).to(torch.bfloat16))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, qlinear(x, w)) and _err(y, quant_linear(x, w)) < 1e-2
+    for _ in range(2):
+        x.copy_(torch.randn(1, 2048, device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, qlinear(x, w)) and _err(y, quant_linear(x, w)) < 1e-2
+    assert not fused_sum or not quant._COUNTERS[dev].any()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -124,3 +130,20 @@ def test_gemv_tilings(qtype, tiling, triton_device, monkeypatch):
     x = torch.randn(1, k, device=triton_device).to(torch.bfloat16).float()
     for split in (None, 1, 2):
         assert _err(quant.qlinear(x, w, split=split), quant_linear(x, w)) < 2e-5, (qtype, split)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemv_fused_split_sum_equals_two_launches(qtype, triton_device, monkeypatch):
+    """GEMV["fused_sum"]: the last program of each row tile sums the split partials in order, as the separate sum
+    kernel does, so the outputs are equal, not just close; three calls in a row find the counters zero again."""
+    from ktrans.kernels.triton import quant
+
+    n, k = 200, 768
+    w = _weight(qtype, n, k, triton_device, seed=4)
+    x = torch.randn(1, k, device=triton_device).to(torch.bfloat16).float()
+    want = {split: quant.qlinear(x, w, split=split) for split in (2, 3)}
+    monkeypatch.setitem(quant.GEMV, "fused_sum", True)
+    for _ in range(3):
+        for split, y in want.items():
+            assert torch.equal(quant.qlinear(x, w, split=split), y), (qtype, split)
+    assert not quant._COUNTERS[x.device].any()

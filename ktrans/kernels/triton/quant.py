@@ -176,7 +176,9 @@ def _sms(device: torch.device) -> int:
 # is split until the grid has that many). Set from scripts/gemv_sweep.py on the H200 (doc/benchmarks.md, 2026-12-02):
 # 100.4 us over the nine Q4_K shapes of a layer's projections, within 1% of the best of 54 tilings tried (64, 4, 8:
 # 104.7); the interpreter gets wider tiles.
-GEMV = {"bn": 32, "warps": 4, "per_sm": 4}
+GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": False}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
+_MAX_TILES = 1 << 16
 
 
 def tiles(m: int) -> tuple[int, int, int, int]:
@@ -218,13 +220,19 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    fused = False
     if mode == 3:
         lo, hi, d, _ = plane_args(w)
-        gemv_kernel[(triton.cdiv(n, bn), split)](x, dst, lo, hi, d, _scale_words(w), n, nsb, sb_per, n,
-                                                 QT=QT_CODE[w.qtype], BN=bn, num_warps=warps)
+        tiles_n = triton.cdiv(n, bn)
+        fused = split > 1 and GEMV["fused_sum"] and tiles_n <= _MAX_TILES
+        if fused and x.device not in _COUNTERS:
+            _COUNTERS[x.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=x.device)
+        cnt = _COUNTERS[x.device] if fused else dst
+        gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
+                                      QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, num_warps=warps)
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
-    if split > 1:
+    if split > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
     return out

@@ -19,8 +19,11 @@ Measured on the H200 (scripts/gemv_sweep.py, doc/benchmarks.md): the tiling (row
 moves the time by ~5%, and loading the next super-block ahead of the current one's arithmetic made it slower; at
 one layer's shapes every call sits near a fixed ~8 us (two launches, the split-K sum among them) plus ~1.5 TB/s.
 
-K is split across programs when the row tiles alone would not fill the GPU; ktrans.kernels.triton.quant.qlinear
-sums the fp32 partials (deterministic, no atomics). The oracle is ktrans.kernels.torch.quant.quant_linear.
+K is split across programs when the row tiles alone would not fill the GPU. The fp32 partials are summed in split
+order, deterministically: by a second kernel (ktrans.kernels.triton.quant.qlinear), or, with GEMV["fused_sum"], by
+the last program of each row tile to finish, found through a per-tile counter (one launch instead of two; the
+counters are one zeroed buffer per device, so two such GEMVs must not run at once on two streams of a device). The
+oracle is ktrans.kernels.torch.quant.quant_linear.
 """
 from __future__ import annotations
 
@@ -135,10 +138,12 @@ def _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n):
 
 
 @triton.jit
-def gemv_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, stride_os, QT: tl.constexpr,
-                BN: tl.constexpr):
-    """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; out row pid_k (fp32 partials when split).
-    sc_ptr is the scale plane as int32 words (four a row and super-block)."""
+def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
+                QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr):
+    """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
+    and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
+    the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
+    order into out_ptr, as the separate sum kernel does, and zeroes the count for the next call (a graph replay)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -154,4 +159,15 @@ def gemv_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, s
             a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
             lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
     acc = tl.sum(lanes, axis=1)
-    tl.store(out_ptr + pid_k * stride_os + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    if SPLIT == 1:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+        if FUSED_SUM:
+            tl.debug_barrier()  # every thread's partial stored before the count's release
+            if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros([BN], dtype=tl.float32)
+                for s in range(SPLIT):
+                    total += tl.load(part_ptr + s * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
