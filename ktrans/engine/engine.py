@@ -351,7 +351,7 @@ class Engine:
                 for m in (odd, n):
                     if m >= 1:
                         first_token(m, 2)
-                first_token(min(257, n), 12)
+                first_token(min(257, n, limit - 12), 12)
                 if self.config.max_batch_size >= 3 and odd >= 1:
                     first_token(odd, 2)
                 while self.poll():
