@@ -156,10 +156,11 @@ def _prefill_configs() -> list[triton.Config]:
 _prefill_tuned = triton.autotune(configs=_prefill_configs(), key=["N_BUCKET", "D", "GROUP", "PAGE"])(_prefill_kernel)
 
 # The autotuners time every config the first time they see a key: ~0.1 s a config with Triton's default timing, about
-# a second in all. A key per power of two of the new tokens (prefill) or per split length (decode) made serving pay
-# that whenever a step first had a new size: at full size a 20-token step took 940 ms in the middle of a 16k prompt's
-# prefill (doc/benchmarks.md, session 12). The keys are classes instead, few enough for Engine.warm_up to meet each
-# (`tune_class`); an unused kernel argument carries the class, so the kernel itself is unchanged.
+# a second in all. A key per power of two of the new tokens (prefill) or per split length (decode) makes serving pay
+# that whenever a step first has a new size: at full size the 20-token last step of a 16k prompt took 940 ms, most
+# likely so (its 16 new tokens were a power of two no earlier step had; doc/benchmarks.md, session 12). The keys are
+# classes instead, few enough for Engine.warm_up to meet each (`tune_class`); an unused kernel argument carries the
+# class, so the kernel itself is unchanged.
 PREFILL_TUNE_CLASSES = (64, 512)         # new tokens of the longest sequence: <= 64, <= 512, more
 DECODE_TUNE_CLASSES = (128, 256, 1024)   # keys per split: <= 128, <= 256, <= 1024, more
 
