@@ -41,7 +41,7 @@ except Exception as e:
     sys.exit(f"no JSON: {e}")
 print({k: r.get(k) for k in ("load_s", "prefill_tok_s", "prefill", "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms",
                              "split_prefill", "cuda_graphs", "host_rss_gib", "host_hugepages_gib", "gpu_memory",
-                             "triton_compiles") if r.get(k) is not None})
+                             "triton_compiles", "triton_autotuned") if r.get(k) is not None})
 EOF
   tail -c 800 "$OUT/$name.err"
 }

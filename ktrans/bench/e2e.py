@@ -343,7 +343,10 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     results = []
     prefill_tok_s = None
     split = None
-    compiles = {"decode": CompileLog(), "itl": CompileLog()}  # what the measured phases compiled (the warm-up's misses)
+    att = sys.modules.get("ktrans.kernels.triton.attention")  # imported where the model runs the Triton attention
+    tuners = (att._prefill_tuned, att._decode_tuned) if att is not None else ()
+    # what the measured phases compiled or autotuned: the warm-up's misses
+    compiles = {"decode": CompileLog(tuners), "itl": CompileLog(tuners)}
     for b in opts.batch_sizes:
         with compiles["decode"]:
             r = bench.run(b, opts.prompt_len, opts.gen_len)
@@ -373,8 +376,9 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
             f"tokens), "
             f"TTFT {itl['ttft_ms']:.0f} ms")
     for phase, got in compiles.items():
-        if got.compiled:
-            log(f"  {len(got.compiled)} Triton compiles during the measured {phase} steps: {', '.join(got.kernels)}")
+        if got.compiled or got.tuned:
+            log(f"  during the measured {phase} steps: {len(got.compiled)} Triton compiles "
+                f"({', '.join(got.kernels)}), {len(got.tuned)} autotunings ({', '.join(got.tuned)})")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
     gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
     if "step_ms" in one:
@@ -405,6 +409,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "prefill": prefill,
         "itl_during_prefill": itl,
         "triton_compiles": {phase: got.compiled for phase, got in compiles.items()},
+        "triton_autotuned": {phase: got.tuned for phase, got in compiles.items()},
         "split_prefill": _split_prefill(model),
         "cuda_graphs": (None if engine.runner.graphs is None else
                         {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),

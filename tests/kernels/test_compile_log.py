@@ -21,3 +21,17 @@ def test_records_misses_chains_and_restores(monkeypatch):
     assert skip is False  # False: Triton goes on and compiles
     assert knobs.runtime.jit_cache_hook is before and seen == ["gemv_kernel[num_warps=4](x_ptr: *bf16, N: i32)"]
     assert log.kernels == ["gemv_kernel"] and len(log.compiled) == 1
+
+
+def test_watched_autotuners_report_new_keys():
+    from ktrans.kernels.triton import CompileLog
+
+    class Tuner:  # what CompileLog reads of a triton Autotuner: its fn and its cache of tuned keys
+        def __init__(self):
+            self.fn = type("fn", (), {"__name__": "_prefill_kernel"})()
+            self.cache = {(64, 256): "config"}
+
+    tuner = Tuner()
+    with CompileLog([tuner]) as log:
+        tuner.cache[(512, 256)] = "config"
+    assert log.tuned == ["_prefill_kernel(512, 256)"] and log.compiled == []

@@ -34,13 +34,17 @@ class CompileLog:
     """The Triton kernels compiled (or loaded from Triton's disk cache) while entered, one `repr` each (the kernel,
     its launch options and its arguments' specialization): a measured phase that compiles pays ~0.1-1 s a kernel,
     which a warm-up should have paid. Uses `triton.knobs.runtime.jit_cache_hook` (called on a miss of the
-    in-memory kernel cache) and chains any hook already set; records nothing where Triton lacks it."""
+    in-memory kernel cache) and chains any hook already set; records nothing where Triton lacks it. Autotuners
+    given are watched too: a new key times every config (~1 s) even when each is compiled already (`tuned`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, autotuners=()) -> None:
         self.compiled: list[str] = []
+        self.tuned: list[str] = []  # keys the given autotuners timed their configs for (no compile when cached)
+        self._tuners = list(autotuners)
         self._runtime = None
 
     def __enter__(self) -> "CompileLog":
+        self._before = [set(t.cache) for t in self._tuners]
         try:
             from triton import knobs
             self._runtime = knobs.runtime
@@ -59,6 +63,9 @@ class CompileLog:
     def __exit__(self, *exc) -> None:
         if self._runtime is not None:
             self._runtime.jit_cache_hook = self._prev
+        for tuner, before in zip(self._tuners, self._before):
+            name = getattr(getattr(tuner, "fn", None), "__name__", type(tuner).__name__)
+            self.tuned += [f"{name}{key}" for key in tuner.cache if key not in before]
 
     @property
     def kernels(self) -> list[str]:
