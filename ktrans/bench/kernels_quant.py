@@ -84,9 +84,16 @@ for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
     case("quant", f"gemm q4_k {_one[0]} [{_one[1]}x{_one[2]}] M=4096", ("prefill",))(_gemv_case((_one,), 4096))
 
 
-def _moe_case(tokens: int, down_type: str = "Q4_K"):
+def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
     def setup(device: torch.device) -> Timed:
-        from ktrans.kernels.triton.moe_quant import moe_quant
+        from ktrans.kernels.triton import moe_quant as mq
+
+        def moe_quant(*args):  # lanes: the few-token path through the GEMV's lane-wise decoding (moe_quant.LANES)
+            was, mq.LANES["on"] = mq.LANES["on"], lanes
+            try:
+                return mq.moe_quant(*args)
+            finally:
+                mq.LANES["on"] = was
         from ktrans.kernels.triton.quant_layout import concat_rows, repack
 
         _full_size_only(device)
@@ -123,6 +130,8 @@ def _moe_case(tokens: int, down_type: str = "Q4_K"):
 for _b in (1, 16, 256):
     case("quant", f"moe q4_k layer E=512 top-10 B={_b}", ("decode",) if _b <= 16 else ("prefill",))(_moe_case(_b))
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1", ("decode",))(_moe_case(1, "Q6_K"))
+case("quant", "moe q4_k layer E=512 top-10 B=1, lanes", ("decode",))(_moe_case(1, lanes=True))
+case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1, lanes", ("decode",))(_moe_case(1, "Q6_K", lanes=True))
 
 
 def _repack_case(down_type: str, x16: bool):

@@ -89,11 +89,15 @@ def test_prefill_tiles_and_bf16(triton_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16])
-def test_captured_in_a_cuda_graph(t):
-    """Both block paths replay from a CUDA graph with new routing and activations written into the captured
-    buffers, and give what an eager call gives (the captured call reads nothing back to the host)."""
+@pytest.mark.parametrize("t, lanes", [(1, False), (16, False), (1, True)])
+def test_captured_in_a_cuda_graph(t, lanes, monkeypatch):
+    """Both block paths (and the few-token lanes path) replay from a CUDA graph with new routing and activations
+    written into the captured buffers, and give what an eager call gives (the captured call reads nothing back to
+    the host)."""
+    from ktrans.kernels.triton import moe_quant as mq
     from ktrans.kernels.triton.moe_quant import moe_quant
+
+    monkeypatch.setitem(mq.LANES, "on", lanes)
 
     dev = torch.device("cuda")
     gate_up, down, _ = _layer(dev)
@@ -111,3 +115,21 @@ def test_captured_in_a_cuda_graph(t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, moe_quant(x, ids, weights, gate_up, down))
+
+
+@pytest.mark.parametrize("down_type", ["Q6_K", "Q4_K", "Q8_0"])
+def test_lanes_path_against_the_reference(down_type, triton_device, monkeypatch):
+    """moe_quant.LANES: the few-token path through the GEMV's lane-wise decoding (3 tokens, a skipped slot, a
+    strided activation), fp32 within 2e-5 of the reference, and within fp32 rounding of the per-pair tile path."""
+    from ktrans.kernels.triton import moe_quant as mq
+
+    gate_up, down, (g, u, d) = _layer(triton_device, down_type)
+    ids, weights = _routing(3, triton_device, seed={"Q6_K": 1, "Q4_K": 2, "Q8_0": 3}[down_type])
+    ids[1, 2] = -1
+    x = (torch.randn(3, 2 * H, device=triton_device) * 1e-3)[:, :H]
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    tiles = mq.moe_quant(x, ids, weights, gate_up, down)
+    monkeypatch.setitem(mq.LANES, "on", True)
+    y = mq.moe_quant(x, ids, weights, gate_up, down)
+    assert y.shape == (3, H) and _err(y, ref) < 2e-5, down_type
+    assert _err(y, tiles.double().cpu()) < 2e-5

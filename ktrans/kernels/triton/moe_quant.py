@@ -23,8 +23,14 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
-from ktrans.kernels.triton.quant import QT_CODE, plane_args, superblock_dot, tiles
+from ktrans.kernels.triton.quant import QT_CODE, _scale_words, plane_args, superblock_dot, tiles
+from ktrans.kernels.triton.quant_gemv import _load_sb, _q8_0_lanes, _sb_lanes
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
+
+# The few-token path (DIRECT_MAX_TOKENS) through the one-row GEMV's lane-wise decoding (ktrans.kernels.triton.
+# quant_gemv: codes made floats through the mantissa, one reduction per program) instead of the tile path's per-
+# sub-block reductions. Off until `ktrans bench kernels --family quant --match moe` times both on a GPU.
+LANES = {"on": False, "bn": 32, "warps": 4}
 
 DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
 
@@ -62,6 +68,55 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
             acc = acc * tl.load(rw_ptr + tl.where(mask_m, pairs, 0), mask=mask_m, other=0.0).to(tl.float32)[:, None]
         ptrs = out_ptr + tl.where(mask_m, pairs, 0)[:, None] * stride_o + offs_n[None, :]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _lanes_dot(lanes, x_row, lo, hi, d, sc, N_ROWS, NSB, offs_n, mask_n, QT: tl.constexpr):
+    """lanes [BN, SUB] += one token's products with rows offs_n of one expert's matrix, every super-block."""
+    for sb in range(NSB):
+        if QT == 3:
+            lanes = _q8_0_lanes(lanes, x_row, lo, d, sb, N_ROWS, offs_n, mask_n)
+        else:
+            a, b, c, dd, dmin, s0, s1, s2, s3 = _load_sb(lo, hi, d, sc, sb, N_ROWS, offs_n, mask_n, QT)
+            lanes = _sb_lanes(lanes, x_row, sb * 256, a, b, c, dd, dmin, s0, s1, s2, s3, QT)
+    return lanes
+
+
+@triton.jit
+def _moe_lanes_kernel(x_ptr, out_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc,
+                      N, N_ROWS, NSB, X_DIV, stride_x, stride_o, QT: tl.constexpr, BN: tl.constexpr,
+                      GATED: tl.constexpr):
+    """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..;
+    as _moe_kernel with one pair a block, lane-wise. sc_ptr: the scale plane as int32 words (s_sc in words)."""
+    pid_p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + pid_p)
+    if e >= 0:
+        e64 = e.to(tl.int64)
+        lo, hi, d, sc = lo_ptr + e64 * s_lo, hi_ptr + e64 * s_hi, d_ptr + e64 * s_d, sc_ptr + e64 * s_sc
+        x_row = x_ptr + (pid_p // X_DIV) * stride_x
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < N
+        acc = tl.sum(_lanes_dot(tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32), x_row, lo, hi, d, sc,
+                                N_ROWS, NSB, offs_n, mask_n, QT), axis=1)
+        if GATED:
+            up = tl.sum(_lanes_dot(tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32), x_row, lo, hi, d, sc,
+                                   N_ROWS, NSB, offs_n + N, mask_n, QT), axis=1)
+            acc = acc / (1.0 + tl.exp(-acc)) * up
+        else:
+            acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)
+        tl.store(out_ptr + pid_p * stride_o + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _launch_lanes(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: PackedWeight, p: int,
+                  n: int, x_div: int, gated: bool) -> None:
+    lo, hi, d, _ = plane_args(w)
+    sc = _scale_words(w)
+    strides = [t.stride(0) if t.numel() > 1 else 0 for t in (lo, hi, d, sc)]
+    bn = LANES["bn"] * (2 if interpreting() else 1)
+    _moe_lanes_kernel[(p, triton.cdiv(n, bn))](x, out, ids, rw, lo, hi, d, sc, *strides, n, w.n, w.k // QK, x_div,
+                                               x.stride(0), out.stride(0), QT=QT_CODE[w.qtype], BN=bn, GATED=gated,
+                                               num_warps=LANES["warps"])
 
 
 def align(ids: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +182,10 @@ def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     y = torch.zeros(p, hidden, dtype=torch.float32, device=x.device)  # skipped pairs add nothing
     rw = weights.reshape(-1)
     rw = rw if rw.is_contiguous() else rw.contiguous()
+    if bm == 1 and LANES["on"]:
+        _launch_lanes(x, h, bexp, rw, gate_up, p, inter, k, True)
+        _launch_lanes(h, y, bexp, rw, down, p, hidden, 1, False)
+        return y.view(t, k, hidden).sum(1).to(x.dtype)
     _launch(x, h, rows, bexp, rw, gate_up, p, inter, k, mode, bm, bn, warps, True)
     _launch(h, y, rows, bexp, rw, down, p, hidden, 1, mode, bm, bn, warps, False)
     return y.view(t, k, hidden).sum(1).to(x.dtype)
