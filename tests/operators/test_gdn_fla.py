@@ -1,13 +1,13 @@
-"""KGatedDeltaNetFLA (fla-core's recurrent kernel for decode steps) in a whole small model against
-KGatedDeltaNetTorch: the same checkpoint, schedule and device, teacher-forced through chunked prefill, a mixed step
-and decode steps (tests/operators/helpers.compare_teacher_forced), as test_gdn_triton does for the Triton op.
-Marked `triton`: on the CPU fla-core's kernel runs under Triton's interpreter. Skipped where fla-core does not
-import (it is in the test extras)."""
+"""KGatedDeltaNetFLA (fla-core's kernels: recurrent for decode, chunked for prefill on a GPU) in a whole small
+model against KGatedDeltaNetTorch: the same checkpoint, schedule and device, teacher-forced through chunked prefill
+(continued from the slots), a mixed step and decode steps (tests/operators/helpers.compare_teacher_forced), as
+test_gdn_triton does for the Triton op. Marked `triton`: on the CPU fla-core's recurrent kernel runs under Triton's
+interpreter (prefill steps take ours there). Skipped where fla-core does not import (it is in the test extras)."""
 from __future__ import annotations
 
 import pytest
 
-from .test_gdn_triton import matches_torch_op
+from .test_gdn_triton import TOL, matches_torch_op
 
 pytest.importorskip("triton")
 pytest.importorskip("fla.ops.gated_delta_rule")
@@ -20,7 +20,9 @@ def test_fla_op_matches_torch_op(tmp_path, triton_device, monkeypatch):
     calls = []
     real = gdn_fla._recurrent()
     monkeypatch.setattr(gdn_fla, "_recurrent", lambda: lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    matches_torch_op(tmp_path, triton_device, "KGatedDeltaNetFLA")
+    # On a GPU the prefill steps take fla-core's chunked kernel, whose fp32 matrix products run in tf32 (10-bit
+    # mantissas: ~1e-3 relative a product, through 3 layers); a wrong state or gate moves logits by O(1).
+    matches_torch_op(tmp_path, triton_device, "KGatedDeltaNetFLA", tol=2e-2 if triton_device.type == "cuda" else TOL)
     assert calls and max(calls) > 1  # the decode steps went through fla-core, several rows at once
 
 

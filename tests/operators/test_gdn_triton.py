@@ -35,14 +35,14 @@ def default_rules(op: str):
     return rules(text.replace('"KGatedDeltaNetTorch"', f'"{op}"'), op)
 
 
-def matches_torch_op(tmp_path, device, op: str) -> None:
+def matches_torch_op(tmp_path, device, op: str, tol: float = TOL) -> None:
     """The SHAPE model with `op` against the same checkpoint with KGatedDeltaNetTorch, teacher-forced."""
     assert GDN_OPS.built(op)
     ckpt = make_checkpoint(tmp_path, "small", seed=5, **SHAPE)
     torch_model, _ = injected(ckpt, default_rules("KGatedDeltaNetTorch"), default_device=str(device))
     model, _ = injected(ckpt, default_rules(op), default_device=str(device))
     assert type(model.model.layers[0].linear_attn.op).__name__ == op
-    compare_teacher_forced(torch_model, model, device, TOL)
+    compare_teacher_forced(torch_model, model, device, tol)
 
 
 def test_triton_op_matches_torch_op(tmp_path, triton_device):
