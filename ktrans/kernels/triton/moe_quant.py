@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant import QT_CODE, _scale_words, plane_args, superblock_dot, tiles
-from ktrans.kernels.triton.quant_gemv import _load_sb, _q8_0_lanes, _sb_lanes
+from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
 # The few-token path (DIRECT_MAX_TOKENS) through the one-row GEMV's lane-wise decoding (ktrans.kernels.triton.
@@ -71,18 +71,6 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 
 
 @triton.jit
-def _lanes_dot(lanes, x_row, lo, hi, d, sc, N_ROWS, NSB, offs_n, mask_n, QT: tl.constexpr):
-    """lanes [BN, SUB] += one token's products with rows offs_n of one expert's matrix, every super-block."""
-    for sb in range(NSB):
-        if QT == 3:
-            lanes = _q8_0_lanes(lanes, x_row, lo, d, sb, N_ROWS, offs_n, mask_n)
-        else:
-            a, b, c, dd, dmin, s0, s1, s2, s3 = _load_sb(lo, hi, d, sc, sb, N_ROWS, offs_n, mask_n, QT)
-            lanes = _sb_lanes(lanes, x_row, sb * 256, a, b, c, dd, dmin, s0, s1, s2, s3, QT)
-    return lanes
-
-
-@triton.jit
 def _moe_lanes_kernel(x_ptr, out_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc,
                       N, N_ROWS, NSB, X_DIV, stride_x, stride_o, QT: tl.constexpr, BN: tl.constexpr,
                       GATED: tl.constexpr):
@@ -97,11 +85,9 @@ def _moe_lanes_kernel(x_ptr, out_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc
         x_row = x_ptr + (pid_p // X_DIV) * stride_x
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < N
-        acc = tl.sum(_lanes_dot(tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32), x_row, lo, hi, d, sc,
-                                N_ROWS, NSB, offs_n, mask_n, QT), axis=1)
+        acc = row_dot(x_row, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN)
         if GATED:
-            up = tl.sum(_lanes_dot(tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32), x_row, lo, hi, d, sc,
-                                   N_ROWS, NSB, offs_n + N, mask_n, QT), axis=1)
+            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n + N, mask_n, QT, BN)
             acc = acc / (1.0 + tl.exp(-acc)) * up
         else:
             acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)

@@ -5,8 +5,7 @@ The weights are never expanded in memory: each program decodes one super-block (
 time, sub-block by sub-block, from contiguous plane runs. Three ways to multiply, chosen by M:
 
 - M = 1 (decode of one sequence): the GEMV kernel of ktrans.kernels.triton.quant_gemv (lane-wise sums, codes
-  turned into floats without a conversion instruction, the next super-block loaded ahead). Exact up to fp32
-  rounding.
+  turned into floats without a conversion instruction). Exact up to fp32 rounding.
 - M <= 4 (decode): products and sums in fp32 on the CUDA cores, each sub-block's integer codes dotted with x and
   then scaled: y = sum_S (d*sc_S) (x_S . q_S) - (dmin*m_S) sum(x_S). Exact up to fp32 rounding.
 - M <= 32: the same factoring with the code dot on tensor cores (bf16 x, integer codes exact in bf16).

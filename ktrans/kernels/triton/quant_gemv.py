@@ -138,6 +138,21 @@ def _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n):
 
 
 @triton.jit
+def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
+            BN: tl.constexpr):
+    """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
+    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert)."""
+    lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
+    for sb in range(sb0, sb_end):
+        if QT == 3:
+            lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
+        else:
+            a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
+            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
+    return tl.sum(lanes, axis=1)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
                 QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
@@ -149,16 +164,7 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
-    sb_end = tl.minimum(sb0 + SB_PER, NSB)
-    lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
-    if QT == 3:
-        for sb in range(sb0, sb_end):
-            lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
-    else:
-        for sb in range(sb0, sb_end):
-            a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
-            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
-    acc = tl.sum(lanes, axis=1)
+    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN)
     if SPLIT == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
