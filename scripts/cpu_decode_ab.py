@@ -19,6 +19,22 @@ from ktrans.engine.sampler import SamplingParams  # noqa: E402
 from ktrans.kernels import cpu  # noqa: E402
 
 
+def decoding_engine(gguf: str, rules: str, cpu_infer: int | None, tokens: int):
+    """(engine, its flat step) for one request decoding `tokens` tokens on the GGUF under the rules, past its
+    prefill and a few decode steps. Shared with scripts/cpu_decode_ops.py."""
+    model, tokenizer = load(ServeOptions(gguf_path=gguf, optimize_config_path=rules, cpu_infer=cpu_infer),
+                            show_progress=False)[:2]
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=512, cache_lens=tokens + 64,
+                                                   max_new_tokens=tokens, max_model_len=tokens + 32))
+    flat = engine.runner.cpu_decode
+    if flat is None:
+        raise SystemExit("this model's decode does not take the flat step (see ktrans.engine.cpu_decode)")
+    engine.submit(list(range(1, 17)), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    for _ in range(10):
+        engine.poll()
+    return engine, flat
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf")
@@ -27,17 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cpu_infer", type=int, default=None, help="CPU threads (default: ktrans serve's, cores - 1)")
     a = ap.parse_args()
-    model, tokenizer = load(ServeOptions(gguf_path=a.gguf, optimize_config_path=a.rules,
-                                                 cpu_infer=a.cpu_infer), show_progress=False)[:2]
-    n = a.rounds * a.steps * 2 + 32
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=512, cache_lens=n + 64,
-                                              max_new_tokens=n, max_model_len=n + 32))
-    flat = engine.runner.cpu_decode
-    if flat is None:
-        raise SystemExit("this model's decode does not take the flat step (see ktrans.engine.cpu_decode)")
-    engine.submit(list(range(1, 17)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    for _ in range(10):
-        engine.poll()
+    engine, flat = decoding_engine(a.gguf, a.rules, a.cpu_infer, a.rounds * a.steps * 2 + 32)
     pool = cpu.get_pool()
     res: dict[str, list[tuple[float, float]]] = {"flat": [], "module": []}
     for _ in range(a.rounds):

@@ -8,14 +8,10 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import os
 
-os.environ["KTRANS_CPU_DECODE"] = "1"  # the flat step is opt-in; this script switches between the two itself
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.profiler import ProfilerActivity, profile
 
-from ktrans.api.server import ServeOptions, load  # noqa: E402
-from ktrans.engine.engine import Engine, EngineConfig  # noqa: E402
-from ktrans.engine.sampler import SamplingParams  # noqa: E402
+from cpu_decode_ab import decoding_engine  # scripts/ is the script's own directory: first on sys.path
 
 
 def main() -> None:
@@ -25,17 +21,7 @@ def main() -> None:
     ap.add_argument("--cpu_infer", type=int, default=None)
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args()
-    model, tokenizer = load(ServeOptions(gguf_path=a.gguf, optimize_config_path=a.rules, cpu_infer=a.cpu_infer),
-                            show_progress=False)[:2]
-    n = 4 * a.steps + 32
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1, chunk_size=512, cache_lens=n + 64,
-                                                   max_new_tokens=n, max_model_len=n + 32))
-    flat = engine.runner.cpu_decode
-    if flat is None:
-        raise SystemExit("this model's decode does not take the flat step (see ktrans.engine.cpu_decode)")
-    engine.submit(list(range(1, 17)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    for _ in range(8):
-        engine.poll()
+    engine, flat = decoding_engine(a.gguf, a.rules, a.cpu_infer, 4 * a.steps + 32)
     for mode in ("flat", "module"):
         engine.runner.cpu_decode = flat if mode == "flat" else None
         for _ in range(3):
