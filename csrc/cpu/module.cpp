@@ -142,6 +142,8 @@ PYBIND11_MODULE(_cpu, m) {
     return type_row_bytes(type, k);
   }, py::arg("type"), py::arg("k"), "Bytes of a row of k values of ggml type `type`.");
 
+  m.def("core_siblings", &core_siblings, py::arg("cpu"),
+        "The CPUs sharing a core with `cpu`, itself included (sysfs thread_siblings_list; [cpu] where it says nothing).");
   m.def("pin_order", &pin_order, py::arg("cpus"), py::arg("caller_siblings"),
         "The CPUs in the order a pool pins to: cpus[0] (the caller's) first, its SMT siblings last.");
   py::class_<ThreadPool, std::shared_ptr<ThreadPool>>(m, "ThreadPool",

@@ -18,7 +18,8 @@ using Clock = std::chrono::steady_clock;
 
 int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
 
-// The CPUs sharing a core with `cpu` (itself included), from sysfs ("0,8" or "0-1"); just `cpu` where it says nothing.
+}  // namespace
+
 std::vector<int> core_siblings(int cpu) {
   std::vector<int> out;
   std::string path = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) + "/topology/thread_siblings_list";
@@ -47,7 +48,6 @@ std::vector<int> core_siblings(int cpu) {
   return out;
 }
 
-}  // namespace
 
 std::vector<int> pin_order(const std::vector<int>& cpus, const std::vector<int>& caller_siblings) {
   if (cpus.empty()) return {};

@@ -97,6 +97,8 @@ class SpinLock {
   std::atomic<bool> flag_{false};
 };
 
+// The CPUs sharing a core with `cpu` (itself included), from sysfs ("0,8" or "0-1"); just `cpu` where it says nothing.
+std::vector<int> core_siblings(int cpu);
 // The CPUs in the order the pool pins to: the caller's (cpus[0]) first, then the others, the caller's SMT siblings
 // (caller_siblings) last.
 std::vector<int> pin_order(const std::vector<int>& cpus, const std::vector<int>& caller_siblings);

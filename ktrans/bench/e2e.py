@@ -33,7 +33,6 @@ import torch
 
 from ktrans.engine.sampler import SamplingParams
 from ktrans.kernels import cpu
-from ktrans.kernels.host_memory import host_hugepages
 from ktrans.kernels.triton import CompileLog
 
 
@@ -251,24 +250,9 @@ class _Bench:
         return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps
 
 
-def _threads_per_core() -> int | None:
-    """Hardware threads per core of CPU 0 (None where /sys does not say). With more than one, the pool's worker
-    pinned to CPU 0's sibling shares the caller's core: a polling worker then slows the caller's own work."""
-    try:
-        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    n = 0
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi) - int(lo) + 1 if hi else 1
-    return n
-
-
 def _rss() -> dict[str, float]:
     now, peak = cpu.host_rss()
-    huge = host_hugepages()
+    huge = cpu.host_hugepages()
     return {"host_rss_gib": now and now / 2**30, "host_peak_rss_gib": peak and peak / 2**30,
             "host_hugepages_gib": huge and huge / 2**30}
 
@@ -370,11 +354,10 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     if opts.itl_prefill_len:
         with compiles["itl"]:
             itl = bench.itl_during_prefill(opts.itl_decodes, opts.prompt_len, opts.itl_prefill_len, itl_gen)
+        steps = ", ".join(f"{w:.0f} ms/{n}" for w, n in zip(itl["chunk_walls_ms"], itl["chunk_tokens"]))
         log(f"  {opts.itl_decodes} decodes while a {opts.itl_prefill_len}-token prompt prefills: ITL p50 "
             f"{itl['itl_p50_ms']:.1f} ms, p99 {itl['itl_p99_ms']:.1f} ms, chunk {itl['chunk_ms']:.1f} ms "
-            f"x {itl['chunk_steps']} ({', '.join(f'{w:.0f} ms/{n}' for w, n in zip(itl['chunk_walls_ms'], itl['chunk_tokens']))} "
-            f"tokens), "
-            f"TTFT {itl['ttft_ms']:.0f} ms")
+            f"x {itl['chunk_steps']} ({steps} tokens), TTFT {itl['ttft_ms']:.0f} ms")
     for phase, got in compiles.items():
         if got.compiled or got.tuned:
             log(f"  during the measured {phase} steps: {len(got.compiled)} Triton compiles "
@@ -397,7 +380,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "layers": model.config.num_hidden_layers,
         "threads": pool.size if pool is not None else torch.get_num_threads(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads_per_core": _threads_per_core(), "pool_pinned": pool.pinned if pool else None,
+                    "threads_per_core": len(cpu.core_siblings(0)), "pool_pinned": pool.pinned if pool else None,
                     "gpus": [torch.cuda.get_device_name(d) for d in devices]},
         "load_s": load_s,
         "warmup_s": warmup["seconds"],

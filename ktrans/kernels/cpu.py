@@ -25,10 +25,10 @@ from ktrans import _cpu  # ImportError here means the package was installed with
 # The pool and kernel path live in cpu_pool; _default_pool is not re-exported, as a name bound here would keep the
 # pool of import time, not the one get_pool later replaces it with.
 from ktrans.kernels.cpu_pool import (DEFAULT_SPIN_US, STREAM_SPIN_US, best_path,  # noqa: F401 (re-exported)
-                                     default_threads, get_pool, isa_info, make_pool, read_bandwidth, spin_us,
-                                     stream_bandwidth, stream_spin_us)
-from ktrans.kernels.host_memory import (_HUGEPAGE_MIN_BYTES, host_rss, hugepage_buffer,  # noqa: F401 (re-exported)
-                                        in_hugepages, release_file_pages, thp_mode)
+                                     core_siblings, default_threads, get_pool, isa_info, make_pool, read_bandwidth,
+                                     spin_us, stream_bandwidth, stream_spin_us)
+from ktrans.kernels.host_memory import (_HUGEPAGE_MIN_BYTES, host_hugepages, host_rss,  # noqa: F401 (re-exported)
+                                        hugepage_buffer, in_hugepages, release_file_pages, thp_mode)
 
 # ggml type ids of the formats the kernels read (ktrans.weights.quants has the full table).
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,

@@ -93,6 +93,12 @@ def get_pool(n_threads: int | None = None) -> _cpu.ThreadPool:
     return _default_pool
 
 
+def core_siblings(cpu: int) -> list[int]:
+    """The CPUs sharing a core with `cpu`, itself included ([cpu] where /sys does not say): more than one is SMT, and
+    a pool's worker pinned to the caller's sibling would share its core (the pool pins those last)."""
+    return list(_cpu.core_siblings(cpu))
+
+
 def make_pool(n_threads: int, pin: bool = True, spin_us: int = 200) -> _cpu.ThreadPool:
     """A separate pool (tests, benchmarks): n_threads - 1 workers plus the thread that calls wait(), which works
     instead of sleeping. Workers are pinned (to all CPUs but the first) and idle ones poll for spin_us microseconds

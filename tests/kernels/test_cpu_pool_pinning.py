@@ -23,3 +23,11 @@ def test_a_pinned_pool_leaves_the_first_cpu_to_the_caller():
     assert len(pool.worker_cpus) == len(cpus) - 1 and cpus[0] not in pool.worker_cpus
     assert set(pool.worker_cpus) <= set(cpus[1:])
     assert _cpu.ThreadPool(len(cpus), False, 0).worker_cpus == []
+
+
+def test_core_siblings_include_the_cpu_itself():
+    from ktrans.kernels import cpu
+
+    first = sorted(os.sched_getaffinity(0))[0]
+    siblings = cpu.core_siblings(first)
+    assert first in siblings and len(siblings) == len(set(siblings)) >= 1
