@@ -9,7 +9,6 @@ and written, the row of q|k|v, the gate inputs, the conv weight and the output.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dataclasses import dataclass
 
@@ -57,7 +56,9 @@ def _fla_peer(q, k, v, a, b, A_log, dt_bias, pool):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    g = (-A_log.exp() * F.softplus(a.float() + dt_bias))[None]
+    from ktrans.operators.gdn import gdn_gate
+
+    g = gdn_gate(a, A_log, dt_bias)[None]
     beta = b.float().sigmoid().to(q.dtype)[None]
     h0 = pool[1:2].clone()
     qc, kc, vc = q.contiguous()[None], k.contiguous()[None], v.contiguous()[None]

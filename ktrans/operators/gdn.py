@@ -87,6 +87,11 @@ def _plan_deltanet(batch: ForwardBatch, device: torch.device) -> DeltaNetPlan:
     return DeltaNetPlan(rows, slot_t, prefill, emits)
 
 
+def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The DeltaNet's log-space decay per token and value head, fp32: g = -exp(A_log) softplus(a + dt_bias)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
 def deltanet_core(layout, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor, conv_weight: torch.Tensor, batch: ForwardBatch,
                   plan: DeltaNetPlan) -> torch.Tensor:
@@ -97,7 +102,7 @@ def deltanet_core(layout, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
     """
     t = mixed.shape[0]
     beta = b.sigmoid()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    g = gdn_gate(a, A_log, dt_bias)
     conv_pool, ssm_pool = batch.states.layer(layout.layer_idx)
     core = mixed.new_empty(t, layout.num_v_heads, layout.head_v_dim)
 

@@ -23,29 +23,24 @@ import torch.nn.functional as F
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.conv import causal_conv1d_varlen
-from ktrans.operators.gdn import GDN_OPS
+from ktrans.operators.gdn import GDN_OPS, gdn_gate
 from ktrans.operators.gdn_triton import KGatedDeltaNetTriton
 from ktrans.runtime.batch import ForwardBatch
 
 
-def _recurrent():
+def _kernels():
+    """fla-core's (recurrent, chunked) gated delta rule."""
     try:
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except ImportError as e:
         raise RuntimeError(f"KGatedDeltaNetFLA needs fla-core (`pip install fla-core`): {e}") from None
-    return fused_recurrent_gated_delta_rule
-
-
-def _chunked():
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    return chunk_gated_delta_rule
+    return fused_recurrent_gated_delta_rule, chunk_gated_delta_rule
 
 
 @GDN_OPS.register("KGatedDeltaNetFLA", devices=("cpu", "cuda"))
 class KGatedDeltaNetFLA(KGatedDeltaNetTriton):
     def __init__(self, operator, device: torch.device, streaming: bool = False):
-        self._fla = _recurrent()  # before the Triton checks: the missing package is the first thing to say
+        self._fla, self._chunk = _kernels()  # before the Triton checks: the missing package is the first thing to say
         super().__init__(operator, device, streaming)
 
     def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
@@ -90,10 +85,10 @@ class KGatedDeltaNetFLA(KGatedDeltaNetTriton):
         fresh = torch.tensor([f for _, _, _, f in seqs]).to(dev, non_blocking=True)
         t = int(lens[-1])
         q, k, v = self._split(y[rows], 1, t)
-        g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias.float())
+        g = gdn_gate(a[rows], self.A_log, self.dt_bias.float())
         h0 = torch.where(fresh[:, None, None, None], 0.0, ssm_pool[slots])
-        o, final = _chunked()(q, k, v, g[None], b[rows].float().sigmoid()[None], initial_state=h0,
-                              output_final_state=True, use_qk_l2norm_in_kernel=True,
-                              cu_seqlens=lens.to(dev, non_blocking=True), cu_seqlens_cpu=lens)
+        o, final = self._chunk(q, k, v, g[None], b[rows].float().sigmoid()[None], initial_state=h0,
+                                output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                cu_seqlens=lens.to(dev, non_blocking=True), cu_seqlens_cpu=lens)
         ssm_pool[slots] = final
         core[rows] = o.reshape(t, self.num_v_heads, self.head_v_dim).to(core.dtype)

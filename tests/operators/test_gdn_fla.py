@@ -18,8 +18,9 @@ def test_fla_op_matches_torch_op(tmp_path, triton_device, monkeypatch):
     from ktrans.operators import gdn_fla
 
     calls = []
-    real = gdn_fla._recurrent()
-    monkeypatch.setattr(gdn_fla, "_recurrent", lambda: lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    real, chunked = gdn_fla._kernels()
+    monkeypatch.setattr(gdn_fla, "_kernels",
+                        lambda: (lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw), chunked))
     # On a GPU the prefill steps take fla-core's chunked kernel, whose fp32 matrix products run in tf32 (10-bit
     # mantissas: ~1e-3 relative a product, through 3 layers); a wrong state or gate moves logits by O(1).
     matches_torch_op(tmp_path, triton_device, "KGatedDeltaNetFLA", tol=2e-2 if triton_device.type == "cuda" else TOL)
@@ -40,4 +41,4 @@ def test_missing_fla_core_is_named(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_fla)
     with pytest.raises(RuntimeError, match="pip install fla-core"):
-        gdn_fla._recurrent()
+        gdn_fla._kernels()
