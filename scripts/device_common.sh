@@ -16,6 +16,20 @@ busy() {
   while read -r q; do [[ $skip == *" $q "* ]] || echo "$q"; done < "$f"
   rm -f "$f"
 }
+# start_writer LOG: write the full-size random file $F in the background (setsid: it outlives the call) unless it is
+# there; its progress goes to LOG. Wait for it with `busy make-tiny`.
+start_writer() {
+  [ -f "$F" ] || setsid bash -c "ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out $F \
+    > $1 2>&1; echo done >> $1" < /dev/null > /dev/null 2>&1 &
+}
+# start_llama DIR JOBS: build llama-bench from the carried .llama into DIR in the background (NOTES.md's flags; ~3.5
+# min at 15 jobs) unless .llama is missing or DIR/bin/llama-bench is there; its log goes to /tmp/llb.log.
+start_llama() {
+  [ -d .llama ] && [ ! -x "$1/bin/llama-bench" ] || return 0
+  setsid bash -c "cmake -S .llama -B $1 -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
+    -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && ninja -C $1 -j $2 llama-bench" > /tmp/llb.log 2>&1 < /dev/null &
+}
 quiet() {
   local i
   for i in $(seq "${QUIET_WAIT:-240}"); do

@@ -15,14 +15,8 @@ T=$(nproc)
 source "$(dirname "$0")/device_common.sh"
 case "${1:-}" in
 start)
-  [ -f "$F" ] || setsid bash -c "ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out $F \
-    > /tmp/write.log 2>&1; echo done >> /tmp/write.log" < /dev/null > /dev/null 2>&1 &
-  if [ -d .llama ] && [ ! -x $LBB/bin/llama-bench ]; then
-    setsid bash -c "cmake -S .llama -B $LBB -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-      -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && ninja -C $LBB -j $((T - 1)) llama-bench" \
-      > /tmp/llb.log 2>&1 < /dev/null &
-  fi
+  start_writer /tmp/write.log
+  start_llama $LBB $((T - 1))
   for i in $(seq 100); do [ -n "$(busy 'make-tiny|ninja')" ] || break; sleep 5; done
   echo "== file: $(tail -c 200 /tmp/write.log 2>/dev/null | tr '\r' '\n' | tail -1)"
   echo "== llama: $(tail -1 /tmp/llb.log 2>/dev/null)"

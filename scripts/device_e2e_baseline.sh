@@ -37,13 +37,7 @@ setup)
   F=/dev/shm/s4.gguf E2E_TIMEOUT=150 e2e smoke --optimize_config_path $R/Qwen3Next-serve-cpuexperts.yaml \
     --prompt_len 32 --gen_len 8 --batch_sizes 1,2 --profile_steps 4
   rm -f /dev/shm/s4.gguf
-  if [ -d .llama ] && [ ! -x $LLB/bin/llama-bench ]; then
-    echo "== building llama-bench in the background"
-    setsid bash -c "cmake -S .llama -B $LLB -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-      -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && ninja -C $LLB -j $((T - 1)) llama-bench" \
-      > /tmp/llb.log 2>&1 < /dev/null &
-  fi
+  start_llama $LLB $((T - 1))
   echo "== the GPU rules at full size (expected to fail: the experts are dequantized onto the GPU)"
   timeout 240 ktrans bench e2e --gguf_path "$F" --optimize_config_path $R/Qwen3Next-gpu.yaml --prompt_len 32 \
     --gen_len 8 --batch_sizes 1 --json > "$OUT/gpu_rules.json" 2> "$OUT/gpu_rules.err"

@@ -20,16 +20,8 @@ source "$(dirname "$0")/device_common.sh"  # e2e NAME FLAGS...
 
 case "${1:-}" in
 start)
-  if [ ! -f "$F" ]; then
-    setsid bash -c "ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out $F \
-      > /tmp/write.log 2>&1; echo done >> /tmp/write.log" < /dev/null > /dev/null 2>&1 &
-  fi
-  if [ -d .llama ] && [ ! -x $LLB/bin/llama-bench ]; then
-    setsid bash -c "cmake -S .llama -B $LLB -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-      -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && ninja -C $LLB -j $((T / 2)) llama-bench" \
-      > /tmp/llb.log 2>&1 < /dev/null &
-  fi
+  start_writer /tmp/write.log
+  start_llama $LLB $((T / 2))
   echo "== gpu tests"
   timeout -k 10 "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-tests/engine tests/kernels tests/inject tests/model tests/operators tests/bench} 2>&1 \
     | tee "$OUT/gpu_tests.txt" | tail -40

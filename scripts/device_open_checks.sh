@@ -17,8 +17,7 @@ F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 source "$(dirname "$0")/device_common.sh"
 case "${1:-}" in
 kernels)
-  [ -f "$F" ] || setsid bash -c "ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out $F \
-    > $OUT/mk.log 2>&1" < /dev/null > /dev/null 2>&1 &
+  start_writer "$OUT/mk.log"
   echo "== gpu tests"
   timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short -m "gpu or triton" \
     tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py tests/kernels/test_triton_attention.py \

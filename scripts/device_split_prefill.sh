@@ -15,14 +15,14 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
-[ -f "$F" ] || (ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out "$F" > "$OUT/mk.log" 2>&1 &)
+source "$(dirname "$0")/device_common.sh"
+start_writer "$OUT/mk.log"
 if [ -z "${NO_TESTS:-}" ]; then
   echo "== gpu tests"
   timeout -k 10 "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short ${TESTS:-tests/kernels/test_triton_repack.py \
     tests/operators/test_experts_split.py tests/engine/test_split_prefill_gpu.py} 2>&1 | tee "$OUT/split_tests.txt" \
     | tail -${TAIL:-25}
 fi
-source "$(dirname "$0")/device_common.sh"
 while [ -n "$(busy make-tiny)" ]; do sleep 1; done
 tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
 if [ -z "${NO_KERNELS:-}" ]; then
