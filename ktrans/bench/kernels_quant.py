@@ -87,6 +87,7 @@ for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
 def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton import moe_quant as mq
+        from ktrans.kernels.triton.quant_layout import concat_rows, repack
 
         def moe_quant(*args):  # lanes: the few-token path through the GEMV's lane-wise decoding (moe_quant.LANES)
             was, mq.LANES["on"] = mq.LANES["on"], lanes
@@ -94,7 +95,6 @@ def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
                 return mq.moe_quant(*args)
             finally:
                 mq.LANES["on"] = was
-        from ktrans.kernels.triton.quant_layout import concat_rows, repack
 
         _full_size_only(device)
         def stack(qtype, rows, cols, seed):
