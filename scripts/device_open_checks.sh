@@ -10,6 +10,12 @@
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
 #                                                run (per-step tokens, compiles, autotunings), then the CPU-only flat
 #                                                and module steps alternating in one process; ~7 min
+#   bash scripts/device_open_checks.sh gpu       everything on the H200 (issue 16): `rules show` at the file's types,
+#                                                bench e2e under Qwen3Next-gpu.yaml with the Triton layer ops and CUDA
+#                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
+#                                                quantized linears with a ~32k-token cache and 4
+#                                                requests (GPU memory, TTFT at 32k), then llama-bench -ngl 99 on the same file; ~8 min
+# The kernels call also builds llama-bench in the background (carry .llama too) for the gpu call.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,6 +24,7 @@ source "$(dirname "$0")/device_common.sh"
 case "${1:-}" in
 kernels)
   start_writer "$OUT/mk.log"
+  start_llama /tmp/llb 8
   echo "== gpu tests"
   timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short -m "gpu or triton" \
     tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py tests/kernels/test_triton_attention.py \
@@ -41,8 +48,28 @@ e2e)
   timeout 150 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 > "$OUT/cpu_ab.txt" 2>&1
   tail -8 "$OUT/cpu_ab.txt"
   ;;
+gpu)
+  [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }
+  python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-gpu.yaml /tmp/gpu-triton.yaml triton
+  python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-serve.yaml /tmp/serve-quant.yaml quant
+  echo "== rules show (all on the GPU, the file's types)"
+  ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
+  E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
+    --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 0 --use_cuda_graph
+  E2E_TIMEOUT=200 e2e serve_quant --optimize_config_path /tmp/serve-quant.yaml --prompt_len 512 --gen_len 32 \
+    --batch_sizes 1,4 --prefill_lens 32000 --profile_steps 0 --use_cuda_graph  # a cache of ~32k tokens, 4 requests
+  if [ -x /tmp/llb/bin/llama-bench ]; then
+    echo "== llama-bench -ngl 99"
+    timeout 150 /tmp/llb/bin/llama-bench -m "$F" -t 15 -p 512,4096 -n 64 -ngl 99 -r 2 -o json > "$OUT/llama_gpu.json" \
+      2> "$OUT/llama_gpu.err"
+    python3 -c "import json; [print(r['n_prompt'], r['n_gen'], round(r['avg_ts'], 1)) for r in json.load(open('$OUT/llama_gpu.json'))]" \
+      || tail -3 "$OUT/llama_gpu.err"
+  else
+    echo "no llama-bench: $(tail -3 /tmp/llb.log 2>/dev/null)"
+  fi
+  ;;
 *)
-  echo "usage: bash scripts/device_open_checks.sh kernels|e2e" >&2
+  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu" >&2
   exit 2
   ;;
 esac
