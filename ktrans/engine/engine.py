@@ -310,69 +310,9 @@ class Engine:
                      "decode_tokens_per_s": n_dec / decode_s if n_dec and decode_s > 0 else 0.0}
 
     def warm_up(self) -> dict:
-        """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): a
-        whole-step prompt; beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
-        the odd chunk beside two decoding (where the batch holds three); decode at batch 1 and 2. Users then do not
-        pay what each kind of step costs the first time: Triton compiles per token-count class (1, multiples of 16,
-        others) and per one-or-more sequences, autotuners time their configs once per size class, CUDA graphs are
-        captured, split prefill measures its rates. Nothing of it stays (prefix cache flushed, counters reset, no
-        metrics). On the caller's thread, before start(). Returns the time and steps taken."""
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("Engine.warm_up steps the engine itself: call it before start()")
-        t0, steps0 = time.perf_counter(), self.num_steps
-        metrics, self.metrics = self.metrics, None
-        gen = torch.Generator().manual_seed(0)
-        vocab, limit = self.model_config.vocab_size, self.max_model_len
-        ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
-        made: list[str] = []
-
-        def first_token(n: int, max_tokens: int) -> None:  # past --max_queued_requests: these are not users'
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            req = self.make_request(ids(n), params, f"warmup-{len(made)}")
-            made.append(req.request_id)
-            stream = self._queue(req, params)
-            while not stream.drain() and self.poll():  # its prefill and first token
-                pass
-
-        try:
-            if limit >= 3:
-                first_token(min(self.config.chunk_size, limit - 2), 2)  # one whole step
-                while self.poll():
-                    pass
-            if limit >= 18:
-                first_token(5, 12)  # it decodes from now on
-                # beside its decodes: a step of an odd token count, one of a whole chunk (a multiple of 16 with more
-                # than one sequence), a prompt in the attention autotuner's middle class (65..512 new tokens:
-                # ktrans.kernels.triton.attention.tune_class) that then decodes too; and, where the batch holds
-                # three, two decode rows beside a chunk (Triton specializes an integer argument equal to 1, so
-                # steps with one decode row compile nothing that steps with several use)
-                n = max(1, min(self.config.chunk_size - 1, limit - 2))
-                odd = n - 1 - (n % 2)
-                for m in (odd, n):
-                    if m >= 1:
-                        first_token(m, 2)
-                first_token(min(257, n, limit - 12), 12)
-                if self.config.max_batch_size >= 3 and odd >= 1:
-                    first_token(odd, 2)
-                while self.poll():
-                    pass
-        except BaseException:
-            self._drain_inbox()
-            for rid in made:  # a step failed: the warm-up's requests give their pages and slots back
-                if (t := self._tracked.get(rid)) is not None:
-                    self._end(t, RequestStatus.FINISHED_ABORTED)
-            self.num_steps = steps0
-            raise
-        finally:
-            self.metrics = metrics
-        if self.runner.graphs is not None:
-            self.runner.graphs.num_replays = 0  # the graphs it captured stay; replays count the users' steps
-        self._flush_cache()
-        if self.prefix_cache is not None:
-            self.prefix_cache.stats = type(self.prefix_cache.stats)()
-        self.scheduler.num_preemptions = 0
-        steps, self.num_steps = self.num_steps - steps0, steps0
-        return {"seconds": time.perf_counter() - t0, "steps": steps}
+        """Throw-away requests through the engine's own steps before it serves (ktrans.engine.warmup.warm_up)."""
+        from ktrans.engine.warmup import warm_up
+        return warm_up(self)
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> None:

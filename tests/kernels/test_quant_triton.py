@@ -55,6 +55,15 @@ def test_bf16_activations_and_split_k(m, triton_device):
         assert y.dtype == torch.bfloat16 and _err(y, ref) < 1e-2, (m, split)
 
 
+def test_no_rows(triton_device):
+    """A prefill chunk that returns no logits gives lm_head zero rows: an empty result, no launch."""
+    from ktrans.kernels.triton.quant import qlinear
+
+    w = _weight("Q6_K", 48, 256, triton_device, seed=3)
+    y = qlinear(torch.zeros(0, 256, device=triton_device, dtype=torch.bfloat16), w)
+    assert y.shape == (0, 48) and y.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_gemm_prefill_tile(qtype, triton_device):
     """M = 67: the bf16 tensor-core path, two row tiles of 64 (one partial), on a strided activation."""

@@ -207,6 +207,8 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         raise ValueError(f"qlinear: x is {tuple(x.shape)}, the weight is [{w.n}, {w.k}]")
     if w.experts is not None:
         raise ValueError("qlinear takes one matrix; the experts' kernel is ktrans.kernels.triton.moe_quant")
+    if not x.shape[0]:  # e.g. lm_head on a prefill chunk that returns no logits
+        return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
     mode, bm, bn, warps = tiles(m)

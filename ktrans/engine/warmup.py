@@ -1,0 +1,86 @@
+"""Engine.warm_up: throw-away requests through an engine's own steps before it serves, so users do not pay the first
+time of each kind of step (Triton compiles and autotunings, CUDA-graph captures, split prefill's rates)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ktrans.engine.graphs import batch_buckets
+from ktrans.engine.output import RequestStream
+from ktrans.engine.request import RequestStatus
+from ktrans.engine.sampler import SamplingParams
+
+
+def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: no import circle)
+    """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): a
+    whole-step prompt; beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
+    the odd chunk beside two decoding (where the batch holds three); decode at batch 1, 2 and each larger graph
+    bucket. Users then do not pay what each kind of step costs the first time: Triton compiles per token-count
+    class and per one-or-more sequences, autotunings per size class, graph captures, split prefill's rates.
+    Nothing of it stays (prefix cache flushed, counters reset, no metrics). On the caller's thread, before
+    start(). Returns the time and steps taken."""
+    if engine._thread is not None and engine._thread.is_alive():
+        raise RuntimeError("Engine.warm_up steps the engine itself: call it before start()")
+    t0, steps0 = time.perf_counter(), engine.num_steps
+    metrics, engine.metrics = engine.metrics, None
+    gen = torch.Generator().manual_seed(0)
+    vocab, limit = engine.model_config.vocab_size, engine.max_model_len
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    made: list[str] = []
+
+    def submit(n: int, max_tokens: int) -> RequestStream:  # past --max_queued_requests: these are not users'
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        req = engine.make_request(ids(n), params, f"warmup-{len(made)}")
+        made.append(req.request_id)
+        return engine._queue(req, params)
+
+    def first_token(n: int, max_tokens: int) -> None:
+        stream = submit(n, max_tokens)
+        while not stream.drain() and engine.poll():  # its prefill and first token
+            pass
+
+    try:
+        if limit >= 3:
+            first_token(min(engine.config.chunk_size, limit - 2), 2)  # one whole step
+            while engine.poll():
+                pass
+        if limit >= 18:
+            first_token(5, 12)  # it decodes from now on
+            # beside its decodes: an odd token count, a whole chunk (a multiple of 16, several sequences), a
+            # prompt in attention's middle autotune class (65..512: attention.tune_class) that decodes too; two
+            # decode rows beside a chunk (Triton specializes an integer argument equal to 1)
+            n = max(1, min(engine.config.chunk_size - 1, limit - 2))
+            odd = n - 1 - (n % 2)
+            for m in (odd, n):
+                if m >= 1:
+                    first_token(m, 2)
+            first_token(min(257, n, limit - 12), 12)
+            if engine.config.max_batch_size >= 3 and odd >= 1:
+                first_token(odd, 2)
+            while engine.poll():
+                pass
+        # decode at each larger CUDA-graph bucket (Triton's tiles and the MoE's change with the row count)
+        pages = -(-engine.config.cache_lens // engine.config.page_size) - 1
+        for b in [b for b in batch_buckets(engine.config.max_batch_size) if b > 2] if limit >= 8 else []:
+            for _ in range(min(b, pages // -(-7 // engine.config.page_size))):
+                submit(4, 3)
+            while engine.poll():
+                pass
+    except BaseException:
+        engine._drain_inbox()
+        for rid in made:  # a step failed: the warm-up's requests give their pages and slots back
+            if (t := engine._tracked.get(rid)) is not None:
+                engine._end(t, RequestStatus.FINISHED_ABORTED)
+        engine.num_steps = steps0
+        raise
+    finally:
+        engine.metrics = metrics
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.num_replays = 0  # the graphs it captured stay; replays count the users' steps
+    engine._flush_cache()
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.stats = type(engine.prefix_cache.stats)()
+    engine.scheduler.num_preemptions = 0
+    steps, engine.num_steps = engine.num_steps - steps0, steps0
+    return {"seconds": time.perf_counter() - t0, "steps": steps}
