@@ -105,16 +105,44 @@ def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> Non
     assert not disagreements, f"argmax differs where the margin exceeds {2 * tol}: steps {disagreements}"
 
 
-def _model_runner(model, graphs: bool, max_num_tokens: int = 64, max_pages_per_seq: int = 4):
+def noise_floor_teacher_forced(oracle, reference, candidate, prompts, pages, steps: int = 64
+                               ) -> tuple[list[float], list[float], list[int]]:
+    """For ops that differ in a dtype whose rounding a random model amplifies past any fixed bound: prefill each
+    prompt on the three runners, then `steps` decode steps fed the oracle's (fp32) greedy tokens. Returns, per step,
+    max |reference - oracle| (the reference op's own rounding error in the low dtype: the noise floor), max
+    |candidate - oracle|, and the steps where the candidate's argmax differs from the oracle's although the
+    oracle's top-2 margin exceeds twice that step's noise floor."""
+    runners = (oracle, reference, candidate)
+    for r in runners:
+        for slot, (p, pg) in enumerate(zip(prompts, pages)):
+            r.step([SeqChunk(p, 0, slot, pg)])
+    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
+    floor, errs, disagreements = [], [], []
+    for step in range(steps):
+        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
+        want, ref, got = (r.step(chunks).float() for r in runners)
+        floor.append(float((ref - want).abs().max()))
+        errs.append(float((got - want).abs().max()) if torch.isfinite(got).all() else float("inf"))
+        top2 = want.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * floor[-1]
+        if not torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure]):
+            disagreements.append(step)
+        tokens = want.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    return floor, errs, disagreements
+
+
+def _model_runner(model, graphs: bool, max_num_tokens: int = 64, max_pages_per_seq: int = 4,
+                  dtype: torch.dtype = torch.bfloat16, device: str = "cuda"):
     from ktrans.engine.runner import ModelRunner
     from ktrans.inject import pool_devices
     from ktrans.runtime.pools import KVPool, StatePool
 
     kv_dev, state_dev = pool_devices(model)
-    kv = KVPool(model.config, 16, 32, torch.bfloat16, kv_dev)
-    states = StatePool(model.config, 4, torch.bfloat16, state_dev)
+    kv = KVPool(model.config, 16, 32, dtype, kv_dev)
+    states = StatePool(model.config, 4, dtype, state_dev)
     return ModelRunner(model, kv, states, max_num_seqs=4, max_num_tokens=max_num_tokens,
-                       max_pages_per_seq=max_pages_per_seq, device="cuda", cuda_graph=graphs)
+                       max_pages_per_seq=max_pages_per_seq, device=device, cuda_graph=graphs)
 
 
 def test_cpu_experts_on_the_stream_equal_the_blocking_path(monkeypatch):

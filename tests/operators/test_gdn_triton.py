@@ -49,19 +49,22 @@ def test_triton_op_matches_torch_op(tmp_path, triton_device):
     matches_torch_op(tmp_path, triton_device, "KGatedDeltaNetTriton")
 
 
-# bf16 logits of the `small` model (|logits| up to ~5). Twice the CUDA-graph tests' bound (same kernels, other
-# shapes): here the ops differ too, the Triton one multiplying bf16 on the tensor cores in prefill and keeping the
-# decode conv in fp32, about 1% of a DeltaNet output; a wrong state or gate moves logits by O(1).
-GPU_TOL = 0.15
+# bf16 against fp32 on the `small` model (|logits| up to ~16): its random weights amplify bf16 rounding to logit
+# errors of 0.2-2 per step whichever DeltaNet op runs (measured on the dev box, interpreter, same model and prompts:
+# the torch op 0.31 / 0.61 / 0.19 from the fp32 logits after the three prompts, the Triton op 0.22 / 0.47 / 0.19;
+# on the H200 the two bf16 ops differed by up to 3.0 over 64 decode steps). So the op under test is held to the torch
+# op's own bf16 error against an fp32 oracle: NOISE_RATIO times its mean and its worst step, plus NOISE_ABS. A wrong
+# state, gate or pad row puts it at the logits' own scale (~16).
+NOISE_RATIO, NOISE_ABS = 1.5, 0.25
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["KGatedDeltaNetTriton", "KGatedDeltaNetFLA"])
 def test_triton_op_in_cuda_graphs_matches_torch_op(op):
-    """The gpu placement in bf16 with the Triton op (or fla-core's decode, KGatedDeltaNetFLA), decode replayed from
-    CUDA graphs (3 sequences in the 4-row bucket: one pad row on the pad slot), against the same placement with the
-    torch op run eagerly; teacher-forced for 64 steps (the torch model's greedy tokens fed to both)."""
+    """The gpu placement with the Triton op (or fla-core's, KGatedDeltaNetFLA) in bf16, decode replayed from CUDA
+    graphs (3 sequences in the 4-row bucket: one pad row on the pad slot), against the torch op run eagerly in fp32
+    (the oracle, whose greedy tokens all runners are fed for 64 steps) with the torch op in bf16 as the noise floor."""
     if op == "KGatedDeltaNetFLA":
         pytest.importorskip("fla.ops.gated_delta_rule")
     from ktrans.config import ModelConfig
@@ -69,23 +72,29 @@ def test_triton_op_in_cuda_graphs_matches_torch_op(op):
     from ktrans.model.tiny import preset_config, random_state_dict
     from ktrans.weights.source import StateDictSource
 
-    from ..engine.test_graphs import _model_runner, decode_teacher_forced
+    from ..engine.test_graphs import _model_runner, noise_floor_teacher_forced
 
     config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
     text = (RULES_DIR / "Qwen3Next-gpu.yaml").read_text()
     line = 'class: KQwen3NextGatedDeltaNet\n    kwargs: {generate_device: "cuda", prefill_device: "cuda"'
     assert line in text
     weights = random_state_dict(config, 3)
-    models = [build_injected_model(config, rules(text.replace(line, f'{line}, prefill_op: "{name}", '
-                                                              f'generate_op: "{name}"'), name),
-                                   StateDictSource(weights), torch.bfloat16)[0]
-              for name in ("KGatedDeltaNetTorch", op)]
-    # a 70-token prompt in one step, then 64 decode steps: 134 tokens, 5 pages of 32
-    runners = [_model_runner(m, graphs=g, max_num_tokens=128, max_pages_per_seq=5)
-               for m, g in zip(models, (False, True))]
+    runners = []
+    for name, dtype, graphs in (("KGatedDeltaNetTorch", torch.float32, False),
+                                ("KGatedDeltaNetTorch", torch.bfloat16, False), (op, torch.bfloat16, True)):
+        model = build_injected_model(config, rules(text.replace(line, f'{line}, prefill_op: "{name}", '
+                                                                 f'generate_op: "{name}"'), name),
+                                     StateDictSource(weights), dtype)[0]
+        # a 70-token prompt in one step, then 64 decode steps: 134 tokens, 5 pages of 32
+        runners.append(_model_runner(model, graphs=graphs, max_num_tokens=128, max_pages_per_seq=5, dtype=dtype))
     prompts = [list(range(3, 14)), list(range(40, 110)), list(range(7, 30))]  # 70 tokens: past one chunk
     pages = [[5 * i + j for j in range(5)] for i in range(3)]
-    decode_teacher_forced(runners, prompts, pages, GPU_TOL, "torch op")
+    floor, errs, disagreements = noise_floor_teacher_forced(*runners, prompts, pages)
+    assert runners[2].graphs.num_replays >= 60
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    assert mean(errs) <= NOISE_RATIO * mean(floor) + NOISE_ABS, (mean(errs), mean(floor))
+    assert max(errs) <= NOISE_RATIO * max(floor) + NOISE_ABS, (max(errs), max(floor))
+    assert not disagreements, f"argmax differs from the fp32 oracle's where its margin is sure: steps {disagreements}"
 
 
 @pytest.mark.gpu

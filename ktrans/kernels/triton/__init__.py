@@ -30,6 +30,30 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def describe_compile(kw: dict) -> str:
+    """One compile as `name[warps, stages] const: a=1, BN=32 div16: x_ptr, n`: the kernel, its launch options, the
+    arguments it was specialized on (constexprs and integers equal to 1) and those it took as multiples of 16 (what
+    made it compile where an earlier launch did not). Read from the hook's specialization data (Triton 3.2+); Triton's
+    own `repr` where that is missing."""
+    import json
+    fallback = str(kw.get("repr", "?"))
+    try:
+        data = json.loads(kw["compile"]["specialization_data"])
+        names = list(data["signature"])
+        consts = []
+        for k, v in zip(data["constant_keys"], data["constant_vals"]):
+            if isinstance(v, dict) and "jit_function" in v:
+                continue
+            consts.append(f"{names[k[0]]}={v['constexpr'] if isinstance(v, dict) else v}")
+        div = [names[k[0]] for k, v in zip(data["attrs_keys"], data["attrs_vals"])
+               if k and any(a and a[0] == "tt.divisibility" for a in v)]
+        opts = data.get("options", {})
+        return (f"{fallback.split('[', 1)[0]}[{opts.get('num_warps')}w {opts.get('num_stages')}s] "
+                f"const: {', '.join(consts)} div16: {', '.join(div)}")
+    except (KeyError, TypeError, ValueError, IndexError):
+        return fallback
+
+
 class CompileLog:
     """The Triton kernels compiled (or loaded from Triton's disk cache) while entered, one `repr` each (the kernel,
     its launch options and its arguments' specialization): a measured phase that compiles pays ~0.1-1 s a kernel,
@@ -54,7 +78,7 @@ class CompileLog:
             return self
 
         def hook(**kw):
-            self.compiled.append(str(kw.get("repr", "?")))
+            self.compiled.append(describe_compile(kw))
             return self._prev(**kw) if self._prev is not None else False
 
         self._runtime.jit_cache_hook = hook
