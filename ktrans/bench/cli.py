@@ -82,6 +82,11 @@ def _add_bench_e2e_parser(bench_sub) -> None:
     b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine's warm-up (what `ktrans serve` runs before it listens) before measuring; "
                         "each measured step size is run once beforehand either way")
+    for flag, what in (("--max_batch_size", "running requests and DeltaNet slots"),
+                       ("--cache_lens", "KV cache tokens"),
+                       ("--prefix_cache_max_snapshots", "DeltaNet snapshot slots of the prefix cache (serve's default 32)")):
+        b.add_argument(flag, type=int, help=f"{what}, as ktrans serve's (default: what the runs need; more where "
+                                             "they need more): the memory figures depend on them")
     b.set_defaults(func=cmd_bench_e2e)
 
 

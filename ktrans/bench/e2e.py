@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +55,12 @@ class E2EOptions:
     itl_prefill_len: int = 0  # a prompt this long arrives while itl_decodes requests decode: their ITL (0: skip)
     itl_decodes: int = 4
     warmup: bool = True  # the engine's warm-up (what ktrans serve runs before it listens) before measuring
+    # the engine as ktrans serve sizes it (None: what the runs need); a run that needs more gets more, and the JSON's
+    # "engine" says what it got. The memory figures depend on these: a serve placement's GPU memory is mostly the
+    # KV cache (cache_lens) and the DeltaNet slots (max_batch_size + prefix_cache_max_snapshots)
+    max_batch_size: int | None = None
+    cache_lens: int | None = None
+    prefix_cache_max_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -66,6 +73,9 @@ class E2EOptions:
             raise ValueError(f"--prefill_lens must be positive integers, got {self.prefill_lens}")
         if self.profile_steps < 0:
             raise ValueError(f"--profile_steps must be >= 0, got {self.profile_steps}")
+        for name in ("max_batch_size", "cache_lens", "prefix_cache_max_snapshots"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.itl_prefill_len < 0 or self.itl_decodes < 1:
             raise ValueError(f"--itl_prefill_len must be >= 0 and --itl_decodes >= 1, got {self.itl_prefill_len} "
                              f"and {self.itl_decodes}")
@@ -283,6 +293,8 @@ def _summary(run: _Run, batch: int) -> dict:
     if dec:
         out["step_ms"] = {"wall": 1e3 * dec_s / len(dec), "cpu_experts": 1e3 * sum(s.cpu_busy_s for s in dec) / len(dec),
                           "gpu_span": 1e3 * sum(s.gpu_span_s for s in dec) / len(dec)}
+        # a step that compiled a kernel or captured a graph moves the mean, not the median
+        out["step_ms_median"] = 1e3 * statistics.median(s.wall_s for s in dec)
         out["per_token_ms"] = {k: v * len(dec) / n for k, v in out["step_ms"].items()}
     return out
 
@@ -308,11 +320,15 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         itl_cache = opts.itl_decodes * (opts.prompt_len + itl_gen + 1) + opts.itl_prefill_len + 3
         max_b = max(max_b, opts.itl_decodes + 1)
         longest = max(longest, opts.prompt_len + itl_gen + 1, opts.itl_prefill_len + 3)
+    max_b = max(max_b, opts.max_batch_size or 0)
+    snaps = {} if opts.prefix_cache_max_snapshots is None else \
+        {"prefix_cache_max_snapshots": opts.prefix_cache_max_snapshots}
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=chunk,
-                                                   cache_lens=max(max_b * per_req, longest, itl_cache) + 16 * max_b,
+                                                   cache_lens=max(max_b * per_req, longest, itl_cache,
+                                                                  (opts.cache_lens or 0) - 16 * max_b) + 16 * max_b,
                                                    max_new_tokens=opts.gen_len,
                                                    max_model_len=max(per_req, longest) + 16,
-                                                   use_cuda_graph=opts.use_cuda_graph))
+                                                   use_cuda_graph=opts.use_cuda_graph, **snaps))
     pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
@@ -340,7 +356,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
             s["prefill_tok_s"] = prefill_tok_s
         results.append(s)
         log(f"  batch {b:>3}: decode {s['decode_tok_s'] or 0:.2f} tok/s, TTFT {s['ttft_ms']:.0f} ms, "
-            f"TPOT {s['tpot_ms']:.1f} ms")
+            f"TPOT {s['tpot_ms']:.1f} ms" + (f", median step {s['step_ms_median']:.1f} ms" if "step_ms_median" in s
+                                             else ""))
     one = next((s for s in results if s["batch_size"] == 1), None)
     if one is None:  # prefill and the split are of one request: measure one if the list left it out
         r = bench.run(1, opts.prompt_len, opts.gen_len)
@@ -377,6 +394,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "rules": str(opts.optimize_config_path) if opts.optimize_config_path else None,
         "options": {k: v for k, v in asdict(opts).items() if k not in ("gguf_path", "model_path")},
         "chunk_size": chunk,
+        "engine": {"max_batch_size": engine.config.max_batch_size, "cache_lens": engine.config.cache_lens,
+                   "prefix_cache_max_snapshots": engine.config.num_snapshot_slots},
         "layers": model.config.num_hidden_layers,
         "threads": pool.size if pool is not None else torch.get_num_threads(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -417,7 +436,9 @@ def main(args) -> int:
                       gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
                       cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
                       use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens),
-                      itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes, warmup=args.warmup)
+                      itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes, warmup=args.warmup,
+                      max_batch_size=args.max_batch_size, cache_lens=args.cache_lens,
+                      prefix_cache_max_snapshots=args.prefix_cache_max_snapshots)
     quiet = args.json
     # with --json stdout is the JSON alone; the progress lines go to stderr as they come
     out = run(opts, show_progress=not quiet,

@@ -50,6 +50,7 @@ def test_steps_add_up(report):
     assert 0 < sp["cpu_experts"] < sp["wall"]  # the experts ran on the pool, inside the step
     assert sp["host"] == pytest.approx(sp["wall"] - sp["cpu_experts"])
     assert b1["step_ms"]["wall"] == pytest.approx(sp["wall"])
+    assert 0 < b1["step_ms_median"] <= max(b1["step_ms"]["wall"] * b1["decode_steps"], 1e-9)
     # decode tok/s is the decode steps' tokens over their time
     assert report["decode_tok_s"]["3"] == pytest.approx(3e3 / b3["step_ms"]["wall"], rel=1e-6)
 
@@ -95,13 +96,20 @@ def test_itl_flags_are_checked():
 
     with pytest.raises(ValueError, match="--itl_decodes"):
         E2EOptions(itl_prefill_len=100, itl_decodes=0)
+    with pytest.raises(ValueError, match="--prefix_cache_max_snapshots"):
+        E2EOptions(prefix_cache_max_snapshots=0)
 
 
 def test_no_warmup_reaches_the_run(report):
     """`--no-warmup` skips the engine's warm-up (warmup_s 0; the default run above warms up)."""
     out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--optimize_config_path",
                           str(RULES_DIR / "Qwen3Next-cpu.yaml"), "--prompt_len", "8", "--gen_len", "2",
-                          "--batch_sizes", "1", "--profile_steps", "0", "--no-warmup", "--json"],
+                          "--batch_sizes", "1", "--profile_steps", "0", "--no-warmup", "--max_batch_size", "3",
+                          "--cache_lens", "300", "--prefix_cache_max_snapshots", "2", "--json"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["warmup_s"] == 0.0 and report["warmup_s"] > 0
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["warmup_s"] == 0.0 and report["warmup_s"] > 0
+    # the engine as asked (the memory figures depend on it); the default run's is sized by its runs, 32 snapshots
+    assert got["engine"] == {"max_batch_size": 3, "cache_lens": 300, "prefix_cache_max_snapshots": 2}
+    assert report["engine"]["max_batch_size"] == 3 and report["engine"]["prefix_cache_max_snapshots"] == 32
