@@ -60,11 +60,15 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
                 first_token(odd, 2)
             while engine.poll():
                 pass
-        # decode at each larger CUDA-graph bucket (Triton's tiles and the MoE's change with the row count)
-        pages = -(-engine.config.cache_lens // engine.config.page_size) - 1
-        for b in [b for b in batch_buckets(engine.config.max_batch_size) if b > 2] if limit >= 8 else []:
-            for _ in range(min(b, pages // -(-7 // engine.config.page_size))):
-                submit(4, 3)
+        # decode at each larger CUDA-graph bucket, then those rows beside a short prompt where a slot is left
+        # (Triton's tiles, the MoE's and the DeltaNet decode's value blocks change with the decode rows)
+        ps, pages = engine.config.page_size, -(-engine.config.cache_lens // engine.config.page_size) - 1
+        for b in [b for b in batch_buckets(engine.config.max_batch_size) if b > 2] if limit >= 24 else []:
+            streams = [submit(4, 4) for _ in range(min(b, (pages - -(-23 // ps)) // -(-8 // ps)))]
+            while streams and engine.poll():  # their prompts, then their first tokens
+                streams = [s for s in streams if not s.drain()]
+            if b < engine.config.max_batch_size:
+                submit(21, 2)
             while engine.poll():
                 pass
     except BaseException:

@@ -186,6 +186,13 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
     engine.warm_up()
     assert any(len(s) == 3 and s.count(1) == 2 and max(s) > 1 for s in seen)  # two decode rows beside a chunk
     assert [1, 1, 1] in seen  # decode at the batch's largest graph bucket (Triton's tiles change with the rows)
+    engine = Engine(model, tok, EngineConfig(max_batch_size=5, chunk_size=48, cache_lens=256))
+    seen.clear()
+    real_step = engine.runner.step
+    engine.runner.step = lambda chunks: (seen.append([len(c.token_ids) for c in chunks]), real_step(chunks))[1]
+    engine.warm_up()
+    assert [1] * 4 in seen and [1] * 5 in seen  # buckets 4 and 5 (= --max_batch_size)
+    assert [1, 1, 1, 1, 21] in seen  # four decode rows beside a prompt: a slot was left
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages"] and s["slots_free"] == s["slots"]
     assert s["prefix_cache_hits"] == 0 and s["prefix_cache_snapshots"] == 0 and s["num_preemptions"] == 0

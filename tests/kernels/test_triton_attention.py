@@ -100,6 +100,15 @@ def test_decode_split_k_uneven_lengths(triton_device, hq, hkv, d):
     torch.testing.assert_close(got, want.to(got.device), **FP32)
 
 
+def test_decode_merges_more_splits_than_one_read(triton_device):
+    """37 splits of 8 keys: the merge reads MERGE_STEP of them at a time (one compile whatever the count) and keeps
+    a running maximum across the reads; the lengths end in the first, the second and the third read."""
+    got, want, plan = _decode_case([5, 140, 290], 4, 2, 32, 4, torch.float32, triton_device,
+                                   plan=tri.DecodePlan(num_splits=37, split_tokens=8))
+    assert plan.num_splits > 2 * tri.MERGE_STEP
+    torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
 def test_decode_planned_for_a_longer_bucket_with_pad_rows(triton_device):
     # The plan is made for a graph's KV bucket (longer than any live sequence): splits past a length are empty.
     got, want, plan = _decode_case([3, 29, 18], 8, 2, 24, 8, torch.float32, triton_device, plan_len=2048,

@@ -51,6 +51,21 @@ def segments(lens, slots, fresh):
     return out
 
 
+@pytest.mark.parametrize("lens", [[1], [5, 64, 3], [65, 1]])
+def test_plan_tables_start_16_byte_aligned(lens):
+    """Every table of a chunk plan starts on a 16-byte boundary whatever the chunk and sequence counts (Triton
+    specializes pointer arguments on that alignment: views at size-dependent offsets recompiled the DeltaNet
+    kernels in the middle of serving), and holds what the plan says."""
+    plan = plan_chunks(segments(lens, range(len(lens)), [True] * len(lens)), torch.device("cpu"))
+    tables = [plan.chunk_start, plan.chunk_len, plan.chunk_seq, plan.first_chunk, plan.seq_start, plan.seq_slot,
+              plan.seq_fresh, plan.emit_slot]
+    assert all(t.data_ptr() % 16 == 0 for t in tables)
+    assert [len(t) for t in tables] == [plan.num_chunks] * 3 + [plan.num_seqs + 1] + [plan.num_seqs] * 3 + \
+        [plan.num_chunks]
+    assert plan.chunk_len.sum().item() == sum(lens) and plan.seq_slot.tolist() == list(range(len(lens)))
+    assert plan.first_chunk.tolist()[-1] == plan.num_chunks and plan.emit_slot.eq(-1).all()
+
+
 @pytest.mark.parametrize("shape,lens,slots,fresh,strong_decay", [
     (SHAPES[0], [1, 63, 64, 65, 130], [3, 0, 5, 1, 4], [False, True, False, True, False], False),
     (SHAPES[1], [7, 1, 40], [2, 0, 1], [False, False, True], False),

@@ -212,6 +212,7 @@ DECODE_BLOCK_N = 64      # keys per step of a decode program
 # wants about two programs per SM. On the H200 at 32k keys, B=1 (`ktrans bench kernels --family attention`,
 # 2026-12-02): splits of 512 keys 38.6 us, of 256 36.4 us, of 128 41.9 us.
 MIN_SPLIT_TOKENS = 256
+MERGE_STEP = 16  # splits the merge reads at a time
 PROGRAMS_PER_SM = 2
 
 
@@ -277,16 +278,21 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
 
 @triton.jit
 def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         D_CHUNK: tl.constexpr, S_PAD: tl.constexpr, S_STEP: tl.constexpr):
+                         D_CHUNK: tl.constexpr, S_STEP: tl.constexpr):
     """Merge the splits of one (sequence, query head, chunk of D_CHUNK dims): chunks spread the partials' read
-    over more programs when the batch is small."""
+    over more programs when the batch is small. The splits are read S_STEP at a time whatever their number (which
+    grows with the context): one compile serves every length."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * tl.num_programs(1) + h) * n_splits
-    offs_s = tl.arange(0, S_PAD)
-    lse = tl.load(LSE + base + offs_s, mask=offs_s < n_splits, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 always holds key 0
-    total = tl.sum(tl.math.exp2(lse - m), 0)
+    m = tl.max(tl.full([S_STEP], float("-inf"), tl.float32), 0)
+    total = tl.sum(tl.zeros([S_STEP], tl.float32), 0)
+    for s0 in range(0, n_splits, S_STEP):  # the running maximum and the sum of exp2(lse - maximum)
+        ss = s0 + tl.arange(0, S_STEP)
+        lse = tl.load(LSE + base + ss, mask=ss < n_splits, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite from the first block on: split 0 always holds key 0
+        total = total * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(lse - m_new), 0)
+        m = m_new
     offs_d = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
     acc = tl.zeros([D_CHUNK], tl.float32)
     for s0 in range(0, n_splits, S_STEP):
@@ -345,9 +351,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16)
     else:
         _decode_tuned[grid](*args, **meta)
-    s_pad = triton.next_power_of_2(plan.num_splits)
     chunk = min(block_d, 64)
     _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
-                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_PAD=s_pad,
-                                                       S_STEP=min(s_pad, 16))
+                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=MERGE_STEP)
     return o

@@ -86,12 +86,23 @@ def plan_chunks(seqs: list[tuple[int, int, int, bool]], device: torch.device, st
         emits.extend(next(it) if b and emit else -1 for b in boundaries)
     seq_lens = [e - s for s, e, _, _ in seqs]
     min_first = min((lens[f] for f, n in zip(first, seq_lens) if lens[f] < n), default=CHUNK)
-    ns, nc = len(seqs), len(starts)
-    table = torch.tensor([*starts, *lens, *owner, *first, *(s for s, _, _, _ in seqs), *(sl for _, _, sl, _ in seqs),
-                          *(int(f) for _, _, _, f in seqs), *emits], dtype=torch.int64)
-    table = table.to(device, non_blocking=True)
-    parts = table.split([nc, nc, nc, ns + 1, ns, ns, ns, nc])
-    return ChunkPlan(ns, nc, *parts, min_first_len=min_first)
+    parts = aligned_table([starts, lens, owner, first, [s for s, _, _, _ in seqs], [sl for _, _, sl, _ in seqs],
+                           [int(f) for _, _, _, f in seqs], emits], device)
+    return ChunkPlan(len(seqs), len(starts), *parts, min_first_len=min_first)
+
+
+def aligned_table(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Integer lists as int64 views of one device tensor (one copy), each starting on a 16-byte boundary: Triton
+    specializes a pointer argument on that alignment, so views at offsets that follow the batch's sizes would compile
+    every kernel taking them once per parity of those sizes, in the middle of serving (doc/benchmarks.md, session
+    13: compiles inside a step carrying a 4,092-token chunk beside four decodes)."""
+    flat: list[int] = []
+    offsets = []
+    for part in parts:
+        offsets.append(len(flat))
+        flat += [*part, *([0] * (len(part) % 2))]
+    table = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    return [table[o:o + len(part)] for o, part in zip(offsets, parts)]
 
 
 # ---- kernels ------------------------------------------------------------------------------------------------------
