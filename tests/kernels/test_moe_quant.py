@@ -29,9 +29,9 @@ def _stack(qtype: str, rows: int, cols: int, seed: int, device):
     return repack(torch.from_numpy(raw), qtype, (E, rows, cols), device)
 
 
-def _layer(device, down_type: str = "Q6_K"):
-    gate, up = _stack("Q4_K", I, H, 0, device), _stack("Q4_K", I, H, 100, device)
-    down = _stack(down_type, H, I, 200, device)
+def _layer(device, down_type: str = "Q6_K", h: int = H):
+    gate, up = _stack("Q4_K", I, h, 0, device), _stack("Q4_K", I, h, 100, device)
+    down = _stack(down_type, h, I, 200, device)
     ref = [dequantize_packed(w.to("cpu")).double() for w in (gate, up, down)]
     return concat_rows([gate, up]), down, ref
 
@@ -133,3 +133,26 @@ def test_lanes_path_against_the_reference(down_type, triton_device, monkeypatch)
     y = mq.moe_quant(x, ids, weights, gate_up, down)
     assert y.shape == (3, H) and _err(y, ref) < 2e-5, down_type
     assert _err(y, tiles.double().cpu()) < 2e-5
+
+
+@pytest.mark.parametrize("split", [None, 2, 3])
+def test_lanes_split_k_and_fused_sums(split, triton_device, monkeypatch):
+    """The few-token path's gate and up split over K (3 super-blocks of H: in 2 uneven parts, in 3, and as the
+    launcher picks) and both fused sums (the splits', the top-k's): 2 tokens, one slot skipped, against the reference
+    and the per-pair tile path; called twice, so the counters are back at zero after each kernel."""
+    from ktrans.kernels.triton import moe_quant as mq
+    from ktrans.kernels.triton.quant import counters
+
+    h = 3 * 256
+    gate_up, down, (g, u, d) = _layer(triton_device, "Q4_K", h=h)
+    ids, weights = _routing(2, triton_device, seed=7)
+    ids[1, 0] = -1
+    x = torch.randn(2, h, device=triton_device) * 1e-3
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    tiles = mq.moe_quant(x, ids, weights, gate_up, down)
+    monkeypatch.setitem(mq.LANES, "on", True)
+    monkeypatch.setitem(mq.LANES, "split", split)
+    for _ in range(2):
+        y = mq.moe_quant(x, ids, weights, gate_up, down)
+        assert y.shape == (2, h) and _err(y, ref) < 2e-5 and _err(y, tiles.double().cpu()) < 2e-5
+        assert not counters(x.device).any()

@@ -23,14 +23,17 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
-from ktrans.kernels.triton.quant import QT_CODE, _scale_words, plane_args, superblock_dot, tiles
+from ktrans.kernels.triton.quant import (_MAX_TILES, QT_CODE, _scale_words, _sms, counters, plane_args,
+                                         superblock_dot, tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
 # The few-token path (DIRECT_MAX_TOKENS) through the one-row GEMV's lane-wise decoding (ktrans.kernels.triton.
 # quant_gemv: codes made floats through the mantissa, one reduction per program) instead of the tile path's per-
-# sub-block reductions. Off until `ktrans bench kernels --family quant --match moe` times both on a GPU.
-LANES = {"on": False, "bn": 32, "warps": 4}
+# sub-block reductions, in two launches (gate/up split over K, down with the top-k sum) instead of ~7. On the H200
+# (doc/benchmarks.md, session 13) its first form, without the split and the fused sums, took one 80B layer at B=1 in
+# 53.8 us against the tile path's 87.9; off until its CUDA-graph test has run on a GPU.
+LANES = {"on": False, "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
 
 DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
 
@@ -71,38 +74,99 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 
 
 @triton.jit
-def _moe_lanes_kernel(x_ptr, out_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc,
-                      N, N_ROWS, NSB, X_DIV, stride_x, stride_o, QT: tl.constexpr, BN: tl.constexpr,
-                      GATED: tl.constexpr):
-    """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..;
-    as _moe_kernel with one pair a block, lane-wise. sc_ptr: the scale plane as int32 words (s_sc in words)."""
+def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
+                      s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, QT: tl.constexpr,
+                      BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr):
+    """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
+    lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
+    GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
+    P, 2N] and the last of the pair's and tile's programs to finish (counted in cnt_ptr, zero between calls) sums
+    them in split order; silu(gate) * up into out_ptr [P, N].
+    Else (down, whole K): the pair's weighted row into part_ptr [P, N] fp32, and the last of a token's X_DIV pairs
+    (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it."""
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(ids_ptr + pid_p)
-    if e >= 0:
-        e64 = e.to(tl.int64)
-        lo, hi, d, sc = lo_ptr + e64 * s_lo, hi_ptr + e64 * s_hi, d_ptr + e64 * s_d, sc_ptr + e64 * s_sc
-        x_row = x_ptr + (pid_p // X_DIV) * stride_x
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        mask_n = offs_n < N
-        acc = row_dot(x_row, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN)
-        if GATED:
-            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n + N, mask_n, QT, BN)
-            acc = acc / (1.0 + tl.exp(-acc)) * up
-        else:
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    lo, hi, d, sc = lo_ptr + e64 * s_lo, hi_ptr + e64 * s_hi, d_ptr + e64 * s_d, sc_ptr + e64 * s_sc
+    if GATED:
+        if e >= 0:
+            x_row = x_ptr + (pid_p // X_DIV) * stride_x
+            sb0 = pid_k * SB_PER
+            sb1 = tl.minimum(sb0 + SB_PER, NSB)
+            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN)
+            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN)
+            if SPLIT == 1:
+                h = gate / (1.0 + tl.exp(-gate)) * up
+                tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
+            else:
+                part = part_ptr + (pid_k * P + pid_p) * 2 * N
+                tl.store(part + offs_n, gate, mask=mask_n)
+                tl.store(part + N + offs_n, up, mask=mask_n)
+                tl.debug_barrier()  # every thread's partial stored before the count's release
+                cnt = cnt_ptr + pid_p * tl.num_programs(1) + pid_n
+                if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
+                    gate = tl.zeros([BN], dtype=tl.float32)
+                    up = tl.zeros([BN], dtype=tl.float32)
+                    for s in range(SPLIT):
+                        part = part_ptr + (s * P + pid_p) * 2 * N
+                        gate += tl.load(part + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                        up += tl.load(part + N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
+                    h = gate / (1.0 + tl.exp(-gate)) * up
+                    tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
+                    tl.atomic_xchg(cnt, 0)
+    else:
+        acc = tl.zeros([BN], dtype=tl.float32)
+        if e >= 0:
+            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN)
             acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)
-        tl.store(out_ptr + pid_p * stride_o + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(part_ptr + pid_p * N + offs_n, acc, mask=mask_n)
+        tl.debug_barrier()
+        tok = pid_p // X_DIV
+        cnt = cnt_ptr + tok * tl.num_programs(1) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == X_DIV - 1:
+            total = tl.zeros([BN], dtype=tl.float32)
+            for j in range(X_DIV):
+                total += tl.load(part_ptr + (tok * X_DIV + j) * N + offs_n, mask=mask_n, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + tok * stride_o + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.atomic_xchg(cnt, 0)
 
 
-def _launch_lanes(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, w: PackedWeight, p: int,
-                  n: int, x_div: int, gated: bool) -> None:
-    lo, hi, d, _ = plane_args(w)
-    sc = _scale_words(w)
-    strides = [t.stride(0) if t.numel() > 1 else 0 for t in (lo, hi, d, sc)]
+def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: PackedWeight,
+           down: PackedWeight) -> torch.Tensor:
+    """The few-token path: two launches (gate and up split over K where the pairs alone would not fill the GPU;
+    down with the sum over the top-k), the sums in fixed order (ktrans.kernels.triton.quant_gemv's fused sum)."""
+    t, k = ids.shape
+    p, inter, hidden = t * k, gate_up.n // 2, down.n
+    ids = ids.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
     bn = LANES["bn"] * (2 if interpreting() else 1)
-    _moe_lanes_kernel[(p, triton.cdiv(n, bn))](x, out, ids, rw, lo, hi, d, sc, *strides, n, w.n, w.k // QK, x_div,
-                                               x.stride(0), out.stride(0), QT=QT_CODE[w.qtype], BN=bn, GATED=gated,
-                                               num_warps=LANES["warps"])
+    tiles_i, tiles_h = triton.cdiv(inter, bn), triton.cdiv(hidden, bn)
+    nsb = gate_up.k // QK
+    split = LANES["split"] or max(1, min(nsb, triton.cdiv(LANES["per_sm"] * _sms(x.device), p * tiles_i)))
+    sb_per = triton.cdiv(nsb, split)
+    split = triton.cdiv(nsb, sb_per)
+    if max(p * tiles_i, t * tiles_h) > _MAX_TILES:
+        raise ValueError(f"moe_quant: {p} pairs are too many for the few-token path")
+    cnt = counters(x.device)
+    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
+    part = torch.empty(max(split * p * 2 * inter if split > 1 else 0, p * hidden), dtype=torch.float32,
+                       device=x.device)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    for w, src, dst, n, x_div, grid_k, gated in ((gate_up, x, h, inter, k, split, True),
+                                                 (down, h, out, hidden, k, 1, False)):
+        lo, hi, d, _ = plane_args(w)
+        sc = _scale_words(w)
+        strides = [u.stride(0) if u.numel() > 1 else 0 for u in (lo, hi, d, sc)]
+        _moe_lanes_kernel[(p, triton.cdiv(n, bn), grid_k)](
+            src, dst, part, cnt, ids, rw, lo, hi, d, sc, *strides, p, n, w.n, w.k // QK, sb_per if gated else 1,
+            x_div, src.stride(0), dst.stride(0), QT=QT_CODE[w.qtype], BN=bn, GATED=gated, SPLIT=grid_k,
+            num_warps=LANES["warps"])
+    return out
 
 
 def align(ids: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,6 +218,10 @@ def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
                          f"[{down.experts}, {down.n}, {down.k}] do not fit")
     x = x if x.stride(1) == 1 else x.contiguous()
     p = t * k
+    rw = weights.reshape(-1)
+    rw = rw if rw.is_contiguous() else rw.contiguous()
+    if t <= DIRECT_MAX_TOKENS and LANES["on"]:
+        return _lanes(x, ids, rw, gate_up, down)
     if t <= DIRECT_MAX_TOKENS:
         mode, bm = 0, 1
         rows = torch.arange(p, dtype=torch.int32, device=x.device)
@@ -166,12 +234,6 @@ def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
         bn //= 2  # the per-pair path has no split K: narrower tiles, more programs in flight
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(p, hidden, dtype=torch.float32, device=x.device)  # skipped pairs add nothing
-    rw = weights.reshape(-1)
-    rw = rw if rw.is_contiguous() else rw.contiguous()
-    if bm == 1 and LANES["on"]:
-        _launch_lanes(x, h, bexp, rw, gate_up, p, inter, k, True)
-        _launch_lanes(h, y, bexp, rw, down, p, hidden, 1, False)
-        return y.view(t, k, hidden).sum(1).to(x.dtype)
     _launch(x, h, rows, bexp, rw, gate_up, p, inter, k, mode, bm, bn, warps, True)
     _launch(h, y, rows, bexp, rw, down, p, hidden, 1, mode, bm, bn, warps, False)
     return y.view(t, k, hidden).sum(1).to(x.dtype)

@@ -180,6 +180,14 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-
 _MAX_TILES = 1 << 16
 
 
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's _MAX_TILES int32 counts of the fused split sums (the GEMV's, the MoE's few-token path), zero
+    between kernels: each kernel's last program of a tile resets its count. Made before any graph capture."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
 def tiles(m: int) -> tuple[int, int, int, int]:
     """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel; 0: a few rows, fp32
     products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter pays per program, not per element: it gets
@@ -226,9 +234,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         lo, hi, d, _ = plane_args(w)
         tiles_n = triton.cdiv(n, bn)
         fused = split > 1 and GEMV["fused_sum"] and tiles_n <= _MAX_TILES
-        if fused and x.device not in _COUNTERS:
-            _COUNTERS[x.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=x.device)
-        cnt = _COUNTERS[x.device] if fused else dst
+        cnt = counters(x.device) if fused else dst
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, num_warps=warps)
     else:
