@@ -12,8 +12,6 @@ import os
 import statistics
 import time
 
-import torch
-
 os.environ["KTRANS_CPU_DECODE"] = "1"  # the flat step is opt-in; this script toggles it per round itself
 from ktrans.api.server import ServeOptions, load  # noqa: E402
 from ktrans.engine.engine import Engine, EngineConfig  # noqa: E402
@@ -45,22 +43,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cpu_infer", type=int, default=None, help="CPU threads (default: ktrans serve's, cores - 1)")
     a = ap.parse_args()
-    engine, flat = decoding_engine(a.gguf, a.rules, a.cpu_infer, a.rounds * a.steps * 2 + 32)
+    engine, flat = decoding_engine(a.gguf, a.rules, a.cpu_infer, a.rounds * a.steps * 4 + 32)
     pool = cpu.get_pool()
-    # "_1t": torch's own ops on one thread (its OpenMP team otherwise shares the cores with the pool's pinned,
-    # polling workers; at full size on the 16-core Xeon the flat step was 2.15x slower, on the dev box 1.3x faster)
+    # "_1t": torch's own ops on one thread during decode steps (runner.decode_threads; by default torch keeps its
+    # --cpu_infer threads, whose OpenMP team shares the cores with the pool's pinned, polling workers)
     res: dict[str, list[tuple[float, float]]] = {"flat": [], "module": [], "flat_1t": [], "module_1t": []}
-    threads = torch.get_num_threads()
     for _ in range(a.rounds):
         for kind in res:
             engine.runner.cpu_decode = flat if kind.startswith("flat") else None
-            torch.set_num_threads(1 if kind.endswith("_1t") else threads)
+            engine.runner.decode_threads = 1 if kind.endswith("_1t") else None  # None: torch's --cpu_infer threads
             b0, t0 = pool.busy()[1], time.perf_counter()
             for _ in range(a.steps):
                 engine.poll()
             wall = (time.perf_counter() - t0) / a.steps
             res[kind].append((1e3 * wall, 1e3 * (wall - (pool.busy()[1] - b0) / 1e9 / a.steps)))
-    torch.set_num_threads(threads)
     for kind, v in res.items():
         print(f"{kind:9s} wall ms {[round(w, 1) for w, _ in v]} median {statistics.median(w for w, _ in v):.2f} | "
               f"host ms {[round(h, 2) for _, h in v]} median {statistics.median(h for _, h in v):.2f}")

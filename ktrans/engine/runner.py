@@ -75,6 +75,12 @@ _SPIN_WAIT = os.environ.get("KTRANS_SPIN_WAIT", "0") not in ("", "0")
 # kernels). Off by default: 1.30x the module forward's speed on a 2-core VM (4-layer slice), but 5.35 against 12.02
 # tok/s at full size on the 16-core H200 machine (doc/benchmarks.md, 2026-12-02 session 12), cause not yet found.
 _CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "0") not in ("", "0")
+# torch's threads during a decode step on the CPU (None: torch's own, --cpu_infer). Its ops there are views and
+# small ops (scripts/cpu_decode_ops.py: none but the logits' cast reaches its grain size) while the experts and
+# linears run on the CPU pool, whose pinned workers poll the same cores. On the 2-core dev box at --cpu_infer 2,
+# one thread measured 0.97-1.39x (scripts/cpu_decode_ab.py, doc/benchmarks.md session 13): noise there; the A/B
+# runs at full size on the 16-core Xeon next, where the flat step is 2.15x slower for a reason not yet found.
+DECODE_TORCH_THREADS: int | None = None
 
 
 class ModelRunner:
@@ -112,6 +118,7 @@ class ModelRunner:
             op.reserve(max_num_tokens)
         self.graphs = None
         self.cpu_decode = None  # ktrans.engine.cpu_decode.CPUDecodeStep where the model is all on the CPU ops it covers
+        self.decode_threads = DECODE_TORCH_THREADS if self.device.type == "cpu" else None
         if self.device.type == "cpu" and _CPU_DECODE:
             from ktrans.engine.cpu_decode import CPUDecodeStep
 
@@ -222,9 +229,16 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""
         self.plan(batch)
-        if self.cpu_decode is not None and self.cpu_decode.takes(batch):
-            return self.cpu_decode(batch)
-        logits = self.model(batch)
+        threads = torch.get_num_threads() if self.decode_threads and batch.is_decode else None
+        if threads is not None and threads != self.decode_threads:
+            torch.set_num_threads(self.decode_threads)
+        try:
+            if self.cpu_decode is not None and self.cpu_decode.takes(batch):
+                return self.cpu_decode(batch)
+            logits = self.model(batch)
+        finally:
+            if threads is not None and threads != self.decode_threads:
+                torch.set_num_threads(threads)
         self.mark_end(logits.device)
         return logits
 

@@ -151,3 +151,32 @@ def test_cpu_modules_block_graphs():
                                     StateDictSource(random_state_dict(config, 0)), torch.float32)
     blockers = graph_blockers(model)
     assert "model.embed_tokens" in blockers and "lm_head" in blockers
+
+
+def test_decode_threads_hold_for_decode_steps_only(pools):
+    """runner.decode_threads (the CPU placement's A/B of torch's threads at decode): the model runs a decode step
+    with that many torch threads and a prefill step with torch's own; torch's setting is back after each, also
+    when the forward raises."""
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, batch):
+            seen.append(torch.get_num_threads())
+            if batch.input_ids.numel() > 3:
+                raise RuntimeError("a failing step")
+            return torch.zeros(batch.logits_indices.numel(), 4)
+
+    kv, states = pools
+    runner = ModelRunner(Model(), kv, states, max_num_seqs=5, max_num_tokens=23, max_pages_per_seq=9, device="cpu")
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner.decode_threads = 1
+        runner.forward(runner.prepare([SeqChunk([5], 3, 0, [0, 1])]))  # decode
+        runner.forward(runner.prepare([SeqChunk([5, 6], 0, 0, [0, 1])]))  # prefill
+        with pytest.raises(RuntimeError, match="failing"):
+            runner.forward(runner.prepare([SeqChunk([1], 3, 0, [0, 1]), SeqChunk([2], 3, 1, [2, 3]),
+                                           SeqChunk([3], 3, 2, [4, 5]), SeqChunk([4], 3, 3, [6, 7])]))
+        assert seen == [1, 2, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)
