@@ -16,6 +16,8 @@
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
 #                                                quantized linears at --cache_lens 32768 --max_batch_size 4 and 8
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
+#                                                (AB=1: also batch 1 with KTRANS_MOE_LANES=1 KTRANS_GEMV_FUSED_SUM=1,
+#                                                ~2.5 min more; SKIP_SERVE=1 leaves the serve placement out)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -36,6 +38,13 @@ kernels)
   timeout 150 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
   python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
     "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
+  echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"
+  for fused in 0 1; do
+    KTRANS_GEMV_FUSED_SUM=$fused timeout 100 ktrans bench kernels --json --reps 20 --family quant \
+      --match "layer projections" > "$OUT/layer_$fused.jsonl" 2> "$OUT/layer_$fused.err"
+    python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
+      "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
+  done
   echo "== gemv sweep (fused sum 0/1)"
   timeout 150 python3 scripts/gemv_sweep.py --reps 10 --bn 32,64 --warps 4,8 --per_sm 4,8 > "$OUT/sweep.txt" 2>&1
   grep -E "HBM|best" "$OUT/sweep.txt"
@@ -58,8 +67,14 @@ gpu)
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
     --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 0 --use_cuda_graph
+  if [ -n "${AB:-}" ]; then  # the MoE lanes path and the GEMV's fused sum on, batch 1 (once their graph tests pass)
+    KTRANS_MOE_LANES=1 KTRANS_GEMV_FUSED_SUM=1 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_lanes_fused \
+      --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 --profile_steps 0 \
+      --use_cuda_graph
+  fi
   # issue 16's memory target: --cache_lens 32768 --max_batch_size 4, 8 prefix-cache snapshots (`rules show`: 3.25 GiB)
-  E2E_TIMEOUT=200 e2e serve_quant --optimize_config_path /tmp/serve-quant.yaml --prompt_len 512 --gen_len 32 \
+  [ -n "${SKIP_SERVE:-}" ] || E2E_TIMEOUT=200 e2e serve_quant --optimize_config_path /tmp/serve-quant.yaml \
+    --prompt_len 512 --gen_len 32 \
     --batch_sizes 1,4 --prefill_lens 32000 --profile_steps 0 --use_cuda_graph --cache_lens 32768 --max_batch_size 4 \
     --prefix_cache_max_snapshots ${SNAPSHOTS:-8}
   if [ -x /tmp/llb/bin/llama-bench ]; then

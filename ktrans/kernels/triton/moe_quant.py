@@ -18,6 +18,8 @@ layer can be captured in a CUDA graph. The oracle is ktrans.kernels.torch.moe.mo
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +35,8 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 # sub-block reductions, in two launches (gate/up split over K, down with the top-k sum) instead of ~7. On the H200
 # (doc/benchmarks.md, session 13) its first form, without the split and the fused sums, took one 80B layer at B=1 in
 # 53.8 us against the tile path's 87.9; off until its CUDA-graph test has run on a GPU.
-LANES = {"on": False, "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
+LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "0") == "1",  # KTRANS_MOE_LANES=1: on, for the device A/B
+         "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
 
 DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
 
