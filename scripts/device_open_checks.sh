@@ -10,7 +10,8 @@
 #                                                with the fused sum; ~8 min
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
 #                                                run (per-step tokens, compiles and their specializations), then the
-#                                                CPU-only flat and module steps alternating in one process; ~6 min
+#                                                CPU-only flat and module steps alternating in one process, with
+#                                                torch's threads as they are / one / OpenMP passive; ~7 min
 #   bash scripts/device_open_checks.sh gpu       everything on the H200 (issue 16): `rules show` at the file's types,
 #                                                bench e2e under Qwen3Next-gpu.yaml with the Triton layer ops and CUDA
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
@@ -57,7 +58,11 @@ e2e)
     bash "$(dirname "$0")/device_split_prefill.sh"
   echo "== CPU-only: flat and module decode steps alternating in one process"
   timeout 150 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 > "$OUT/cpu_ab.txt" 2>&1
-  tail -8 "$OUT/cpu_ab.txt"
+  tail -4 "$OUT/cpu_ab.txt"
+  echo "== the same with torch's OpenMP threads sleeping at once after each parallel region (OMP_WAIT_POLICY=PASSIVE)"
+  OMP_WAIT_POLICY=PASSIVE timeout 150 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 \
+    > "$OUT/cpu_ab_passive.txt" 2>&1
+  tail -4 "$OUT/cpu_ab_passive.txt"
   ;;
 gpu)
   [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }
