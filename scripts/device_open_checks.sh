@@ -19,6 +19,7 @@
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
 #                                                (AB=1: also batch 1 with KTRANS_MOE_LANES=1 KTRANS_GEMV_FUSED_SUM=1,
 #                                                ~2.5 min more; SKIP_SERVE=1 leaves the serve placement out)
+#   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -92,8 +93,18 @@ gpu)
     echo "no llama-bench: $(tail -3 /tmp/llb.log 2>/dev/null)"
   fi
   ;;
+long)
+  # issue 17: a 131,072-token prompt prefilled in chunks, then decoded, under the shipped serve rules; its KV and
+  # DeltaNet memory beside what `rules show` predicts for the same cache
+  [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }
+  ktrans rules show --gguf_path "$F" --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml \
+    --cache_lens 131200 --max_batch_size 1 2>&1 | tail -2
+  E2E_TIMEOUT=${E2E_TIMEOUT:-420} e2e long_128k --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml \
+    --prompt_len 64 --gen_len 16 --batch_sizes 1 --prefill_lens 131072 --max_batch_size 1 --profile_steps 0 \
+    --use_cuda_graph
+  ;;
 *)
-  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu" >&2
+  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|long" >&2
   exit 2
   ;;
 esac
