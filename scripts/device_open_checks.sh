@@ -72,7 +72,7 @@ gpu)
   echo "== rules show (all on the GPU, the file's types)"
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
-    --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 0 --use_cuda_graph
+    --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 --use_cuda_graph
   if [ -n "${AB:-}" ]; then  # the MoE lanes path and the GEMV's fused sum on, batch 1 (once their graph tests pass)
     KTRANS_MOE_LANES=1 KTRANS_GEMV_FUSED_SUM=1 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_lanes_fused \
       --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 --profile_steps 0 \

@@ -81,6 +81,7 @@ class E2EOptions:
                              f"and {self.itl_decodes}")
 
 
+TOP_KERNELS = 12  # the kernels the profiled decode steps list by device time
 _ITL_BEFORE = 16  # decode-only steps in the ITL sample before the long prompt arrives
 
 # CUDA runtime calls that put work on a stream, as torch.profiler names them.
@@ -107,6 +108,18 @@ class _Run:
 def _cuda_devices(model) -> list[torch.device]:
     return sorted({p.device for p in model.parameters() if p.device.type == "cuda"} |
                   {b.device for b in model.buffers() if b.device.type == "cuda"}, key=str)
+
+
+def top_kernels(events, steps: int, n: int = TOP_KERNELS) -> dict[str, tuple[float, float]]:
+    """The n device operations (profiler events; names cut at 80 characters) with the most device time: name ->
+    (us, calls) a step, the largest first."""
+    per: dict[str, list[float]] = {}
+    for e in events:
+        t = per.setdefault(e.name[:80], [0.0, 0.0])
+        t[0] += (e.time_range.end - e.time_range.start) / steps
+        t[1] += 1 / steps
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:n]
+    return {k: (round(us, 1), round(calls, 2)) for k, (us, calls) in ranked}
 
 
 class _Bench:
@@ -228,11 +241,12 @@ class _Bench:
                 "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
                 "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
 
-    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float] | None:
-        """(mean GPU busy seconds, device operations, host launches) of a batch-1 decode step, from the profiler
-        (None without CUDA). A device operation is one kernel, copy or memset on the device; a host launch is one
-        CUDA runtime call that puts work on a stream (a kernel, copy, memset or whole graph): without CUDA graphs
-        the two counts are about equal, with them one graph launch carries the step's kernels."""
+    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float, dict] | None:
+        """(mean GPU busy seconds, device operations, host launches, the TOP_KERNELS kernels by device time: name ->
+        (us, calls) a step) of a batch-1 decode step, from the profiler (None without CUDA). A device operation is
+        one kernel, copy or memset on the device; a host launch is one CUDA runtime call that puts work on a stream
+        (a kernel, copy, memset or whole graph): without CUDA graphs the two counts are about equal, with them one
+        graph launch carries the step's kernels."""
         if not self.devices or steps == 0:
             return None
         from torch.profiler import ProfilerActivity, profile
@@ -257,7 +271,7 @@ class _Bench:
             busy_us += max(0.0, b - max(a, end))
             end = max(end, b)
         launches = [e for e in prof.events() if e.name in _LAUNCH_CALLS]
-        return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps
+        return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps, top_kernels(device_ops, steps)
 
 
 def _rss() -> dict[str, float]:
@@ -380,13 +394,16 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
             log(f"  during the measured {phase} steps: {len(got.compiled)} Triton compiles "
                 f"({', '.join(got.kernels)}), {len(got.tuned)} autotunings ({', '.join(got.tuned)})")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
-    gpu_s, device_ops, launches = profiled if profiled is not None else (None, None, None)
+    gpu_s, device_ops, launches, top = profiled if profiled is not None else (None, None, None, None)
     if "step_ms" in one:
         wall, cpu_ms = one["step_ms"]["wall"], one["step_ms"]["cpu_experts"]
         gpu_ms = 1e3 * gpu_s if gpu_s is not None else 0.0
         split = {"wall": wall, "gpu": gpu_ms, "cpu_experts": cpu_ms, "host": max(0.0, wall - gpu_ms - cpu_ms),
                  "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None,
-                 "device_ops_per_token": device_ops, "host_launches_per_token": launches}
+                 "device_ops_per_token": device_ops, "host_launches_per_token": launches, "gpu_kernels_us": top}
+        if top:
+            log("  GPU time of a batch-1 decode step by kernel (us, calls): " +
+                "; ".join(f"{k} {us:.0f} ({n:g})" for k, (us, n) in list(top.items())[:6]))
 
     return {
         "model": name,

@@ -113,3 +113,16 @@ def test_no_warmup_reaches_the_run(report):
     # the engine as asked (the memory figures depend on it); the default run's is sized by its runs, 32 snapshots
     assert got["engine"] == {"max_batch_size": 3, "cache_lens": 300, "prefix_cache_max_snapshots": 2}
     assert report["engine"]["max_batch_size"] == 3 and report["engine"]["prefix_cache_max_snapshots"] == 32
+
+
+def test_top_kernels_rank_device_time_per_step():
+    from types import SimpleNamespace as NS
+
+    from ktrans.bench.e2e import top_kernels
+
+    ev = lambda name, a, b: NS(name=name, time_range=NS(start=a, end=b))  # noqa: E731
+    events = [ev("gemv_kernel", 0, 10), ev("gemv_kernel", 20, 26), ev("_moe_lanes_kernel", 30, 60),
+              ev("x" * 100, 60, 61), ev("gemv_kernel", 70, 74)]
+    got = top_kernels(events, steps=2, n=2)
+    assert got == {"_moe_lanes_kernel": (15.0, 0.5), "gemv_kernel": (10.0, 1.5)}
+    assert list(top_kernels(events, steps=1))[-1] == "x" * 80
