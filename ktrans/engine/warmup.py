@@ -7,6 +7,7 @@ import time
 import torch
 
 from ktrans.engine.graphs import batch_buckets
+from ktrans.engine.runner import operator_ops
 from ktrans.engine.output import RequestStream
 from ktrans.engine.request import RequestStatus
 from ktrans.engine.sampler import SamplingParams
@@ -80,6 +81,10 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
         raise
     finally:
         engine.metrics = metrics
+    # what long contexts meet first: the attention decode's autotune classes of long splits (per distinct op: the
+    # autotuner's cache is shared, so the layers after the first time nothing)
+    for op in operator_ops(engine.model, "pretune"):
+        op.pretune(engine.kv)
     if engine.runner.graphs is not None:
         engine.runner.graphs.num_replays = 0  # the graphs it captured stay; replays count the users' steps
     engine._flush_cache()

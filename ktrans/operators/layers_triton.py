@@ -72,7 +72,7 @@ class KAttentionTriton(Checked, Op):
         super().__init__(operator, device, streaming)
         self.layer_idx = operator.layer_idx
         self.scaling = operator.scaling
-        self.num_kv_heads = operator.num_kv_heads
+        self.num_kv_heads, self.num_heads = operator.num_kv_heads, operator.num_heads
         self.decode: tri_attention.DecodePlan | None = None
         self.prefill: tuple[torch.Tensor, torch.Tensor, int] | None = None  # cu_seqlens, kv_lens, max new tokens
         self._out: dict[tuple, torch.Tensor] = {}  # decode outputs by shape: no allocation in a captured step
@@ -88,6 +88,12 @@ class KAttentionTriton(Checked, Op):
         cu = b.cu_seqlens_t if b.cu_seqlens_t is not None else as_t(b.cu_seqlens_host)
         lens = b.kv_lens_t if b.kv_lens_t is not None else as_t(b.kv_lens)
         self.decode, self.prefill = None, (cu, lens, max(b.seq_lens))
+
+    def pretune(self, kv) -> list[int]:
+        """The decode autotuner's configs timed for every split-length class on this layer's cache (the warm-up;
+        ktrans.kernels.triton.attention.pretune_decode): the classes of long contexts included."""
+        k_cache, v_cache = kv.layer(self.layer_idx)
+        return tri_attention.pretune_decode(k_cache, v_cache, kv.page_size, self.num_heads, self.scaling)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned."""

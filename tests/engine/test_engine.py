@@ -201,6 +201,20 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
     assert out.token_ids == reference(prompt, 6)
 
 
+def test_warm_up_pretunes_the_ops_that_can(tiny, monkeypatch):
+    """After its steps the warm-up hands each op with a `pretune` (the Triton attention's decode autotuning of long
+    contexts) the engine's KV pool."""
+    import ktrans.engine.warmup as warmup
+
+    model, tok = tiny
+    engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=32, cache_lens=128))
+    got = []
+    op = type("Op", (), {"pretune": lambda self, kv: got.append(kv)})()
+    monkeypatch.setattr(warmup, "operator_ops", lambda m, method: [op] if method == "pretune" else [])
+    engine.warm_up()
+    assert got == [engine.kv]
+
+
 def test_warm_up_past_the_queue_limit_and_after_a_failing_step(tiny, monkeypatch):
     # Its requests are not users': --max_queued_requests 0 (every user request refused) still warms up. A step that
     # raises inside it ends its requests, so the pools are full again and the error reaches the caller.

@@ -204,3 +204,15 @@ def test_decode_graph_capture_reads_lengths_from_the_device():
     g.replay()
     want = ref.paged_attention_decode(q.float(), c.k.float(), c.v.float(), lens, c.tables, 16, 0.0625)
     torch.testing.assert_close(out.float(), want, **BF16)
+
+
+def test_pretune_plans_cover_every_class_the_cache_reaches():
+    """The warm-up's decode autotuning (pretune_decode): one plan per split-length class, each of that class, with
+    the splits a batch-1 plan would run and within the cache; classes past the cache left out."""
+    plans = tri.pretune_plans(capacity=131072, kv_heads=2, sms=132)
+    classes = [tri.tune_class(p.split_tokens, tri.DECODE_TUNE_CLASSES) for p in plans]
+    assert classes == [*tri.DECODE_TUNE_CLASSES, 2 * tri.DECODE_TUNE_CLASSES[-1]]
+    assert all(p.num_splits * p.split_tokens <= 131072 and p.num_splits <= 132 for p in plans)
+    small = tri.pretune_plans(capacity=600, kv_heads=2, sms=132)
+    assert [p.split_tokens for p in small] == [128, 256] and small[1].num_splits == 2
+    assert tri.pretune_decode(torch.zeros(64, 2, 8), torch.zeros(64, 2, 8), 16, 4, 1.0) == []  # no autotuner here

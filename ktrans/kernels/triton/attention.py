@@ -315,6 +315,41 @@ def _decode_configs() -> list[triton.Config]:
 _decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE"])(
     _decode_split_kernel)
 
+def pretune_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, num_q_heads: int,
+                   scale: float) -> list[int]:
+    """Time the decode autotuner's configs for every class of split length now (the engine's warm-up calls it),
+    each on one sequence whose splits have the class's length, over the cache's own pages (their contents do not
+    matter to the timing; nothing is written). Short steps meet the classes of <= 128 and <= 256 keys, but <= 1024
+    and more only come with long contexts (128k at batch 1, 32k at batch 16), whose first decode step would otherwise
+    pay ~1 s of autotuning inside a user's request. Classes longer than the cache can hold are left out (no context
+    reaches them). Returns the TUNE keys run; nothing where the kernels are interpreted (no autotuner there)."""
+    if interpreting() or k_cache.device.type != "cuda":
+        return []
+    capacity = (k_cache.shape[0] // page_size - 1) * page_size  # the pad page left out
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    sms = torch.cuda.get_device_properties(k_cache.device).multi_processor_count
+    q = torch.randn(1, num_q_heads, d, dtype=k_cache.dtype, device=k_cache.device)
+    plans = pretune_plans(capacity, hkv, sms)
+    for plan in plans:
+        n = plan.num_splits * plan.split_tokens
+        table = torch.arange(-(-n // page_size), dtype=torch.int64, device=q.device)[None, :]
+        lens = torch.tensor([n], dtype=torch.int64, device=q.device)
+        paged_decode(q, k_cache, v_cache, lens, table, page_size, scale, plan)
+    return [tune_class(p.split_tokens, DECODE_TUNE_CLASSES) for p in plans]
+
+
+def pretune_plans(capacity: int, kv_heads: int, sms: int) -> list[DecodePlan]:
+    """One decode plan a split-length class (its upper bound as the split length; twice the last bound for "more"),
+    with as many splits as a real plan would run at batch 1 and the cache holds; none for a class the cache cannot
+    reach."""
+    out = []
+    for tune in (*DECODE_TUNE_CLASSES, 2 * DECODE_TUNE_CLASSES[-1]):
+        splits = min(capacity // tune, triton.cdiv(PROGRAMS_PER_SM * sms, kv_heads))
+        if splits >= 1:
+            out.append(DecodePlan(splits, tune))
+    return out
+
+
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
