@@ -15,6 +15,7 @@ import time
 os.environ["KTRANS_CPU_DECODE"] = "1"  # the flat step is opt-in; this script toggles it per round itself
 from ktrans.api.server import ServeOptions, load  # noqa: E402
 from ktrans.engine.engine import Engine, EngineConfig  # noqa: E402
+from ktrans.engine.runner import caller_cpu  # noqa: E402
 from ktrans.engine.sampler import SamplingParams  # noqa: E402
 from ktrans.kernels import cpu  # noqa: E402
 
@@ -43,22 +44,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--cpu_infer", type=int, default=None, help="CPU threads (default: ktrans serve's, cores - 1)")
     a = ap.parse_args()
-    engine, flat = decoding_engine(a.gguf, a.rules, a.cpu_infer, a.rounds * a.steps * 4 + 32)
+    engine, flat = decoding_engine(a.gguf, a.rules, a.cpu_infer, a.rounds * a.steps * 6 + 32)
     pool = cpu.get_pool()
     # "_1t": torch's own ops on one thread during decode steps (runner.decode_threads; by default torch keeps its
     # --cpu_infer threads, whose OpenMP team shares the cores with the pool's pinned, polling workers)
-    res: dict[str, list[tuple[float, float]]] = {"flat": [], "module": [], "flat_1t": [], "module_1t": []}
+    # "_pin": the caller thread pinned, during decode steps, to the core the pool leaves it (runner.decode_cpu)
+    res: dict[str, list[tuple[float, float]]] = {k: [] for k in ("flat", "module", "flat_1t", "module_1t",
+                                                                  "flat_pin", "module_pin")}
+    own = caller_cpu()
     for _ in range(a.rounds):
         for kind in res:
             engine.runner.cpu_decode = flat if kind.startswith("flat") else None
             engine.runner.decode_threads = 1 if kind.endswith("_1t") else None  # None: torch's --cpu_infer threads
+            engine.runner.decode_cpu = own if kind.endswith("_pin") else None
             b0, t0 = pool.busy()[1], time.perf_counter()
             for _ in range(a.steps):
                 engine.poll()
             wall = (time.perf_counter() - t0) / a.steps
             res[kind].append((1e3 * wall, 1e3 * (wall - (pool.busy()[1] - b0) / 1e9 / a.steps)))
     for kind, v in res.items():
-        print(f"{kind:9s} wall ms {[round(w, 1) for w, _ in v]} median {statistics.median(w for w, _ in v):.2f} | "
+        print(f"{kind:10s} wall ms {[round(w, 1) for w, _ in v]} median {statistics.median(w for w, _ in v):.2f} | "
               f"host ms {[round(h, 2) for _, h in v]} median {statistics.median(h for _, h in v):.2f}")
 
 

@@ -83,6 +83,16 @@ _CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "0") not in ("", "0")
 DECODE_TORCH_THREADS: int | None = None
 
 
+def caller_cpu() -> int | None:
+    """The core the CPU pool leaves to the calling thread (the allowed cores less those its workers are pinned to),
+    or None when the pool is not pinned or leaves none."""
+    from ktrans.kernels import cpu
+
+    pool = cpu.get_pool()
+    free = sorted(set(os.sched_getaffinity(0)) - set(pool.worker_cpus)) if pool.pinned else []
+    return free[0] if free else None
+
+
 class ModelRunner:
     """Builds batches into preallocated buffers and runs the model. One per engine (and per model)."""
 
@@ -119,6 +129,9 @@ class ModelRunner:
         self.graphs = None
         self.cpu_decode = None  # ktrans.engine.cpu_decode.CPUDecodeStep where the model is all on the CPU ops it covers
         self.decode_threads = DECODE_TORCH_THREADS if self.device.type == "cpu" else None
+        # the caller thread pinned to the core the CPU pool leaves it during CPU decode steps (off; the A/B in
+        # scripts/cpu_decode_ab.py: can the scheduler put it beside a polling, pinned worker?)
+        self.decode_cpu: int | None = None
         if self.device.type == "cpu" and _CPU_DECODE:
             from ktrans.engine.cpu_decode import CPUDecodeStep
 
@@ -232,6 +245,9 @@ class ModelRunner:
         threads = torch.get_num_threads() if self.decode_threads and batch.is_decode else None
         if threads is not None and threads != self.decode_threads:
             torch.set_num_threads(self.decode_threads)
+        cpus = os.sched_getaffinity(0) if self.decode_cpu is not None and batch.is_decode else None
+        if cpus is not None:
+            os.sched_setaffinity(0, {self.decode_cpu})  # this thread only
         try:
             if self.cpu_decode is not None and self.cpu_decode.takes(batch):
                 return self.cpu_decode(batch)
@@ -239,6 +255,8 @@ class ModelRunner:
         finally:
             if threads is not None and threads != self.decode_threads:
                 torch.set_num_threads(threads)
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
         self.mark_end(logits.device)
         return logits
 

@@ -2,6 +2,8 @@
 step does not fit."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -157,11 +159,12 @@ def test_decode_threads_hold_for_decode_steps_only(pools):
     """runner.decode_threads (the CPU placement's A/B of torch's threads at decode): the model runs a decode step
     with that many torch threads and a prefill step with torch's own; torch's setting is back after each, also
     when the forward raises."""
-    seen = []
+    seen, cpus = [], []
 
     class Model(torch.nn.Module):
         def forward(self, batch):
             seen.append(torch.get_num_threads())
+            cpus.append(os.sched_getaffinity(0))
             if batch.input_ids.numel() > 3:
                 raise RuntimeError("a failing step")
             return torch.zeros(batch.logits_indices.numel(), 4)
@@ -178,5 +181,12 @@ def test_decode_threads_hold_for_decode_steps_only(pools):
             runner.forward(runner.prepare([SeqChunk([1], 3, 0, [0, 1]), SeqChunk([2], 3, 1, [2, 3]),
                                            SeqChunk([3], 3, 2, [4, 5]), SeqChunk([4], 3, 3, [6, 7])]))
         assert seen == [1, 2, 1] and torch.get_num_threads() == 2
+        # runner.decode_cpu: the calling thread on that core during decode steps only, its cores back after
+        allowed = os.sched_getaffinity(0)
+        runner.decode_threads, runner.decode_cpu, one = None, min(allowed), min(allowed)
+        cpus.clear()
+        runner.forward(runner.prepare([SeqChunk([5], 3, 0, [0, 1])]))
+        runner.forward(runner.prepare([SeqChunk([5, 6], 0, 0, [0, 1])]))
+        assert cpus == [{one}, allowed] and os.sched_getaffinity(0) == allowed
     finally:
         torch.set_num_threads(was)
