@@ -58,12 +58,12 @@ e2e)
   NO_TESTS=1 NO_KERNELS=1 THRESH=512 LENS=8192 ITL=16384 E2E_TIMEOUT=${E2E_TIMEOUT:-300} \
     bash "$(dirname "$0")/device_split_prefill.sh"
   echo "== CPU-only: flat and module decode steps alternating in one process"
-  timeout 150 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 > "$OUT/cpu_ab.txt" 2>&1
-  tail -4 "$OUT/cpu_ab.txt"
+  timeout 200 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 > "$OUT/cpu_ab.txt" 2>&1
+  tail -6 "$OUT/cpu_ab.txt"
   echo "== the same with torch's OpenMP threads sleeping at once after each parallel region (OMP_WAIT_POLICY=PASSIVE)"
-  OMP_WAIT_POLICY=PASSIVE timeout 150 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 \
+  OMP_WAIT_POLICY=PASSIVE timeout 200 python3 scripts/cpu_decode_ab.py "$F" --rounds 4 --steps 12 \
     > "$OUT/cpu_ab_passive.txt" 2>&1
-  tail -4 "$OUT/cpu_ab_passive.txt"
+  tail -6 "$OUT/cpu_ab_passive.txt"
   ;;
 gpu)
   [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }
