@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompt_len", type=int, default=64)
     args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # the CPU placement profiles too
     model, tok, _, _ = load(ServeOptions(gguf_path=args.gguf_path, optimize_config_path=args.optimize_config_path),
                             show_progress=False)
     engine = Engine(model, tok, EngineConfig(max_batch_size=4, cache_lens=4096))
@@ -37,19 +39,19 @@ def main() -> None:
     stream = engine.submit(list(range(100, 100 + args.prompt_len)), params)
     for _ in range(4):  # prefill and warm-up decode steps
         engine.poll()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.poll()
-    torch.cuda.synchronize()
+    sync()
     wall = (time.perf_counter() - t0) / args.steps
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(args.steps):
             engine.poll()
-        torch.cuda.synchronize()
+        sync()
     events = prof.events()
     device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     runtime = collections.Counter(e.name for e in events if e.name.startswith("cuda"))
@@ -61,7 +63,7 @@ def main() -> None:
     pr.enable()
     for _ in range(args.steps):
         engine.poll()
-    torch.cuda.synchronize()
+    sync()
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
