@@ -164,7 +164,7 @@ class KTransformersExperts(BaseOperator):
     # `repack` (default true) repacks Q4_K and Q5_K experts 16 rows at a time for the AVX-512 kernels (Q4_K_X16,
     # Q5_K_X16; see ktrans.kernels.cpu.CPUMoE).
     # Read by KExpertsSplit (the prefill op that splits a chunk's experts between the CPU and the GPU):
-    # `gpu_prefill_min_tokens` (default 1024): steps with fewer tokens run on the CPU experts alone; `cpu_share` (a
+    # `gpu_prefill_min_tokens` (default 512): steps with fewer tokens run on the CPU experts alone; `cpu_share` (a
     # number in [0, 1]): the CPU's share of each layer's experts, fixed (default: balanced from measured rates);
     # `cpu_on_stream` (default false): the CPU's share enqueued on the CUDA stream as decode's is, not yet measured
     # at full size (see ktrans.operators.experts_split).

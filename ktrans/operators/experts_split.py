@@ -62,7 +62,10 @@ from ktrans.weights import quants as Q
 log = logging.getLogger(__name__)
 
 _X16 = {"Q4_K_X16": "Q4_K", "Q5_K_X16": "Q5_K"}  # CPUMoE.layouts names of its repacked matrices -> ggml type
-DEFAULT_MIN_TOKENS = 1024
+# Steps of fewer tokens run on the CPU experts alone. At full size on the H200 machine (doc/benchmarks.md, session
+# 13) a 512-token prompt prefilled at 706 tok/s split at this threshold against 459 on the CPU alone (threshold 1024,
+# same session); session 12: 762.
+DEFAULT_MIN_TOKENS = 512
 # The step size split prefill asks the engine for (engine.default_chunk_size): a step pays one pass over a layer's
 # experts (PCIe copy or CPU read) whatever its length, so long steps amortise it. Measured at full size on the H200
 # (doc/benchmarks.md, 2026-12-02): 3,499 tok/s at 4096-token steps, 345 at 512.

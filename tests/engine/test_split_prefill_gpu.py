@@ -35,8 +35,8 @@ def test_split_prefill_matches_cpu_prefill(tmp_path_factory):
 
     config, source = _gguf(tmp_path_factory, "q4_k_m")
     serve = (RULES_DIR / "Qwen3Next-serve.yaml").read_text()
-    assert "gpu_prefill_min_tokens: 1024" in serve
-    split = serve.replace("gpu_prefill_min_tokens: 1024", "gpu_prefill_min_tokens: 16\n      cpu_share: 0.5")
+    assert "gpu_prefill_min_tokens: 512" in serve
+    split = serve.replace("gpu_prefill_min_tokens: 512", "gpu_prefill_min_tokens: 16\n      cpu_share: 0.5")
     texts = [(RULES_DIR / "Qwen3Next-serve-cpuexperts.yaml").read_text(), split]
     models = [build_injected_model(config, parse_rules(t, f"r{i}.yaml"), source, torch.bfloat16)[0]
               for i, t in enumerate(texts)]

@@ -43,7 +43,7 @@ def test_serve_file_has_the_ktransformers_rules():
     rs = load_rules(RULES_DIR / "Qwen3Next-serve.yaml")
     experts = rs.rules[4]
     assert experts.replace is KTransformersExperts and experts.recursive is False
-    assert experts.kwargs == {"prefill_device": "cuda", "prefill_op": "KExpertsSplit", "gpu_prefill_min_tokens": 1024,
+    assert experts.kwargs == {"prefill_device": "cuda", "prefill_op": "KExpertsSplit", "gpu_prefill_min_tokens": 512,
                               "generate_device": "cpu", "generate_op": "KExpertsCPU", "out_device": "cuda"}
     assert rs.rules[2].name == r"^model\.layers\.(?!.*mlp\.shared_expert_gate).*$"
     assert rs.rules[7].replace is KEmbedding and rs.rules[7].kwargs["generate_device"] == "cuda"
