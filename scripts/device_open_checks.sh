@@ -4,10 +4,11 @@
 # annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; and .llama for the gpu call):
 #   bash scripts/device_open_checks.sh kernels   the GPU tests of the changed kernels on a quiet machine (DeltaNet ops
 #                                                in CUDA graphs against the fp32 oracle, attention autotune classes,
-#                                                fused GEMV sum and MoE lanes path in graphs), then, beside the
-#                                                full-size file writer and the llama-bench build, `bench kernels
-#                                                --family quant` (MoE B=1 with and without lanes) and the GEMV sweep
-#                                                with the fused sum; ~8 min
+#                                                fused GEMV sum and MoE lanes path in graphs), the serve placement's
+#                                                GPU tests (its linears are KLinearMarlin), then, beside the full-size
+#                                                file writer and the llama-bench build, `bench kernels --family quant`
+#                                                (MoE B=1 with and without lanes, the layer GEMVs with the fused sum
+#                                                off/on; SWEEP=1: the GEMV sweep too); ~9 min
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
 #                                                run (per-step tokens, compiles and their specializations), then the
 #                                                CPU-only flat and module steps alternating in one process, with
@@ -30,10 +31,15 @@ kernels)
   # the tests first, on a quiet machine: beside the writer and the llama.cpp build (session 13) Triton's compiles
   # starved and four tests took 220 s; -rf lists the failures even when the timeout cuts the summary
   echo "== gpu tests"
-  timeout -k 10 "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rf -p no:cacheprovider --tb=line -m "gpu or triton" \
+  timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rf -p no:cacheprovider --tb=line -m "gpu or triton" \
     tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py tests/kernels/test_triton_attention.py \
     tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py > "$OUT/tests.txt" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -"${TAIL:-15}"
+  echo "== the serve placement's GPU tests (its linears are KLinearMarlin since session 13)"
+  timeout -k 10 "${SERVE_TEST_TIMEOUT:-180}" python3 -m pytest -q -rf -p no:cacheprovider --tb=line -m gpu \
+    tests/inject/test_gpu.py tests/engine/test_graphs.py tests/engine/test_prefix_cache_gpu.py \
+    tests/engine/test_split_prefill_gpu.py > "$OUT/serve_tests.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/serve_tests.txt" | tail -"${TAIL:-15}"
   start_writer "$OUT/mk.log"
   start_llama /tmp/llb 8
   echo "== ktrans bench kernels --family quant --match moe"
@@ -47,9 +53,11 @@ kernels)
     python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
       "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
   done
-  echo "== gemv sweep (fused sum 0/1)"
-  timeout 150 python3 scripts/gemv_sweep.py --reps 10 --bn 32,64 --warps 4,8 --per_sm 4,8 > "$OUT/sweep.txt" 2>&1
-  grep -E "HBM|best" "$OUT/sweep.txt"
+  if [ -n "${SWEEP:-}" ]; then
+    echo "== gemv sweep (fused sum 0/1)"
+    timeout 150 python3 scripts/gemv_sweep.py --reps 10 --bn 32,64 --warps 4,8 --per_sm 4,8 > "$OUT/sweep.txt" 2>&1
+    grep -E "HBM|best" "$OUT/sweep.txt"
+  fi
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
   ;;
