@@ -139,6 +139,11 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             tl.atomic_xchg(cnt, 0)
 
 
+def _expert_strides(planes) -> list[int]:
+    """Each plane's stride from one expert to the next (0 for a one-element stand-in plane)."""
+    return [t.stride(0) if t.numel() > 1 else 0 for t in planes]
+
+
 def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: PackedWeight,
            down: PackedWeight) -> torch.Tensor:
     """The few-token path: two launches (gate and up split over K where the pairs alone would not fill the GPU;
@@ -163,10 +168,9 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     for w, src, dst, n, x_div, grid_k, gated in ((gate_up, x, h, inter, k, split, True),
                                                  (down, h, out, hidden, k, 1, False)):
         lo, hi, d, _ = plane_args(w)
-        sc = _scale_words(w)
-        strides = [u.stride(0) if u.numel() > 1 else 0 for u in (lo, hi, d, sc)]
+        planes = (lo, hi, d, _scale_words(w))
         _moe_lanes_kernel[(p, triton.cdiv(n, bn), grid_k)](
-            src, dst, part, cnt, ids, rw, lo, hi, d, sc, *strides, p, n, w.n, w.k // QK, sb_per if gated else 1,
+            src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), QT=QT_CODE[w.qtype], BN=bn, GATED=gated, SPLIT=grid_k,
             num_warps=LANES["warps"])
     return out
@@ -202,10 +206,9 @@ def align(ids: torch.Tensor, n_experts: int, bm: int) -> tuple[torch.Tensor, tor
 
 def _launch(x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, bexp: torch.Tensor, rw: torch.Tensor,
             w: PackedWeight, p: int, n: int, x_div: int, mode: int, bm: int, bn: int, warps: int, gated: bool) -> None:
-    lo, hi, d, sc = plane_args(w)
-    strides = [t.stride(0) if t.numel() > 1 else 0 for t in (lo, hi, d, sc)]
+    planes = plane_args(w)
     grid = (bexp.numel(), triton.cdiv(n, bn))
-    _moe_kernel[grid](x, out, rows, bexp, rw, lo, hi, d, sc, *strides, p, n, w.n,
+    _moe_kernel[grid](x, out, rows, bexp, rw, *planes, *_expert_strides(planes), p, n, w.n,
                       w.k // QK, x_div, x.stride(0), out.stride(0), QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn,
                       GATED=gated, num_warps=warps)
 
