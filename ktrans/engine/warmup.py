@@ -81,10 +81,13 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
         raise
     finally:
         engine.metrics = metrics
-    # what long contexts meet first: the attention decode's autotune classes of long splits (per distinct op: the
-    # autotuner's cache is shared, so the layers after the first time nothing)
+    # what long contexts meet first: the attention decode's autotune classes of long splits, once per device (the
+    # autotuner's cache is the kernel's, not a layer's: every other layer would only replay the timed launches)
+    pretuned = set()
     for op in operator_ops(engine.model, "pretune"):
-        op.pretune(engine.kv)
+        if op.device not in pretuned:
+            pretuned.add(op.device)
+            op.pretune(engine.kv)
     if engine.runner.graphs is not None:
         engine.runner.graphs.num_replays = 0  # the graphs it captured stay; replays count the users' steps
     engine._flush_cache()

@@ -202,17 +202,20 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
 
 
 def test_warm_up_pretunes_the_ops_that_can(tiny, monkeypatch):
-    """After its steps the warm-up hands each op with a `pretune` (the Triton attention's decode autotuning of long
-    contexts) the engine's KV pool."""
+    """After its steps the warm-up hands the first op with a `pretune` on each device (the Triton attention's decode
+    autotuning of long contexts, whose tunings every layer shares) the engine's KV pool."""
     import ktrans.engine.warmup as warmup
 
     model, tok = tiny
     engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=32, cache_lens=128))
     got = []
-    op = type("Op", (), {"pretune": lambda self, kv: got.append(kv)})()
-    monkeypatch.setattr(warmup, "operator_ops", lambda m, method: [op] if method == "pretune" else [])
+    Op = type("Op", (), {"pretune": lambda self, kv: got.append((self.device, kv))})
+    ops = [Op(), Op(), Op()]
+    for op, dev in zip(ops, ("cuda:0", "cuda:0", "cuda:1")):
+        op.device = torch.device(dev)
+    monkeypatch.setattr(warmup, "operator_ops", lambda m, method: ops if method == "pretune" else [])
     engine.warm_up()
-    assert got == [engine.kv]
+    assert got == [(torch.device("cuda:0"), engine.kv), (torch.device("cuda:1"), engine.kv)]  # once per device
 
 
 def test_warm_up_past_the_queue_limit_and_after_a_failing_step(tiny, monkeypatch):

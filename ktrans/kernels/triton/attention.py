@@ -315,6 +315,7 @@ def _decode_configs() -> list[triton.Config]:
 _decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE"])(
     _decode_split_kernel)
 
+
 def pretune_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, num_q_heads: int,
                    scale: float) -> list[int]:
     """Time the decode autotuner's configs for every class of split length now (the engine's warm-up calls it),
