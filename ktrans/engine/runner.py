@@ -242,10 +242,12 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""
         self.plan(batch)
+        # the CPU decode A/B's settings (None: as they are), restored after the step
         threads = torch.get_num_threads() if self.decode_threads and batch.is_decode else None
-        if threads is not None and threads != self.decode_threads:
-            torch.set_num_threads(self.decode_threads)
+        threads = None if threads == self.decode_threads else threads
         cpus = os.sched_getaffinity(0) if self.decode_cpu is not None and batch.is_decode else None
+        if threads is not None:
+            torch.set_num_threads(self.decode_threads)
         if cpus is not None:
             os.sched_setaffinity(0, {self.decode_cpu})  # this thread only
         try:
@@ -253,7 +255,7 @@ class ModelRunner:
                 return self.cpu_decode(batch)
             logits = self.model(batch)
         finally:
-            if threads is not None and threads != self.decode_threads:
+            if threads is not None:
                 torch.set_num_threads(threads)
             if cpus is not None:
                 os.sched_setaffinity(0, cpus)
