@@ -335,14 +335,11 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         max_b = max(max_b, opts.itl_decodes + 1)
         longest = max(longest, opts.prompt_len + itl_gen + 1, opts.itl_prefill_len + 3)
     max_b = max(max_b, opts.max_batch_size or 0)
-    snaps = {} if opts.prefix_cache_max_snapshots is None else \
-        {"prefix_cache_max_snapshots": opts.prefix_cache_max_snapshots}
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=max_b, chunk_size=chunk,
-                                                   cache_lens=max(max_b * per_req, longest, itl_cache,
-                                                                  (opts.cache_lens or 0) - 16 * max_b) + 16 * max_b,
-                                                   max_new_tokens=opts.gen_len,
-                                                   max_model_len=max(per_req, longest) + 16,
-                                                   use_cuda_graph=opts.use_cuda_graph, **snaps))
+    needed = max(max_b * per_req, longest, itl_cache) + 16 * max_b
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_batch_size=max_b, chunk_size=chunk, cache_lens=max(needed, opts.cache_lens or 0),
+        max_new_tokens=opts.gen_len, max_model_len=max(per_req, longest) + 16, use_cuda_graph=opts.use_cuda_graph,
+        prefix_cache_max_snapshots=opts.prefix_cache_max_snapshots or EngineConfig.prefix_cache_max_snapshots))
     pool = cpu.get_pool() if any(isinstance(m, KExpertsCPU) for m in model.modules()) else None
     bench = _Bench(engine, pool, devices, opts.seed)
     log(f"ktrans bench e2e: loaded {name} in {load_s:.1f} s; warming up")
