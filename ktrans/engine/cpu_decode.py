@@ -18,9 +18,9 @@ Every value is computed by the same kernel from the same inputs as the module fo
 op anywhere (the module forward then runs), a GPU, a bias, streamed experts, a dtype other than float32.
 
 Opt-in (`KTRANS_CPU_DECODE=1`, read by ktrans.engine.runner): 1.30x the module forward's decode on a 2-core VM, but
-5.35 against 12.02 tok/s at full size on a 16-core Xeon in the one run there (doc/benchmarks.md, session 12; the
-flat run came first after llama-bench, so the order may have a part). scripts/cpu_decode_ab.py alternates the two
-in one process: that is the next measurement.
+at full size on the 16-core Xeon 5.35 against 12.02 tok/s (session 12) and, alternating with it in one process
+(scripts/cpu_decode_ab.py), 175.9 against 81.9 ms a token (session 13, doc/benchmarks.md): not an order effect, cause
+not yet found (the script's other variants test torch's threads and the caller's core next).
 """
 from __future__ import annotations
 
