@@ -71,15 +71,31 @@ def test_replay_against_unpadded_eager_teacher_forced(model):
     decode_teacher_forced(runners, prompts, pages, TOL, "eager")
 
 
+def prefill(runners, prompts, pages) -> None:
+    """Each prompt in one step on every runner, slot i for prompt i."""
+    for r in runners:
+        for slot, (p, pg) in enumerate(zip(prompts, pages)):
+            r.step([SeqChunk(p, 0, slot, pg)])
+
+
+def forced_decode(runners, prompts, pages, steps: int):
+    """After the prompts' prefill: `steps` decode steps on every runner, all fed the first runner's greedy tokens;
+    yields each step's fp32 logits, one tensor a runner."""
+    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
+    for _ in range(steps):
+        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
+        logits = [r.step(chunks).float() for r in runners]
+        yield logits
+        tokens = logits[0].argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+
+
 def teacher_forced_steps(runners, prompts, pages, tol: float, steps: int = 64) -> tuple[float, list[int]]:
     """After the prompts' prefill on both runners: `steps` decode steps fed the first (reference) runner's greedy
     tokens. Returns the largest |logits difference| and the steps where the argmax differs although the reference's
     top-2 margin exceeds 2 tol."""
-    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
     worst, disagreements = 0.0, []
-    for step in range(steps):
-        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
-        ref, got = (r.step(chunks).float() for r in runners)
+    for step, (ref, got) in enumerate(forced_decode(runners, prompts, pages, steps)):
         # a NaN would compare as no difference (max(0.0, nan) is 0.0): non-finite logits are the worst case
         finite = bool(torch.isfinite(ref).all() and torch.isfinite(got).all())
         worst = max(worst, float((got - ref).abs().max()) if finite else float("inf"))
@@ -87,8 +103,6 @@ def teacher_forced_steps(runners, prompts, pages, tol: float, steps: int = 64) -
         sure = (top2[:, 0] - top2[:, 1]) > 2 * tol
         if not torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure]):
             disagreements.append(step)
-        tokens = ref.argmax(-1).tolist()
-        lens = [n + 1 for n in lens]
     return worst, disagreements
 
 
@@ -96,9 +110,7 @@ def decode_teacher_forced(runners, prompts, pages, tol: float, what: str) -> Non
     """Prefill each prompt on both runners (reference first, graphs second), then 64 decode steps fed the
     reference's tokens: logits within `tol`, the same argmax wherever the reference's top-2 margin exceeds 2 tol,
     and the second runner replayed its graphs."""
-    for r in runners:
-        for slot, (p, pg) in enumerate(zip(prompts, pages)):
-            r.step([SeqChunk(p, 0, slot, pg)])
+    prefill(runners, prompts, pages)
     worst, disagreements = teacher_forced_steps(runners, prompts, pages, tol)
     assert runners[1].graphs.num_replays >= 60
     assert worst <= tol, f"max |logits - {what}| = {worst:.4f} over 64 steps"
@@ -113,22 +125,15 @@ def noise_floor_teacher_forced(oracle, reference, candidate, prompts, pages, ste
     |candidate - oracle|, and the steps where the candidate's argmax differs from the oracle's although the
     oracle's top-2 margin exceeds twice that step's noise floor."""
     runners = (oracle, reference, candidate)
-    for r in runners:
-        for slot, (p, pg) in enumerate(zip(prompts, pages)):
-            r.step([SeqChunk(p, 0, slot, pg)])
-    lens, tokens = [len(p) for p in prompts], [p[-1] for p in prompts]
+    prefill(runners, prompts, pages)
     floor, errs, disagreements = [], [], []
-    for step in range(steps):
-        chunks = [SeqChunk([t], n, i, pages[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
-        want, ref, got = (r.step(chunks).float() for r in runners)
+    for step, (want, ref, got) in enumerate(forced_decode(runners, prompts, pages, steps)):
         floor.append(float((ref - want).abs().max()))
         errs.append(float((got - want).abs().max()) if torch.isfinite(got).all() else float("inf"))
         top2 = want.topk(2, dim=-1).values
         sure = (top2[:, 0] - top2[:, 1]) > 2 * floor[-1]
         if not torch.equal(got.argmax(-1)[sure], want.argmax(-1)[sure]):
             disagreements.append(step)
-        tokens = want.argmax(-1).tolist()
-        lens = [n + 1 for n in lens]
     return floor, errs, disagreements
 
 
