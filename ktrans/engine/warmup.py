@@ -17,7 +17,7 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
     """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): a
     whole-step prompt; beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
     the odd chunk beside two decoding (where the batch holds three); decode at batch 1, 2 and each larger graph
-    bucket. Users then do not pay what each kind of step costs the first time: Triton compiles per token-count
+    bucket, and those rows beside a short prompt and a step-filling one where a slot is left. Users then do not pay what each kind of step costs the first time: Triton compiles per token-count
     class and per one-or-more sequences, autotunings per size class, graph captures, split prefill's rates.
     Nothing of it stays (prefix cache flushed, counters reset, no metrics). On the caller's thread, before
     start(). Returns the time and steps taken."""
@@ -61,17 +61,24 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
                 first_token(odd, 2)
             while engine.poll():
                 pass
-        # decode at each larger CUDA-graph bucket, then those rows beside a short prompt where a slot is left
-        # (Triton's tiles, the MoE's and the DeltaNet decode's value blocks change with the decode rows)
+        # decode at each larger CUDA-graph bucket, then those rows beside a short prompt and beside a whole step's
+        # prompt where a slot is left (Triton's tiles, the MoE's and the DeltaNet decode's value blocks change with
+        # the decode rows; the prefill kernels' compiles with the step's token-count class and its sequences: at full
+        # size four rows beside a 4,092-token chunk compiled four kernels inside a measured step, session 13)
         ps, pages = engine.config.page_size, -(-engine.config.cache_lens // engine.config.page_size) - 1
         for b in [b for b in batch_buckets(engine.config.max_batch_size) if b > 2] if limit >= 24 else []:
-            streams = [submit(4, 4) for _ in range(min(b, (pages - -(-23 // ps)) // -(-8 // ps)))]
-            while streams and engine.poll():  # their prompts, then their first tokens
-                streams = [s for s in streams if not s.drain()]
-            if b < engine.config.max_batch_size:
-                submit(21, 2)
-            while engine.poll():
-                pass
+            beside = [21] if b < engine.config.max_batch_size else []
+            whole = engine.config.chunk_size - b
+            if beside and 21 < whole <= limit - 2 and -(-(whole + 2) // ps) + b * -(-8 // ps) <= pages:
+                beside.append(whole)
+            for n in beside or [0]:
+                streams = [submit(4, 4) for _ in range(min(b, (pages - -(-(max(n, 21) + 2) // ps)) // -(-8 // ps)))]
+                while streams and engine.poll():  # their prompts, then their first tokens
+                    streams = [s for s in streams if not s.drain()]
+                if n:
+                    submit(n, 2)
+                while engine.poll():
+                    pass
     except BaseException:
         engine._drain_inbox()
         for rid in made:  # a step failed: the warm-up's requests give their pages and slots back

@@ -193,6 +193,7 @@ def test_warm_up_runs_every_step_kind_and_leaves_nothing(tiny, reference):
     engine.warm_up()
     assert [1] * 4 in seen and [1] * 5 in seen  # buckets 4 and 5 (= --max_batch_size)
     assert [1, 1, 1, 1, 21] in seen  # four decode rows beside a prompt: a slot was left
+    assert [1, 1, 1, 1, 44] in seen  # and beside a prompt that fills the step (the prefill kernels' long class)
     s = engine.stats()
     assert s["kv_pages_free"] == s["kv_pages"] and s["slots_free"] == s["slots"]
     assert s["prefix_cache_hits"] == 0 and s["prefix_cache_snapshots"] == 0 and s["num_preemptions"] == 0

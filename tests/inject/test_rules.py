@@ -49,6 +49,18 @@ def test_serve_file_has_the_ktransformers_rules():
     assert rs.rules[7].replace is KEmbedding and rs.rules[7].kwargs["generate_device"] == "cuda"
 
 
+def test_cpuexperts_file_is_the_serve_file_but_for_the_experts_rule():
+    """Qwen3Next-serve-cpuexperts.yaml says it is the serve rules with rule 5's prefill on the CPU: the GPU tests
+    compare the two placements (split against CPU prefill), so any other difference (the linears' op, a layer op)
+    would be measured as the split's (the serve file alone had moved to KLinearMarlin in session 13)."""
+    serve, cpux = (load_rules(RULES_DIR / n) for n in ("Qwen3Next-serve.yaml", "Qwen3Next-serve-cpuexperts.yaml"))
+    fields = lambda r: (r.name, r.match_class, r.replace, r.replace_name, r.kwargs, r.recursive)  # noqa: E731
+    differ = [i for i, (a, b) in enumerate(zip(serve, cpux)) if fields(a) != fields(b)]
+    assert len(serve) == len(cpux) and differ == [4]
+    assert cpux.rules[4].kwargs == {"prefill_device": "cpu", "prefill_op": "KExpertsCPU", "generate_device": "cpu",
+                                    "generate_op": "KExpertsCPU", "out_device": "cuda"}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 @pytest.mark.parametrize("name", ["Qwen3Next-serve.yaml", "Qwen3Next-gpu.yaml"])
 def test_cuda_rules_fail_device_check_without_cuda(name):

@@ -34,8 +34,9 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 # quant_gemv: codes made floats through the mantissa, one reduction per program) instead of the tile path's per-
 # sub-block reductions, in two launches (gate/up split over K, down with the top-k sum) instead of ~7. On the H200
 # (doc/benchmarks.md, session 13) its first form, without the split and the fused sums, took one 80B layer at B=1 in
-# 53.8 us against the tile path's 87.9; off until its CUDA-graph test has run on a GPU.
-LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "0") == "1",  # KTRANS_MOE_LANES=1: on, for the device A/B
+# 53.8 us against the tile path's 87.9; with them (session 14) 26.9 us against 88.0, 28.2 against 87.0 with the Q6_K
+# down projection, and its CUDA-graph test passed there. On by default since; KTRANS_MOE_LANES=0: the tile path.
+LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1",
          "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
 
 DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
