@@ -35,7 +35,7 @@ kernels)
   i=0
   for group in tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py \
       tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py" \
-      tests/inject/test_gpu.py tests/engine/test_graphs.py \
+      "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
       "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # a group may name two files

@@ -119,6 +119,13 @@ class KLinearMarlin(Op):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    def packed_weight(self) -> PackedWeight | None:
+        """The one packed matrix this op multiplies by, in HF's row order (None: floats, two parts or a bias), for
+        an operator that runs it inside a fused kernel (KQwen3NextMLP's one-expert MoE)."""
+        if len(self.parts) == 1 and self.place is None and self.bias is None:
+            return self.parts[0].packed
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.parts:
             raise RuntimeError(f"{self.key}: KLinearMarlin has no weights; load() it first")

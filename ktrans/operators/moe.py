@@ -89,6 +89,15 @@ class KQwen3NextMLP(BaseOperator):
     its first call): gate and up, SiLU times up, and down in one pass over the pool, where the three projections
     were three jobs with the SiLU and product in torch between them. The same kernels on the same blocks; the SiLU
     is the C++ one (exp to ~1e-7 relative) and the down projection's input is quantized there.
+
+    Where all three run KLinearMarlin (one packed matrix each, gate and up of one type) on the MLP's GPU, steps of up
+    to moe_quant.DIRECT_MAX_TOKENS rows (decode) run it as a one-expert GPU MoE the same way: the MoE kernel's
+    few-token path does gate and up with SiLU times up in one launch and down in a second, where the projections
+    took six (three GEMVs, their split-K sums) and torch two more (SiLU, product), the shared expert of every layer
+    of every decoded token. The same blocks and lane-wise decoding; h = silu(g) * u is formed in fp32 before its
+    one rounding to the activations' dtype (the projections rounded g and u first). Longer steps keep the
+    projections (their GEMM tiles). The gate and up planes are stacked once: the shared expert's gate and up twice
+    on the GPU (~1.2 MiB a layer at the 80B's shapes).
     """
 
     REPLACES = (Qwen3NextMLP,)
@@ -104,7 +113,10 @@ class KQwen3NextMLP(BaseOperator):
         fused = self._fused.get(phase, False)
         if fused is False:
             fused = self._fused[phase] = self._fuse(phase, dev)
-        if fused is not None and x.device.type == "cpu":
+        if isinstance(fused, _GPUMLP) and 0 < x.shape[:-1].numel() <= fused.max_rows:
+            y = fused(x.reshape(-1, x.shape[-1]))
+            return self.leave(y.reshape(x.shape[:-1] + (y.shape[-1],)), phase)
+        if fused is not None and not isinstance(fused, _GPUMLP) and x.device.type == "cpu":
             flat = x.reshape(-1, x.shape[-1])
             t = flat.shape[0]
             ones = torch.ones(t, 1)
@@ -116,9 +128,11 @@ class KQwen3NextMLP(BaseOperator):
 
     def _fuse(self, phase: str, dev: torch.device):
         """The one-expert CPUMoE over the three projections' stored blocks, or None: projections not all read as
-        stored by KLinearCPUInfer on this device (other ops, floats converted at load, two-part matrices, a bias)."""
-        if dev.type != "cpu":
-            return None
+        stored by KLinearCPUInfer on this device (other ops, floats converted at load, two-part matrices, a bias).
+        On a GPU (or the CPU under Triton's interpreter): the one-expert GPU MoE where all three are KLinearMarlin."""
+        gpu = _GPUMLP.build(self, phase, dev)
+        if gpu is not None or dev.type != "cpu":
+            return gpu
         raws = []
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
             op = lin.op_for(phase) if isinstance(lin, BaseOperator) and phase in lin.impl else None
@@ -135,3 +149,43 @@ class KQwen3NextMLP(BaseOperator):
             return None
         return cpu.CPUMoE(g.data[None], u.data[None], d.data[None], n_experts=1, hidden=hidden, intermediate=inter,
                           types=(g.type_name, u.type_name, d.type_name), hugepages=False, repack=rg)
+
+
+class _GPUMLP:
+    """A SwiGLU MLP on KLinearMarlin's packed matrices as a one-expert MoE (ktrans.kernels.triton.moe_quant): every
+    row routed to expert 0 with weight 1, through the few-token path."""
+
+    def __init__(self, gate_up, down, device: torch.device):
+        from ktrans.kernels.triton.moe_quant import DIRECT_MAX_TOKENS
+
+        self.gate_up, self.down, self.max_rows = gate_up, down, DIRECT_MAX_TOKENS
+        # the routing, made here, eagerly: a CUDA-graph capture only records the kernels that would fill them
+        self.ids = torch.zeros(self.max_rows, 1, dtype=torch.int32, device=device)
+        self.weights = torch.ones(self.max_rows, 1, dtype=torch.float32, device=device)
+
+    @classmethod
+    def build(cls, mlp: "KQwen3NextMLP", phase: str, dev: torch.device) -> "_GPUMLP | None":
+        from ktrans.kernels.triton import interpreting
+
+        if dev.type != "cuda" and not (dev.type == "cpu" and interpreting()):
+            return None
+        packed = []
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            op = lin.op_for(phase) if isinstance(lin, BaseOperator) and phase in lin.impl else None
+            w = op.packed_weight() if hasattr(op, "packed_weight") else None
+            if w is None or lin.devices[phase] != dev or lin.out_devices[phase] != dev:
+                return None
+            packed.append(w)
+        g, u, d = packed
+        if g.qtype != u.qtype or (g.n, g.k) != (u.n, u.k) or (d.n, d.k) != (g.k, g.n):
+            return None
+        from ktrans.kernels.triton.quant_layout import as_stack, concat_rows
+
+        return cls(as_stack(concat_rows([g, u])), as_stack(d), dev)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ktrans.kernels.triton.moe_quant import moe_quant
+
+        t = x.shape[0]
+        return moe_quant(x if x.stride(-1) == 1 else x.contiguous(), self.ids[:t], self.weights[:t], self.gate_up,
+                         self.down)

@@ -102,6 +102,32 @@ def test_experts_op_and_its_streaming_twin_against_the_reference(q4_k_m, triton_
     assert streamed.last_stream["experts"] == 5 and streamed.gate_up is None
 
 
+@pytest.mark.triton
+def test_shared_expert_as_a_one_expert_moe(q4_k_m, triton_device, monkeypatch):
+    """KQwen3NextMLP on three KLinearMarlin projections: steps of 1-4 rows run as a one-expert MoE (two launches of
+    the MoE kernel's few-token path), longer ones through the projections. In fp32, within fp32 rounding of the
+    reference rules' MLP (KLinearTorch on the dequantized blocks) and of the projections' own few-row path."""
+    from ktrans.operators.moe import _GPUMLP
+
+    config, source = q4_k_m
+    ref, model = _models(config, source, triton_device.type, torch.float32)
+    mlp, want_mlp = model.model.layers[0].mlp.shared_expert, ref.model.layers[0].mlp.shared_expert
+    fused_rows = []
+    real = _GPUMLP.__call__
+    monkeypatch.setattr(_GPUMLP, "__call__", lambda self, x: (fused_rows.append(x.shape[0]), real(self, x))[1])
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 3, 4, 5):
+        x = (torch.randn(rows, config.hidden_size, generator=g) * 0.5).to(triton_device)
+        got, want = mlp(x), want_mlp(x)
+        # 5 rows: the projections' tensor-core tiles, which multiply the activations rounded to bf16
+        assert got.shape == want.shape and rel(got, want) < (2e-5 if rows <= 4 else 3e-2), (rows, rel(got, want))
+    assert isinstance(mlp._fused["prefill"], _GPUMLP) and fused_rows == [1, 3, 4]  # 5 rows: the projections
+    x = (torch.randn(2, config.hidden_size, generator=g) * 0.5).to(triton_device)
+    fused = mlp(x)
+    mlp._fused["prefill"] = None  # the projections' path for the same rows: another kernel, as close
+    assert rel(fused, mlp(x)) < 2e-5 and fused_rows == [1, 3, 4, 2]
+
+
 @pytest.mark.gpu
 def test_model_teacher_forced_on_the_gpu(q4_k_m):
     config, source = q4_k_m

@@ -186,3 +186,11 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     return PackedWeight(first.qtype, sum(p.n for p in parts), first.k, cat([p.lo for p in parts]),
                         cat([p.hi for p in parts]), cat([p.d for p in parts]), cat([p.sc for p in parts]),
                         first.experts)
+
+
+def as_stack(w: PackedWeight) -> PackedWeight:
+    """One matrix as a stack of one expert ([1, N, K]; views): what the MoE kernel reads, for a SwiGLU MLP run as
+    a one-expert MoE."""
+    if w.experts is not None:
+        raise ValueError("already a stack of experts")
+    return PackedWeight(w.qtype, w.n, w.k, w.lo[None], w.hi[None], w.d[None], w.sc[None], 1)
