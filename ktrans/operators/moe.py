@@ -47,6 +47,13 @@ class KRouterTorch(Op):
     def combine(self, routed: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
         return routed + torch.sigmoid(shared_gate) * shared
 
+    FUSES_GATE = False  # whether combine_dot computes the gate logit in the sum's own launch
+
+    def combine_dot(self, routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                    gate_weight: torch.Tensor) -> torch.Tensor:
+        """combine() with the gate logit x . gate_weight computed here."""
+        return self.combine(routed, shared, F.linear(x, gate_weight))
+
     forward = route
 
 
@@ -72,12 +79,33 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
             self.experts.submit(x, ids, weights)
         else:
             routed = self.experts(x, ids, weights)
-        # Meanwhile: the shared expert and its gate, on this block's device.
+        # Meanwhile: the shared expert and its gate, on this block's device (the gate in the final sum's launch
+        # where the router op can: a [1, hidden] projection is a dot product a token).
         shared = move(self.shared_expert(x), dev)
-        shared_gate = move(self.shared_expert_gate(x), dev)
+        gate_row = gate_weight_row(self.shared_expert_gate, x, phase) if router.FUSES_GATE else None
+        if gate_row is None:
+            shared_gate = move(self.shared_expert_gate(x), dev)
         if asynchronous:
             routed = self.experts.sync()
+        if gate_row is not None:
+            return self.leave(router.combine_dot(move(routed, dev), shared, x, gate_row), phase)
         return self.leave(router.combine(move(routed, dev), shared, shared_gate), phase)
+
+
+def gate_weight_row(gate: torch.nn.Module, x: torch.Tensor, phase: str) -> torch.Tensor | None:
+    """The shared expert's gate as a float [1, hidden] weight on x's device, when it is one without a bias: a plain
+    Linear (the shipped GPU rules keep it so) or one running KLinearTorch there; else None."""
+    from ktrans.operators.linear import KLinearTorch, KTransformersLinear
+
+    if type(gate) is torch.nn.Linear:
+        w, bias = gate.weight, gate.bias
+    elif isinstance(gate, KTransformersLinear) and isinstance(gate.impl.get(phase), KLinearTorch) \
+            and gate.out_devices[phase] == x.device:
+        w, bias = gate.impl[phase].weight, gate.impl[phase].bias
+    else:
+        return None
+    ok = bias is None and w is not None and w.dim() == 2 and w.shape[0] == 1 and w.device == x.device
+    return w if ok and x.dim() == 2 else None
 
 
 @register_operator("KQwen2MoeMLP")

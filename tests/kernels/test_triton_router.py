@@ -40,3 +40,21 @@ def test_gated_sum(triton_device, dtype, t, h):
     want = routed + torch.sigmoid(gate) * shared
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
     torch.testing.assert_close(tri.gated_sum(routed, shared, gate), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", CASES)
+@pytest.mark.parametrize("t,h", [(1, 40), (5, 1300), (2, 2048)])
+def test_gated_sum_dot(triton_device, dtype, t, h):
+    """The gate logit computed in the launch: x . w per token (fp32 sums over H, H not a multiple of the block and
+    larger than it), against the block's torch ops (the logit from F.linear, rounded to the dtype)."""
+    routed, shared, x = (torch.randn(t, h).to(dtype).to(triton_device) for _ in range(3))
+    w = (torch.randn(1, h) / h ** 0.5).to(dtype).to(triton_device)
+    want = routed + torch.sigmoid(torch.nn.functional.linear(x, w)) * shared
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1.6e-2)
+    got = tri.gated_sum_dot(routed, shared, x, w)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    strided = torch.cat([x, x], dim=1)[:, :h]  # rows of a wider tensor: its stride, not h
+    torch.testing.assert_close(tri.gated_sum_dot(routed, shared, strided, w), got, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        tri.gated_sum_dot(routed, shared, x, w.T)

@@ -16,6 +16,7 @@ import torch
 
 from ktrans.config import RULES_DIR, ModelConfig
 from ktrans.inject import build_injected_model, parse_rules
+from ktrans.operators.moe import gate_weight_row
 from ktrans.runtime.batch import ForwardBatch, SeqChunk
 from ktrans.runtime.pools import KVPool, StatePool
 from ktrans.weights.hf import HFWeightSource
@@ -64,11 +65,13 @@ def _step_logits(model, kv, states, chunks, dev):
 
 
 def test_rules_name_the_triton_ops(models):
-    (_, tri), _ = models
+    (_, tri), dev = models
     layer = tri.model.layers[1]
     assert type(layer.self_attn.op).op_name == "KAttentionTriton"
     assert type(layer.input_layernorm.op).op_name == "KRMSNormTriton"
     assert type(layer.mlp.op).op_name == "KRouterTriton"
+    x = torch.zeros(2, tri.config.hidden_size, device=dev)  # the shared expert's gate logit in the sum's launch
+    assert layer.mlp.op.FUSES_GATE and gate_weight_row(layer.mlp.shared_expert_gate, x, "generate") is not None
     assert type(tri.model.rotary_emb.op).op_name == "KRoPETriton"
 
 

@@ -1,5 +1,7 @@
 """The MoE block's routing and its output sum in Triton: top-k over the softmax of the router logits, and
-routed + sigmoid(shared gate) * shared expert.
+routed + sigmoid(shared gate) * shared expert, with the shared expert's gate logit (a [1, H] projection) either
+given or computed in the same launch (`gated_sum_dot`: a dot product per token, where a separate [T, H] x [H, 1]
+GEMM launch costs more than it computes).
 
 Oracles: `route` in `ktrans/operators/moe.py` (softmax in fp32, top k, renormalised when norm_topk_prob) and the
 block's final sum. The softmax is monotone, so the top k of the probabilities are the top k of the logits: one
@@ -76,4 +78,41 @@ def gated_sum(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tens
         block = 1024
         _gated_sum_kernel[(triton.cdiv(n, block),)](routed, shared, gate_logit, out, n, h, gate_logit.stride(0),
                                                      BLOCK=block)
+    return out
+
+
+@triton.jit
+def _gated_sum_dot_kernel(R, S, X, W, O, H, stride_r, stride_s, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        mask = h0 + offs < H
+        x = tl.load(X + row * stride_x + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += x * tl.load(W + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.sigmoid(tl.sum(acc, 0))
+    for h0 in range(0, H, BLOCK):
+        mask = h0 + offs < H
+        r = tl.load(R + row * stride_r + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(S + row * stride_s + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(O + row * H + h0 + offs, (r + g * s).to(O.dtype.element_ty), mask=mask)
+
+
+def gated_sum_dot(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor
+                  ) -> torch.Tensor:
+    """routed [T, H] + sigmoid(x [T, H] . gate_weight [1, H]) * shared [T, H] (one launch, one program a token; the
+    logit in fp32, not rounded to the activations' dtype first), in the promoted dtype of routed, shared and the
+    weight."""
+    t, h = shared.shape
+    if routed.shape != (t, h) or x.shape != (t, h) or gate_weight.shape != (1, h):
+        raise ValueError(f"gated_sum_dot: routed {tuple(routed.shape)}, shared {tuple(shared.shape)}, x "
+                         f"{tuple(x.shape)}, gate weight {tuple(gate_weight.shape)} do not fit")
+    routed, shared, x = (v if v.stride(-1) == 1 else v.contiguous() for v in (routed, shared, x))
+    gate_weight = gate_weight.contiguous()
+    dtype = torch.promote_types(torch.promote_types(routed.dtype, shared.dtype), gate_weight.dtype)
+    out = torch.empty(t, h, dtype=dtype, device=shared.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(h))
+        _gated_sum_dot_kernel[(t,)](routed, shared, x, gate_weight, out, h, routed.stride(0), shared.stride(0),
+                                    x.stride(0), BLOCK=block, num_warps=4)
     return out
