@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -410,6 +411,11 @@ def _stacks_on_sigusr1() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch's OpenMP threads sleep at the end of a parallel region instead of spinning (libgomp's default): on the
+    # CPU placements they share the cores with the CPU pool's pinned, polling workers (full size, 16-core Xeon,
+    # doc/benchmarks.md session 15: a CPU-only decode token 80.5 -> 63.3 ms with the module forward, 61.4 -> 52.1
+    # with the flat step). Before torch loads (the OpenMP runtime reads it once); the user's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _stacks_on_sigusr1()
     args = build_parser().parse_args(argv)

@@ -18,7 +18,7 @@
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
 #                                                quantized linears at --cache_lens 32768 --max_batch_size 4 and 8
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
-#                                                (AB=1: also batch 1 with KTRANS_GEMV_FUSED_SUM=1, ~2.5 min more;
+#                                                (AB=1: also batch 1 with KTRANS_GEMV_FUSED_SUM=0, ~2.5 min more;
 #                                                SKIP_SERVE=1 leaves the serve placement out)
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
@@ -87,8 +87,8 @@ gpu)
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
     --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 --use_cuda_graph
-  if [ -n "${AB:-}" ]; then  # the GEMV's fused split sum on, batch 1 (the MoE lanes path is on by default)
-    KTRANS_GEMV_FUSED_SUM=1 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_fused \
+  if [ -n "${AB:-}" ]; then  # the GEMV's split sum as a second kernel, batch 1 (the fused sum is the default)
+    KTRANS_GEMV_FUSED_SUM=0 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_sum_kernel \
       --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 --profile_steps 0 \
       --use_cuda_graph
   fi

@@ -17,10 +17,11 @@ Every value is computed by the same kernel from the same inputs as the module fo
 (tests/engine/test_cpu_decode.py). `build` returns None, with the reason, for any model it does not cover: another
 op anywhere (the module forward then runs), a GPU, a bias, streamed experts, a dtype other than float32.
 
-Opt-in (`KTRANS_CPU_DECODE=1`, read by ktrans.engine.runner): 1.30x the module forward's decode on a 2-core VM, but
-at full size on the 16-core Xeon 5.35 against 12.02 tok/s (session 12) and, alternating with it in one process
-(scripts/cpu_decode_ab.py), 175.9 against 81.9 ms a token (session 13, doc/benchmarks.md): not an order effect, cause
-not yet found (the script's other variants test torch's threads and the caller's core next).
+On by default (`KTRANS_CPU_DECODE=0`, read by ktrans.engine.runner, selects the module forward): 1.30x the module
+forward's decode on a 2-core VM, and at full size on the 16-core Xeon, alternating with it in one process
+(scripts/cpu_decode_ab.py, doc/benchmarks.md session 15), 52.1 against 63.3 ms a token with torch on one thread
+during the step (the runner's default) and its OpenMP threads passive (`ktrans`'s default). With torch's 15 OpenMP
+threads spinning beside the pool's pinned workers it had been 2.15x slower than the module forward (sessions 12-13).
 """
 from __future__ import annotations
 

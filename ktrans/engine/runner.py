@@ -71,16 +71,17 @@ def operator_ops(model: nn.Module, method: str) -> list:
 
 # KTRANS_SPIN_WAIT=1: wait for a forward's end by polling, as a bare CUDA copy back does (for comparison)
 _SPIN_WAIT = os.environ.get("KTRANS_SPIN_WAIT", "0") not in ("", "0")
-# KTRANS_CPU_DECODE=1: a CPU-only model's decode steps run ktrans.engine.cpu_decode's flat loop (the same ops and
-# kernels). Off by default: 1.30x the module forward's speed on a 2-core VM (4-layer slice), but 5.35 against 12.02
-# tok/s at full size on the 16-core H200 machine (doc/benchmarks.md, 2026-12-02 session 12), cause not yet found.
-_CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "0") not in ("", "0")
+# KTRANS_CPU_DECODE (default 1): a CPU-only model's decode steps run ktrans.engine.cpu_decode's flat loop (the same
+# ops and kernels; 0: the module forward). Measured alternating in one process at full size on the 16-core Xeon
+# (scripts/cpu_decode_ab.py, doc/benchmarks.md session 15), median ms a token, torch's OpenMP threads spinning /
+# passive: module forward 80.5 / 63.3, flat step 185.2 / 70.0, flat step with torch on one thread 61.4 / 52.1. The
+# flat step's slowdown of sessions 12-13 was torch's --cpu_infer OpenMP threads, woken by its many small ops,
+# fighting the pool's pinned, polling workers for the same cores.
+_CPU_DECODE = os.environ.get("KTRANS_CPU_DECODE", "1") not in ("", "0")
 # torch's threads during a decode step on the CPU (None: torch's own, --cpu_infer). Its ops there are views and
 # small ops (scripts/cpu_decode_ops.py: none but the logits' cast reaches its grain size) while the experts and
-# linears run on the CPU pool, whose pinned workers poll the same cores. On the 2-core dev box at --cpu_infer 2,
-# one thread measured 0.97-1.39x (scripts/cpu_decode_ab.py, doc/benchmarks.md session 13): noise there; the A/B
-# runs at full size on the 16-core Xeon next, where the flat step is 2.15x slower for a reason not yet found.
-DECODE_TORCH_THREADS: int | None = None
+# linears run on the CPU pool: one thread (figures above; on the 2-core dev box 0.97-1.39x, noise).
+DECODE_TORCH_THREADS: int | None = 1
 
 
 def caller_cpu() -> int | None:

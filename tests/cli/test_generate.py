@@ -103,3 +103,17 @@ def test_bad_flags_name_the_flag(argv, message, capsys, ckpt):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "ktrans.cli", "make-tiny", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--preset" in out.stdout
+
+
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_openmp_threads_sleep_unless_the_user_says(given):
+    """`ktrans` sets OMP_WAIT_POLICY=PASSIVE before torch loads (its OpenMP runtime reads it once), unless set."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import os, sys\nfrom ktrans.cli import main\ntry:\n    main(['make-tiny', '--help'])\n"
+            "except SystemExit:\n    pass\nprint(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split()[-2:] == [given or "PASSIVE", "False"], out.stderr[-500:]

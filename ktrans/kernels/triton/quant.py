@@ -176,9 +176,10 @@ def _sms(device: torch.device) -> int:
 # is split until the grid has that many). Set from scripts/gemv_sweep.py on the H200 (doc/benchmarks.md, 2026-12-02):
 # 100.4 us over the nine Q4_K shapes of a layer's projections, within 1% of the best of 54 tilings tried (64, 4, 8:
 # 104.7); the interpreter gets wider tiles. fused_sum: the split-K partials summed by the GEMV's last program (one
-# launch) instead of a second kernel; faster in every tiling of the session-13 sweep (90.7 against 101.4 us), off
-# until its CUDA-graph test has passed on a GPU (KTRANS_GEMV_FUSED_SUM=1 turns it on, for the device A/B).
-GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "0") == "1"}
+# launch) instead of a second kernel; faster in every tiling of the session-13 sweep (90.7 against 101.4 us), and
+# all on the H200 at full size (session 15, CUDA graphs) 153.7 against 135.2 tok/s at batch 1 once its CUDA-graph
+# test had passed there. On by default; KTRANS_GEMV_FUSED_SUM=0 selects the second kernel.
+GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1"}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
