@@ -167,9 +167,12 @@ class KGatedDeltaNetTorch(Op):
         conv_pool, ssm_pool = batch.states.layer(self.layer_idx)
         check_pool_device(self.key, "DeltaNet state", conv_pool, self.device)
         core = self.core(mixed, b, a, conv_pool, ssm_pool, batch)
-        core = rms_norm_gated(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm_weight,
-                              self.eps)
+        core = self.gated_norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return core.reshape(t, self.value_dim)
+
+    def gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The output norm, RMSNorm(core) * weight * SiLU(z), over rows of head_v_dim (the torch reference)."""
+        return rms_norm_gated(core, z, self.norm_weight, self.eps)
 
     def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
              ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

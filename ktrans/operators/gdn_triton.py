@@ -3,8 +3,9 @@
 The same call and the same batching policy as KGatedDeltaNetTorch (`plan_deltanet`): the one-token rows of started
 sequences take the fused decode kernel (conv window, gates, L2 norm and recurrent update in one launch, in place
 in the state pool), every other sequence of the step goes through the varlen conv and the chunked delta rule
-together, three launches for all of them. A mixed step runs both. The gated output norm stays the torch function
-the torch op uses.
+together, three launches for all of them. A mixed step runs both. The gated output norm is one Triton launch
+(`ktrans.kernels.triton.norm.rms_norm_gated`, rounding where the torch function rounds) where the torch function took
+about ten kernels a layer.
 
 Imported lazily by GDN_OPS (declared in gdn.py), so ktrans imports where Triton does not. On a CPU device it runs
 only under Triton's interpreter (TRITON_INTERPRET=1: the tests).
@@ -17,6 +18,7 @@ from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton.conv import causal_conv1d_varlen
 from ktrans.kernels.triton.gated_delta import CHUNK, ChunkPlan, chunk_gated_delta_rule_varlen, plan_chunks
 from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
+from ktrans.kernels.triton.norm import rms_norm_gated as tri_rms_norm_gated
 from ktrans.operators.gdn import GDN_OPS, KGatedDeltaNetTorch, plan_deltanet
 from ktrans.runtime.batch import ForwardBatch
 
@@ -90,6 +92,9 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
             if step.prefill else None
         self.emit_chunks = _per_step(_last_emits, batch, lambda: _emit_plan(batch, step, self.device)) \
             if step.emits else None
+
+    def gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return tri_rms_norm_gated(core, z, self.norm_weight, self.eps)
 
     def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
              ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
