@@ -48,7 +48,7 @@ kernels)
   start_llama /tmp/llb 8
   if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
     echo "== ktrans bench kernels --family quant --match moe"
-    timeout 150 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
+    timeout 240 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
     python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
       "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
     echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"

@@ -89,12 +89,14 @@ def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
         from ktrans.kernels.triton import moe_quant as mq
         from ktrans.kernels.triton.quant_layout import concat_rows, repack
 
-        def moe_quant(*args):  # lanes: the few-token path through the GEMV's lane-wise decoding (moe_quant.LANES)
-            was, mq.LANES["on"] = mq.LANES["on"], lanes
+        def moe_quant(*args):  # lanes: the few-token path through the GEMV's lane-wise decoding (moe_quant.LANES),
+            # at any of these token counts (False: the tile path, also at 1-4 tokens)
+            was = dict(mq.LANES)
+            mq.LANES.update(on=lanes, max_tokens=max(tokens, mq.DIRECT_MAX_TOKENS))
             try:
                 return mq.moe_quant(*args)
             finally:
-                mq.LANES["on"] = was
+                mq.LANES.update(was)
 
         _full_size_only(device)
         def stack(qtype, rows, cols, seed):
@@ -130,7 +132,10 @@ def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
 for _b in (1, 16, 256):
     case("quant", f"moe q4_k layer E=512 top-10 B={_b}", ("decode",) if _b <= 16 else ("prefill",))(_moe_case(_b))
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1", ("decode",))(_moe_case(1, "Q6_K"))
-case("quant", "moe q4_k layer E=512 top-10 B=1, lanes", ("decode",))(_moe_case(1, lanes=True))
+for _b in (1, 4, 8, 16):
+    case("quant", f"moe q4_k layer E=512 top-10 B={_b}, lanes", ("decode",))(_moe_case(_b, lanes=True))
+case("quant", "moe q4_k layer E=512 top-10 B=4", ("decode",))(_moe_case(4))
+case("quant", "moe q4_k layer E=512 top-10 B=8", ("decode",))(_moe_case(8))
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1, lanes", ("decode",))(_moe_case(1, "Q6_K", lanes=True))
 
 

@@ -128,6 +128,7 @@ def test_lanes_path_against_the_reference(down_type, triton_device, monkeypatch)
     ids[1, 2] = -1
     x = (torch.randn(3, 2 * H, device=triton_device) * 1e-3)[:, :H]
     ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    monkeypatch.setitem(mq.LANES, "on", False)  # the per-pair tile path (the lanes path is the default)
     tiles = mq.moe_quant(x, ids, weights, gate_up, down)
     monkeypatch.setitem(mq.LANES, "on", True)
     y = mq.moe_quant(x, ids, weights, gate_up, down)
@@ -149,6 +150,7 @@ def test_lanes_split_k_and_fused_sums(split, triton_device, monkeypatch):
     ids[1, 0] = -1
     x = torch.randn(2, h, device=triton_device) * 1e-3
     ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    monkeypatch.setitem(mq.LANES, "on", False)
     tiles = mq.moe_quant(x, ids, weights, gate_up, down)
     monkeypatch.setitem(mq.LANES, "on", True)
     monkeypatch.setitem(mq.LANES, "split", split)
@@ -156,3 +158,19 @@ def test_lanes_split_k_and_fused_sums(split, triton_device, monkeypatch):
         y = mq.moe_quant(x, ids, weights, gate_up, down)
         assert y.shape == (2, h) and _err(y, ref) < 2e-5 and _err(y, tiles.double().cpu()) < 2e-5
         assert not counters(x.device).any()
+
+
+def test_lanes_path_past_four_tokens(triton_device, monkeypatch):
+    """LANES["max_tokens"] (bench kernels tries the lanes path up to 16 tokens): 9 tokens, one slot skipped, against
+    the reference and the tile path's 16-row blocks (tensor-core dots on bf16-rounded activations: 1e-2)."""
+    from ktrans.kernels.triton import moe_quant as mq
+
+    gate_up, down, (g, u, d) = _layer(triton_device, "Q4_K")
+    ids, weights = _routing(9, triton_device, seed=11)
+    ids[4, 1] = -1
+    x = torch.randn(9, H, device=triton_device).to(torch.bfloat16).float() * 1e-3
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    tiles = mq.moe_quant(x, ids, weights, gate_up, down)  # 9 tokens: past max_tokens, the tile path
+    monkeypatch.setitem(mq.LANES, "max_tokens", 16)
+    y = mq.moe_quant(x, ids, weights, gate_up, down)
+    assert y.shape == (9, H) and _err(y, ref) < 2e-5 and _err(y, tiles.double().cpu()) < 1e-2

@@ -36,10 +36,11 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 # (doc/benchmarks.md, session 13) its first form, without the split and the fused sums, took one 80B layer at B=1 in
 # 53.8 us against the tile path's 87.9; with them (session 14) 26.9 us against 88.0, 28.2 against 87.0 with the Q6_K
 # down projection, and its CUDA-graph test passed there. On by default since; KTRANS_MOE_LANES=0: the tile path.
-LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1",
-         "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
-
+# max_tokens: the largest step it takes (DIRECT_MAX_TOKENS; `bench kernels` tries it up to 16 tokens, where the
+# tile path pads each expert's one or two pairs to a 16-row block: 619 us a layer at B=16, 0.10 of HBM).
 DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
+LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": DIRECT_MAX_TOKENS,
+         "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
 
 
 @triton.jit
@@ -227,7 +228,7 @@ def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     p = t * k
     rw = weights.reshape(-1)
     rw = rw if rw.is_contiguous() else rw.contiguous()
-    if t <= DIRECT_MAX_TOKENS and LANES["on"]:
+    if LANES["on"] and t <= LANES["max_tokens"]:
         return _lanes(x, ids, rw, gate_up, down)
     if t <= DIRECT_MAX_TOKENS:
         mode, bm = 0, 1
