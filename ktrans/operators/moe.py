@@ -121,8 +121,8 @@ class KQwen3NextMLP(BaseOperator):
     Where all three run KLinearMarlin (one packed matrix each, gate and up of one type) on the MLP's GPU, steps of up
     to moe_quant.DIRECT_MAX_TOKENS rows (decode) run it as a one-expert GPU MoE the same way: the MoE kernel's
     few-token path does gate and up with SiLU times up in one launch and down in a second, where the projections
-    took six (three GEMVs, their split-K sums) and torch two more (SiLU, product), the shared expert of every layer
-    of every decoded token. The same blocks and lane-wise decoding; h = silu(g) * u is formed in fp32 before its
+    took three GEMVs (six launches with their split-K sums as separate kernels) and torch two more (SiLU, product),
+    the shared expert of every layer of every decoded token. The same blocks and lane-wise decoding; h = silu(g) * u is formed in fp32 before its
     one rounding to the activations' dtype (the projections rounded g and u first). Longer steps keep the
     projections (their GEMM tiles). The gate and up planes are stacked once: the shared expert's gate and up twice
     on the GPU (~1.2 MiB a layer at the 80B's shapes).
