@@ -203,21 +203,44 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
                 ParamSpec(f"{k}.A_log", (self.num_v_heads,)), ParamSpec(f"{k}.dt_bias", (self.num_v_heads,)),
                 ParamSpec(f"{k}.norm.weight", (self.head_v_dim,))]
 
+    def _stored_qkvz(self, x: torch.Tensor, phase: str, dev: torch.device) -> list[torch.Tensor] | None:
+        """(mixed [T, conv_dim], z [T, value_dim]) from in_proj_qkvz's op where it keeps a split GGUF's stored order
+        on this device (KLinearMarlin.forward_stored), else None."""
+        lin = self.in_proj_qkvz
+        if not isinstance(lin, BaseOperator) or phase not in lin.impl or lin.devices[phase] != dev \
+                or lin.out_devices[phase] != dev or x.device != dev:
+            return None
+        stored = getattr(lin.impl[phase], "forward_stored", None)
+        outs = stored(x) if stored is not None else None
+        if outs is None or [o.shape[-1] for o in outs] != [self.conv_dim, self.value_dim]:
+            return None
+        return outs
+
+    def split_ba(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj_ba's output, grouped per key head [b (r) | a (r)] -> b, a [T, num_v_heads]."""
+        t, r = ba.shape[0], self.num_v_heads // self.num_k_heads
+        b, a = ba.view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        return b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
+
     def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
         """The projections are grouped per key head: [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]."""
         t, r = qkvz.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         q, k, v, z = qkvz.view(t, self.num_k_heads, -1).split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = ba.view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
-        return (q, k, v.reshape(t, self.num_v_heads, dv), z.reshape(t, self.num_v_heads, dv),
-                b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads))
+        return (q, k, v.reshape(t, self.num_v_heads, dv), z.reshape(t, self.num_v_heads, dv), *self.split_ba(ba))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         phase, dev = self.phase_device()
         x, batch = move(x, dev), batch.on(dev)
         t = x.shape[0]
-        qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
-        q, k, v, z, b, a = self.split_projections(move(qkvz, dev), move(ba, dev))
-        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        stored = self._stored_qkvz(x, phase, dev)
+        if stored is not None:  # [q | k | v] of all heads and z straight from the stored tensors: nothing to regroup
+            mixed, z = stored  # columns of one output where both tensors are one matrix: rows strided when t > 1
+            mixed, z = mixed.contiguous(), z.view(t, self.num_v_heads, self.head_v_dim)  # (one row: no copy)
+            b, a = self.split_ba(move(self.in_proj_ba(x), dev))
+        else:
+            qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
+            q, k, v, z, b, a = self.split_projections(move(qkvz, dev), move(ba, dev))
+            mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         core = self.op_for(phase)(mixed, z, b, a, batch)
         return self.leave(move(self.out_proj(core), dev), phase)

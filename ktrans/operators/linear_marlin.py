@@ -97,16 +97,21 @@ class KLinearMarlin(Op):
         self.n_out, self.n_in = operator.out_features, operator.in_features
         self.parts: list[Matrix] = []
         self.place: torch.Tensor | None = None  # column c of the parts' concatenation is output column place[c]
+        self.stored_rows: list[int] | None = None  # the stored tensors' row counts, where the rows are regrouped
         self.bias: torch.Tensor | None = None
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         name = self.specs[0].name
         raws, order = source.get_raw_parts(name)
-        if len({r.type_name for r in raws}) == 1 and len(raws) > 1:
-            raws, order = [source.get_raw(name)], None  # one type: the source regroups the stored rows itself
         if sum(r.shape[0] for r in raws) != self.n_out or any(r.shape[-1] != self.n_in for r in raws):
             raise ValueError(f"{self.key}: {', '.join(r.name for r in raws)} have shapes "
                              f"{[tuple(r.shape) for r in raws]}, expected {(self.n_out, self.n_in)} in all")
+        # A projection stored as two tensors keeps their rows in stored order (forward_stored hands out each part's
+        # columns, which is what the DeltaNet wants); of one type, as one matrix of their rows one after the other
+        self.stored_rows = [r.shape[0] for r in raws] if order is not None else None
+        if len({r.type_name for r in raws}) == 1 and len(raws) > 1:
+            raws = [RawTensor(raws[0].name, raws[0].ggml_type, (self.n_out, self.n_in),
+                              torch.cat([r.data.reshape(r.shape[0], -1) for r in raws]))]
         self.parts = [load_matrix(self.key, r, dtype, self.device) for r in raws]
         for i, part in enumerate(self.parts):
             keep_buffers(self, f"part{i}", part.packed, part.dense)
@@ -131,7 +136,7 @@ class KLinearMarlin(Op):
             raise RuntimeError(f"{self.key}: KLinearMarlin has no weights; load() it first")
         shape = x.shape
         x2 = x.reshape(-1, self.n_in)
-        if len(self.parts) == 1:
+        if len(self.parts) == 1 and self.place is None:
             y = self.parts[0](x2)
         else:
             y = torch.empty(x2.shape[0], self.n_out, dtype=x.dtype, device=x.device)
@@ -143,6 +148,20 @@ class KLinearMarlin(Op):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.n_out)
+
+    def forward_stored(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """x times each stored tensor of a regrouped projection, in stored row order, one output per stored tensor
+        (in_proj_qkvz from a split GGUF: [q | k | v] of all heads and z, the DeltaNet's conv input and gate as they
+        are, where HF's per-key-head order would be undone again); None for a projection stored as HF has it. The
+        same products as forward's, only not scattered."""
+        if self.stored_rows is None or not self.parts or self.bias is not None:
+            return None
+        x2 = x.reshape(-1, self.n_in)
+        if len(self.parts) == 1:
+            outs = list(self.parts[0](x2).split(self.stored_rows, dim=1))
+        else:
+            outs = [part(x2) for part in self.parts]
+        return [y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1]) for y in outs]
 
     def extra_repr(self) -> str:
         if not self.parts:

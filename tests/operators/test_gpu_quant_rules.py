@@ -128,6 +128,55 @@ def test_shared_expert_as_a_one_expert_moe(q4_k_m, triton_device, monkeypatch):
     assert rel(fused, mlp(x)) < 2e-5 and fused_rows == [1, 3, 4, 2]
 
 
+@pytest.fixture(scope="module")
+def q8_0(tmp_path_factory):
+    return _gguf(tmp_path_factory, "q8_0")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("quant, parts", [("q4_k_m", 2), ("q8_0", 1)])
+def test_deltanet_projection_in_stored_order(quant, parts, request, triton_device, monkeypatch):
+    """The split GGUF's in_proj_qkvz (attn_qkv = [q | k | v] of all heads, attn_gate = z) on KLinearMarlin: forward
+    gives HF's per-key-head order (within fp32 rounding of the reference rules' KLinearTorch), forward_stored the
+    stored tensors' columns, equal to forward's regrouped; and the DeltaNet layer that takes them as they are (no
+    regroup, no concatenation) gives bitwise what it gives through HF's order. Every DeltaNet layer: of the tiny
+    Q4_K_M file, whose attn_qkv is Q6_K beside a Q4_K attn_gate (two matrices), and of a Q8_0 file (one matrix of
+    both tensors' rows)."""
+    from ktrans.runtime.batch import ForwardBatch, SeqChunk
+    from ktrans.runtime.pools import KVPool, StatePool
+
+    config, source = request.getfixturevalue(quant)
+    ref, model = _models(config, source, triton_device.type, torch.float32)
+    g = torch.Generator().manual_seed(6)
+    kinds = set()
+    for layer, want_layer in zip(model.model.layers, ref.model.layers):
+        if not hasattr(layer, "linear_attn"):
+            continue
+        gdn, lin = layer.linear_attn, layer.linear_attn.in_proj_qkvz
+        op = lin.op
+        kinds.add(len(op.parts))
+        x = (torch.randn(3, config.hidden_size, generator=g) * 0.5).to(triton_device)
+        hf = lin(x)
+        assert rel(hf, want_layer.linear_attn.in_proj_qkvz(x)) < 2e-5 and op.stored_rows is not None
+        mixed, z = op.forward_stored(x)
+        q, k, v, zz, _, _ = gdn.split_projections(hf, torch.zeros(3, 2 * gdn.num_v_heads, device=triton_device))
+        assert torch.equal(mixed, torch.cat((q.reshape(3, -1), k.reshape(3, -1), v.reshape(3, -1)), dim=-1))
+        assert torch.equal(z.reshape(zz.shape), zz)
+        assert gdn._stored_qkvz(x, "prefill", x.device) is not None  # the layer takes the stored order
+        outs = []
+        for stored in (True, False):
+            if not stored:
+                monkeypatch.setattr(type(gdn), "_stored_qkvz", lambda *a: None)
+            kv = KVPool(config, 4, 16, torch.float32, triton_device)
+            states = StatePool(config, 2, torch.float32, triton_device)
+            batch = ForwardBatch.build([SeqChunk(list(range(3)), 0, 0, [0])], kv, states, device=triton_device)
+            with batch.active():
+                outs.append(gdn(x, batch))
+        monkeypatch.undo()
+        assert torch.equal(outs[0], outs[1])
+    assert kinds == {parts}
+
+
 @pytest.mark.gpu
 def test_model_teacher_forced_on_the_gpu(q4_k_m):
     config, source = q4_k_m
