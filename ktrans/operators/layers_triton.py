@@ -116,6 +116,11 @@ class KAttentionTriton(Checked, Op):
                                            max_new)
 
 
+    def output_gate(self, out: torch.Tensor, qg: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The attention output times sigmoid(gate) in one launch (see KQwen3NextAttention.forward)."""
+        return tri_attention.output_gate(out, qg, head_dim)
+
+
 @ROUTER_OPS.register("KRouterTriton", devices=("cuda", "cpu"))
 class KRouterTriton(Checked, KRouterTorch):
     """Top-k softmax routing in one launch, and the gated sum of the routed and shared experts in one launch."""

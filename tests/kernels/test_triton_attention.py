@@ -216,3 +216,22 @@ def test_pretune_plans_cover_every_class_the_cache_reaches():
     small = tri.pretune_plans(capacity=600, kv_heads=2, sms=132)
     assert [p.split_tokens for p in small] == [128, 256] and small[1].num_splits == 2
     assert tri.pretune_decode(torch.zeros(64, 2, 8), torch.zeros(64, 2, 8), 16, 4, 1.0) == []  # no autotuner here
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("t, h, d", [(1, 3, 40), (5, 2, 256)])
+def test_output_gate(triton_device, dtype, t, h, d):
+    """out * sigmoid(gate) with the gate read in place from q_proj's output (per head [q | gate]), against the
+    operator's torch ops: equal up to fp32 rounding in fp32, and in bf16 up to torch's and Triton's sigmoid differing
+    in the last fp32 bit before the rounding to bf16 (one bf16 ulp: rtol 2^-7)."""
+    g = torch.Generator().manual_seed(t + d)
+    qg = (torch.randn(t, h * 2 * d, generator=g) * 3).to(dtype).to(triton_device)
+    out = torch.randn(t, h, d, generator=g).to(dtype).to(triton_device)
+    gate = qg.view(t, h, 2 * d).chunk(2, dim=-1)[1]
+    want = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+    got = tri.output_gate(out, qg, d)
+    assert got.shape == (t, h * d) and got.dtype == dtype
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(ValueError, match="do not fit"):
+        tri.output_gate(out, qg[:, 1:], d)

@@ -391,3 +391,36 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
                                                        BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=MERGE_STEP)
     return o
+
+
+# ---- the output gate --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _output_gate_kernel(O, QG, Y, n_cols, stride_o, stride_qg, stride_y, D: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(QG + row * stride_qg + (cols // D) * (2 * D) + D + cols % D, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g).to(Y.dtype.element_ty).to(tl.float32)  # rounded where torch's sigmoid rounds it
+    tl.store(Y + row * stride_y + cols, (o * s).to(Y.dtype.element_ty), mask=mask)
+
+
+def output_gate(out: torch.Tensor, qg: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """out [T, H, D] (or [T, H * D]) times sigmoid of each head's gate half of qg [T, H * 2D] (q_proj's output,
+    per head [q | gate]) -> [T, H * D] in out's dtype, in one launch where torch took three (the gate's strided
+    copy, the sigmoid, the product). The sigmoid is rounded to the dtype before the product, as torch rounds it."""
+    t = out.shape[0]
+    out2 = out.reshape(t, -1)
+    out2 = out2 if out2.stride(-1) == 1 else out2.contiguous()
+    n = out2.shape[1]
+    if qg.shape != (t, 2 * n) or qg.stride(-1) != 1 or n % head_dim:
+        raise ValueError(f"output_gate: out {tuple(out.shape)}, qg {tuple(qg.shape)} (unit stride needed) and head "
+                         f"dim {head_dim} do not fit")
+    y = torch.empty(t, n, dtype=out.dtype, device=out.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(n))
+        _output_gate_kernel[(t, triton.cdiv(n, block))](out2, qg, y, n, out2.stride(0), qg.stride(0), y.stride(0),
+                                                        D=head_dim, BLOCK=block)
+    return y
