@@ -5,7 +5,8 @@ Importing this module registers the op under LINEAR_OPS (ktrans.operators.linear
 
 - Q4_K, Q5_K, Q6_K, Q8_0 with whole 256-weight super-blocks per row: the packed planes (the stored bytes go to the
   GPU and are repacked there), ~4.6 bits per weight for Q4_K; nothing is dequantized in memory;
-- F32 / F16 / BF16: the floats in the model dtype, multiplied with F.linear (KLinearTorch's math);
+- F32 / F16 / BF16: the floats in the model dtype, multiplied with F.linear (KLinearTorch's math), or for 1-4 rows
+  (decode) by ktrans.kernels.triton.dense_gemv (the router's gate: one launch for what cuBLAS took 5.4 us over);
 - any other type (Q5_0, Q4_0, ...; rows that are not whole super-blocks): dequantized once at load to the model
   dtype, with a warning.
 
@@ -26,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ktrans.kernels.triton import interpreting, unavailable_reason
+from ktrans.kernels.triton.dense_gemv import MAX_ROWS as DENSE_MAX_ROWS
+from ktrans.kernels.triton.dense_gemv import dense_gemv
 from ktrans.kernels.triton.quant import plane_args, qlinear
 from ktrans.kernels.triton.quant_layout import PackedWeight, packable, repack
 from ktrans.operators.base import Op
@@ -61,7 +64,10 @@ class Matrix:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return qlinear(x, self.packed)
-        return F.linear(x.to(self.dense.dtype), self.dense)
+        x = x.to(self.dense.dtype)
+        if 0 < x.shape[0] <= DENSE_MAX_ROWS and x.dim() == 2 and (x.is_cuda or interpreting()):
+            return dense_gemv(x, self.dense)  # decode rows: one Triton launch, not a cuBLAS GEMM
+        return F.linear(x, self.dense)
 
 
 def keep_buffers(module: torch.nn.Module, tag: str, packed: PackedWeight | None, dense: torch.Tensor | None = None
