@@ -39,7 +39,8 @@ kernels)
       "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
       "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py" \
       "tests/kernels/test_triton_gdn.py tests/kernels/test_triton_norm.py tests/kernels/test_triton_repack.py \
-       tests/kernels/test_triton_router.py tests/operators/test_experts_split.py tests/operators/test_gdn_emit.py \
+       tests/kernels/test_triton_router.py tests/kernels/test_dense_gemv.py tests/operators/test_experts_split.py \
+       tests/operators/test_gdn_emit.py \
        tests/operators/test_linear_marlin.py tests/operators/test_triton_ops.py tests/engine/test_no_host_sync.py \
        tests/engine/test_runner.py tests/engine/test_cache.py tests/engine/test_sampler.py \
        tests/engine/test_split_gpu.py tests/engine/test_grammar.py tests/bench/test_kernels_attention.py \
@@ -60,6 +61,8 @@ kernels)
     timeout 240 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
     python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
       "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
+    echo "== ktrans bench kernels --family quant --match 'router gate'"
+    timeout 60 ktrans bench kernels --json --reps 20 --family quant --match "router gate" 2>&1 | tail -2
     echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"
     for fused in 0 1; do
       KTRANS_GEMV_FUSED_SUM=$fused timeout 100 ktrans bench kernels --json --reps 20 --family quant \

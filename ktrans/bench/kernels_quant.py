@@ -6,6 +6,7 @@ on the device.
   and the layer's set in one call; bytes = the packed weights the kernels read (Q4_K: 4.625 bits per weight, the
   GGUF's 4.5 plus fp16 d/dmin beside byte-wide scales). Peer: cuBLAS on the same matrices in bf16.
 - GEMM at M=4096 (prefill) with flops = 2 M N K. Peer: cuBLAS bf16.
+- The router's float gate at M=1 through the Triton dense GEMV. Peer: cuBLAS bf16.
 - One MoE layer (512 experts, hidden 2048, intermediate 512, top-10, Q4_K) at B = 1, 16, 256 tokens; bytes = the
   distinct routed experts' packed weights. Peer (B <= 16): KExpertsTorch's gathered bf16 bmm.
 - The on-device repack of one MoE layer's blocks by the Triton kernel (ktrans.kernels.triton.repack), from ggml rows and
@@ -82,6 +83,21 @@ case("quant", "gemv q6_k deltanet.in_proj_qkvz [12288x2048] M=1", ("decode",))(_
 case("quant", "gemv q4_k deltanet.in_proj_qkvz [12288x2048] M=16", ("decode",))(_gemv_case(DELTANET[:1], 16))
 for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
     case("quant", f"gemm q4_k {_one[0]} [{_one[1]}x{_one[2]}] M=4096", ("prefill",))(_gemv_case((_one,), 4096))
+
+
+def _dense_gemv_case(setup_device: torch.device) -> Timed:
+    """The router's gate as KLinearMarlin keeps it (floats, bf16 [512, 2048]) at one row: the Triton GEMV against
+    cuBLAS (F.linear), which it replaces for decode rows."""
+    from ktrans.kernels.triton.dense_gemv import dense_gemv
+
+    _full_size_only(setup_device)
+    w = torch.randn(E, H, device=setup_device, dtype=torch.bfloat16)
+    x = torch.randn(1, H, device=setup_device, dtype=torch.bfloat16)
+    return Timed(lambda: dense_gemv(x, w), w.numel() * 2 + (H + E) * 2, 0, lambda: torch.nn.functional.linear(x, w),
+                 "bf16_cublas")
+
+
+case("quant", "gemv bf16 router gate [512x2048] M=1", ("decode",))(_dense_gemv_case)
 
 
 def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
