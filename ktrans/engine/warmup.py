@@ -17,8 +17,9 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
     """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): a
     whole-step prompt; beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
     the odd chunk beside two decoding (where the batch holds three); decode at batch 1, 2 and each larger graph
-    bucket, and those rows beside a short prompt and a step-filling one where a slot is left. Users then do not pay what each kind of step costs the first time: Triton compiles per token-count
-    class and per one-or-more sequences, autotunings per size class, graph captures, split prefill's rates.
+    bucket, and those rows beside a short prompt and a step-filling one where a slot is left. Users then do not
+    pay what each kind of step costs the first time: Triton compiles per token-count class and per one-or-more
+    sequences, autotunings per size class, graph captures, split prefill's rates.
     Nothing of it stays (prefix cache flushed, counters reset, no metrics). On the caller's thread, before
     start(). Returns the time and steps taken."""
     if engine._thread is not None and engine._thread.is_alive():

@@ -208,7 +208,7 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
         on this device (KLinearMarlin.forward_stored), else None."""
         lin = self.in_proj_qkvz
         if not isinstance(lin, BaseOperator) or phase not in lin.impl or lin.devices[phase] != dev \
-                or lin.out_devices[phase] != dev or x.device != dev:
+                or lin.out_devices[phase] != dev:
             return None
         stored = getattr(lin.impl[phase], "forward_stored", None)
         outs = stored(x) if stored is not None else None

@@ -133,14 +133,18 @@ class KQwen3NextMLP(BaseOperator):
 
     def __init__(self, key, orig, config, **kwargs):
         super().__init__(key, orig, config, **kwargs)
-        self._fused: dict[str, object] = {}  # per phase: the one-expert CPUMoE, or None where it does not apply
+        # per phase: the one-expert CPUMoE or GPU MoE, or None where it does not apply; phases whose projections run
+        # the same ops share one (one copy of the stacked weights, not one a phase)
+        self._fused: dict[str, object] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
         x = move(x, dev)
         fused = self._fused.get(phase, False)
         if fused is False:
-            fused = self._fused[phase] = self._fuse(phase, dev)
+            ops = self._projection_ops(phase)
+            same = next((p for p in self._fused if self._projection_ops(p) == ops), None)
+            fused = self._fused[phase] = self._fused[same] if same is not None else self._fuse(phase, dev)
         if isinstance(fused, _GPUMLP) and 0 < x.shape[:-1].numel() <= fused.max_rows:
             y = fused(x.reshape(-1, x.shape[-1]))
             return self.leave(y.reshape(x.shape[:-1] + (y.shape[-1],)), phase)
@@ -153,6 +157,13 @@ class KQwen3NextMLP(BaseOperator):
         g, u = project(x, self.gate_proj, self.up_proj)
         h = F.silu(move(g, dev)) * move(u, dev)
         return self.leave(move(self.down_proj(h), dev), phase)
+
+    def _projection_ops(self, phase: str) -> tuple:
+        """Identities of the three projections' ops in a phase (and their devices): equal where two phases run the
+        same op instances, so what _fuse builds from them serves both."""
+        lins = (self.gate_proj, self.up_proj, self.down_proj)
+        return tuple((id(lin.impl.get(phase)), lin.devices.get(phase), lin.out_devices.get(phase))
+                     if isinstance(lin, BaseOperator) else id(lin) for lin in lins)
 
     def _fuse(self, phase: str, dev: torch.device):
         """The one-expert CPUMoE over the three projections' stored blocks, or None: projections not all read as
@@ -215,5 +226,4 @@ class _GPUMLP:
         from ktrans.kernels.triton.moe_quant import moe_quant
 
         t = x.shape[0]
-        return moe_quant(x if x.stride(-1) == 1 else x.contiguous(), self.ids[:t], self.weights[:t], self.gate_up,
-                         self.down)
+        return moe_quant(x, self.ids[:t], self.weights[:t], self.gate_up, self.down)  # (it makes rows unit-stride)

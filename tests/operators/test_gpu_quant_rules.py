@@ -122,10 +122,14 @@ def test_shared_expert_as_a_one_expert_moe(q4_k_m, triton_device, monkeypatch):
         # 5 rows: the projections' tensor-core tiles, which multiply the activations rounded to bf16
         assert got.shape == want.shape and rel(got, want) < (2e-5 if rows <= 4 else 3e-2), (rows, rel(got, want))
     assert isinstance(mlp._fused["prefill"], _GPUMLP) and fused_rows == [1, 3, 4]  # 5 rows: the projections
+    with monkeypatch.context() as mp:  # decode runs the same ops: it shares the stacked weights, no second copy
+        mp.setattr("ktrans.operators.base.current_phase", lambda: "generate")
+        mlp(x[:1])
+    assert mlp._fused["generate"] is mlp._fused["prefill"] and fused_rows == [1, 3, 4, 1]
     x = (torch.randn(2, config.hidden_size, generator=g) * 0.5).to(triton_device)
     fused = mlp(x)
     mlp._fused["prefill"] = None  # the projections' path for the same rows: another kernel, as close
-    assert rel(fused, mlp(x)) < 2e-5 and fused_rows == [1, 3, 4, 2]
+    assert rel(fused, mlp(x)) < 2e-5 and fused_rows == [1, 3, 4, 1, 2]
 
 
 @pytest.fixture(scope="module")
