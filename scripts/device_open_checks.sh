@@ -54,17 +54,20 @@ kernels)
   for f in "$OUT"/tests_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed|^rc " "$f" | tail -"${TAIL:-8}"; done
   # one file back, not eight: the device tool returns a limited number of files (session 15 lost one)
   cat "$OUT"/tests_*.txt > "$OUT/tests.txt" && rm -f "$OUT"/tests_*.txt
-  start_writer "$OUT/mk.log"
-  start_llama /tmp/llb 8
+  if [ -z "${NO_FILE:-}" ]; then  # NO_FILE=1: neither the full-size file nor llama-bench (a call that ends the machine)
+    start_writer "$OUT/mk.log"
+    start_llama /tmp/llb 8
+  fi
   if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
-    echo "== ktrans bench kernels --family quant --match moe"
-    timeout 240 ktrans bench kernels --json --reps 20 --family quant --match moe > "$OUT/moe.jsonl" 2> "$OUT/moe.err"
+    echo "== ktrans bench kernels --family quant --match '${MOE_MATCH:=moe}'"
+    timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" > "$OUT/moe.jsonl" \
+      2> "$OUT/moe.err"
     python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
       "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
     echo "== ktrans bench kernels --family quant --match 'router gate'"
     timeout 60 ktrans bench kernels --json --reps 20 --family quant --match "router gate" 2>&1 | tail -2
     echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"
-    for fused in 0 1; do
+    for fused in ${LAYER_FUSED:-0 1}; do
       KTRANS_GEMV_FUSED_SUM=$fused timeout 100 ktrans bench kernels --json --reps 20 --family quant \
         --match "layer projections" > "$OUT/layer_$fused.jsonl" 2> "$OUT/layer_$fused.err"
       python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \

@@ -148,10 +148,10 @@ def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
 for _b in (1, 16, 256):
     case("quant", f"moe q4_k layer E=512 top-10 B={_b}", ("decode",) if _b <= 16 else ("prefill",))(_moe_case(_b))
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1", ("decode",))(_moe_case(1, "Q6_K"))
-for _b in (1, 4, 8, 16):
+for _b in (1, 4, 8, 16, 32, 64):
     case("quant", f"moe q4_k layer E=512 top-10 B={_b}, lanes", ("decode",))(_moe_case(_b, lanes=True))
-case("quant", "moe q4_k layer E=512 top-10 B=4", ("decode",))(_moe_case(4))
-case("quant", "moe q4_k layer E=512 top-10 B=8", ("decode",))(_moe_case(8))
+for _b in (4, 8, 32, 64):  # the tile path where the lanes path is the default, and past it
+    case("quant", f"moe q4_k layer E=512 top-10 B={_b}", ("decode",))(_moe_case(_b))
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1, lanes", ("decode",))(_moe_case(1, "Q6_K", lanes=True))
 
 

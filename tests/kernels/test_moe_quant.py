@@ -161,8 +161,8 @@ def test_lanes_split_k_and_fused_sums(split, triton_device, monkeypatch):
 
 
 def test_lanes_path_past_four_tokens(triton_device, monkeypatch):
-    """LANES["max_tokens"] (bench kernels tries the lanes path up to 16 tokens): 9 tokens, one slot skipped, against
-    the reference and the tile path's 16-row blocks (tensor-core dots on bf16-rounded activations: 1e-2)."""
+    """The lanes path at 9 tokens (LANES["max_tokens"] is 16), one slot skipped, against the reference and the tile
+    path's 16-row blocks (tensor-core dots on bf16-rounded activations: 1e-2)."""
     from ktrans.kernels.triton import moe_quant as mq
 
     gate_up, down, (g, u, d) = _layer(triton_device, "Q4_K")
@@ -170,7 +170,8 @@ def test_lanes_path_past_four_tokens(triton_device, monkeypatch):
     ids[4, 1] = -1
     x = torch.randn(9, H, device=triton_device).to(torch.bfloat16).float() * 1e-3
     ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
-    tiles = mq.moe_quant(x, ids, weights, gate_up, down)  # 9 tokens: past max_tokens, the tile path
-    monkeypatch.setitem(mq.LANES, "max_tokens", 16)
+    monkeypatch.setitem(mq.LANES, "on", False)
+    tiles = mq.moe_quant(x, ids, weights, gate_up, down)
+    monkeypatch.setitem(mq.LANES, "on", True)
     y = mq.moe_quant(x, ids, weights, gate_up, down)
     assert y.shape == (9, H) and _err(y, ref) < 2e-5 and _err(y, tiles.double().cpu()) < 1e-2

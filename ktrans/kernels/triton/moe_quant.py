@@ -30,16 +30,17 @@ from ktrans.kernels.triton.quant import (_MAX_TILES, QT_CODE, _scale_words, _sms
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
-# The few-token path (DIRECT_MAX_TOKENS) through the one-row GEMV's lane-wise decoding (ktrans.kernels.triton.
+# The few-token path through the one-row GEMV's lane-wise decoding (ktrans.kernels.triton.
 # quant_gemv: codes made floats through the mantissa, one reduction per program) instead of the tile path's per-
 # sub-block reductions, in two launches (gate/up split over K, down with the top-k sum) instead of ~7. On the H200
 # (doc/benchmarks.md, session 13) its first form, without the split and the fused sums, took one 80B layer at B=1 in
 # 53.8 us against the tile path's 87.9; with them (session 14) 26.9 us against 88.0, 28.2 against 87.0 with the Q6_K
 # down projection, and its CUDA-graph test passed there. On by default since; KTRANS_MOE_LANES=0: the tile path.
-# max_tokens: the largest step it takes (DIRECT_MAX_TOKENS; `bench kernels` tries it up to 16 tokens, where the
-# tile path pads each expert's one or two pairs to a 16-row block: 619 us a layer at B=16, 0.10 of HBM).
-DIRECT_MAX_TOKENS = 4  # up to this many tokens, one pair per block (no sort)
-LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": DIRECT_MAX_TOKENS,
+# max_tokens: the largest step it takes. Measured on the H200 (`bench kernels`, session 16, one 80B layer): 66.8 /
+# 114.0 / 211.2 us at 4 / 8 / 16 tokens against the tile path's 227.9 / 389.0 / 620.6 (which pads each expert's one
+# or two pairs to a 16-row block), so up to 16 tokens (a 16-request decode step) take it.
+DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per block (no sort)
+LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 16,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
 
 
