@@ -18,7 +18,7 @@
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
 #                                                quantized linears at --cache_lens 32768 --max_batch_size 4 and 8
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
-#                                                (AB=1: also batch 1 with KTRANS_GEMV_FUSED_SUM=0, ~2.5 min more;
+#                                                (AB="VAR=value ...": also batch 1 under that environment, ~1.5 min;
 #                                                SKIP_SERVE=1 leaves the serve placement out)
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
@@ -26,14 +26,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 source "$(dirname "$0")/device_common.sh"
-case "${1:-}" in
-kernels)
-  # the tests first, on a quiet machine, as parallel pytest processes: one after the other they outran their caps on
-  # a fresh machine (session 14: 200 and 180 s hit with no summary; parallel, the first seven groups ended in 162 s;
-  # the eighth, every other file with gpu or triton tests, joined in session 15).
-  # -rf lists the failures even when the timeout cuts the summary
+run_tests() {
   echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
-  i=0
+  local i=0 group f
   for group in tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py \
       tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py" \
       "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
@@ -54,16 +49,27 @@ kernels)
   for f in "$OUT"/tests_*.txt; do grep -E "^(FAILED|ERROR)|passed|failed|^rc " "$f" | tail -"${TAIL:-8}"; done
   # one file back, not eight: the device tool returns a limited number of files (session 15 lost one)
   cat "$OUT"/tests_*.txt > "$OUT/tests.txt" && rm -f "$OUT"/tests_*.txt
+}
+case "${1:-}" in
+kernels)
+  # the tests first, on a quiet machine, as parallel pytest processes: one after the other they outran their caps on
+  # a fresh machine (session 14: 200 and 180 s hit with no summary; parallel, the first seven groups ended in 162 s;
+  # the eighth, every other file with gpu or triton tests, joined in session 15).
+  # -rf lists the failures even when the timeout cuts the summary
+  [ -n "${NO_TESTS:-}" ] || run_tests  # NO_TESTS=1: the benches only
+
   if [ -z "${NO_FILE:-}" ]; then  # NO_FILE=1: neither the full-size file nor llama-bench (a call that ends the machine)
     start_writer "$OUT/mk.log"
     start_llama /tmp/llb 8
   fi
   if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
     echo "== ktrans bench kernels --family quant --match '${MOE_MATCH:=moe}'"
-    timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" > "$OUT/moe.jsonl" \
-      2> "$OUT/moe.err"
-    python3 -c "import json,sys; [print(r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
-      "$OUT/moe.jsonl" || tail -5 "$OUT/moe.err"
+    for u in ${MOE_UNROLL:-1}; do  # GEMV["unroll"], which the lanes path takes too
+      KTRANS_GEMV_UNROLL=$u timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
+        > "$OUT/moe_$u.jsonl" 2> "$OUT/moe_$u.err"
+      python3 -c "import json,sys; [print('unroll', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
+        "$OUT/moe_$u.jsonl" "$u" || tail -5 "$OUT/moe_$u.err"
+    done
     echo "== ktrans bench kernels --family quant --match 'router gate'"
     timeout 60 ktrans bench kernels --json --reps 20 --family quant --match "router gate" 2>&1 | tail -2
     echo "== ktrans bench kernels --family quant --match 'layer projections' (fused sum off, then on)"
@@ -75,7 +81,9 @@ kernels)
     done
     if [ -n "${SWEEP:-}" ]; then
       echo "== gemv sweep (fused sum 0/1)"
-      timeout 150 python3 scripts/gemv_sweep.py --reps 10 --bn 32,64 --warps 4,8 --per_sm 4,8 > "$OUT/sweep.txt" 2>&1
+      # shellcheck disable=SC2086
+      timeout 200 python3 scripts/gemv_sweep.py --reps 10 ${SWEEP_ARGS:---bn 32,64 --warps 4,8 --per_sm 4,8} \
+        > "$OUT/sweep.txt" 2>&1
       grep -E "HBM|best" "$OUT/sweep.txt"
     fi
   fi
@@ -102,10 +110,11 @@ gpu)
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
     --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 --use_cuda_graph
-  if [ -n "${AB:-}" ]; then  # the GEMV's split sum as a second kernel, batch 1 (the fused sum is the default)
-    KTRANS_GEMV_FUSED_SUM=0 E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton_sum_kernel \
-      --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 --profile_steps 0 \
-      --use_cuda_graph
+  if [ -n "${AB:-}" ]; then  # batch 1 again under the environment AB names (e.g. AB=KTRANS_GEMV_UNROLL=2)
+    # shellcheck disable=SC2086
+    env $AB E2E_TIMEOUT=${E2E_TIMEOUT:-300} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+      e2e gpu_triton_ab --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 \
+      --profile_steps 0 --use_cuda_graph"
   fi
   # issue 16's memory target: --cache_lens 32768 --max_batch_size 4, 8 prefix-cache snapshots (`rules show`: 3.25 GiB)
   [ -n "${SKIP_SERVE:-}" ] || E2E_TIMEOUT=200 e2e serve_quant --optimize_config_path /tmp/serve-quant.yaml \

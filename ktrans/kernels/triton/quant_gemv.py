@@ -6,18 +6,19 @@ This kernel keeps both small:
 
 - No integer-to-float conversion per weight (a quarter-rate instruction on recent NVIDIA GPUs). A K-quant's code q
   is moved into the mantissa of 1.0f instead: with b bits, the bits (q << (23 - b)) | 0x3F800000 are the float
-  1 + q / 2^b exactly, and subtracting 1.0 gives q / 2^b exactly (Sterbenz). The weight is then one fused
-  multiply-add, (q / 2^b) * (2^b * d * sc) - dmin * m, which is ggml's d * sc * q - dmin * m rounded once: the same
-  value the other paths compute, up to one fp32 rounding. Q6_K's codes are offset by 32, and its weight
-  (q6 / 64) * (64 * s) - 32 * s equals s * (q6 - 32) exactly.
+  1 + q / 2^b exactly. The weight is then one fused multiply-add, (1 + q / 2^b) * (2^b * s) - (2^b * s + dmin * m)
+  with s = d * sc, the 1 folded into a per-row constant (no subtraction per weight): ggml's s * q - dmin * m up to
+  two fp32 roundings (the constant's and the FMA's), as the tests' read-back of single weights bounds. Q6_K's codes
+  are offset by 32: (1 + q6 / 64) * (64 * s) - 96 * s = s * (q6 - 32).
 - Lane-wise sums: each row keeps one fp32 partial per lane of a sub-block over every super-block the program reads,
   summed across lanes once at the end (a reduction per sub-block, 8 to 16 per super-block, cost far more).
 - The sub-block scales are read as four int32 words a row and split into bytes in registers, not as sixteen
   byte loads.
 
 Measured on the H200 (scripts/gemv_sweep.py, doc/benchmarks.md): the tiling (rows per program, warps, K splits)
-moves the time by ~5%, and loading the next super-block ahead of the current one's arithmetic made it slower; at
-one layer's shapes every call sits near a fixed ~8 us (two launches, the split-K sum among them) plus ~1.5 TB/s.
+moves the time by ~5%, and loading the next super-block ahead of the current one's arithmetic (carried across loop
+iterations) made it slower; at one layer's shapes every call sits near a fixed ~8 us (two launches, the split-K sum
+among them) plus ~1.5 TB/s. GEMV["unroll"] = 2 loads two super-blocks per iteration before either's arithmetic.
 
 K is split across programs when the row tiles alone would not fill the GPU. The fp32 partials are summed in split
 order, deterministically: by a second kernel (ktrans.kernels.triton.quant.qlinear), or, with GEMV["fused_sum"], by
@@ -44,9 +45,10 @@ def _bits_at(v, src: tl.constexpr, dst: tl.constexpr, mask: tl.constexpr):
 
 
 @triton.jit
-def _frac(bits):
-    """q / 2^b from bits = q << (23 - b) (q < 2^b): the float 1 + q / 2^b, minus 1 (exact)."""
-    return (bits | ONE_F32).to(tl.float32, bitcast=True) - 1.0
+def _one_plus(bits):
+    """1 + q / 2^b from bits = q << (23 - b) (q < 2^b), exactly: the weight (1 + q / 2^b) * (2^b * s) - (2^b * s + m)
+    is then one fused multiply-add, the 1 folded into the per-row constant."""
+    return (bits | ONE_F32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,16 +98,17 @@ def _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask, QT: tl.constexp
 
 
 @triton.jit
-def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, QT: tl.constexpr):
-    """lanes [BN, SUB] += the products of one loaded super-block, lane by lane."""
-    if QT == 2:  # Q6_K: 16 sub-blocks of 16, signed scales, codes - 32
+def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, k_end, QT: tl.constexpr):
+    """lanes [BN, SUB] += the products of one loaded super-block, lane by lane. Activations from k_end on are not
+    read (an unrolled super-block past the program's last, whose planes loaded as zeros)."""
+    if QT == 2:  # Q6_K: 16 sub-blocks of 16, signed scales, codes - 32: (1 + q6/64) 64s - 96s = s (q6 - 32)
         i = tl.arange(0, 16)
         for S in tl.static_range(16):
             word = s0 if S < 4 else (s1 if S < 8 else (s2 if S < 12 else s3))
             s = d * _byte(word, S % 4, True).to(tl.float32)
             bits = _bits_at(a if S < 8 else b, 4 * (S % 8), 17, 0x1E0000) | _bits_at(c, 2 * S, 21, 0x600000)
-            w = _frac(bits) * (s * 64.0)[:, None] - (s * 32.0)[:, None]
-            x = tl.load(x_ptr + k0 + S * 16 + i).to(tl.float32)
+            w = _one_plus(bits) * (s * 64.0)[:, None] - (s * 96.0)[:, None]
+            x = tl.load(x_ptr + k0 + S * 16 + i, mask=k0 + S * 16 + i < k_end, other=0.0).to(tl.float32)
             lanes += w * x[None, :]
     else:  # Q4_K / Q5_K: 8 sub-blocks of 32, six-bit scales and mins times d and dmin
         i = tl.arange(0, 32)
@@ -116,10 +119,10 @@ def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, QT: tl.constex
             m = dmin * _byte(mw, S % 4, False).to(tl.float32)
             if QT == 1:  # five bits: the nibble at mantissa bits 18..21, the high bit at 22
                 bits = _bits_at(a, 4 * S, 18, 0x3C0000) | _bits_at(b, S, 22, 0x400000)
-                w = _frac(bits) * (s * 32.0)[:, None] - m[:, None]
+                w = _one_plus(bits) * (s * 32.0)[:, None] - (s * 32.0 + m)[:, None]
             else:
-                w = _frac(_bits_at(a, 4 * S, 19, 0x780000)) * (s * 16.0)[:, None] - m[:, None]
-            x = tl.load(x_ptr + k0 + S * 32 + i).to(tl.float32)
+                w = _one_plus(_bits_at(a, 4 * S, 19, 0x780000)) * (s * 16.0)[:, None] - (s * 16.0 + m)[:, None]
+            x = tl.load(x_ptr + k0 + S * 32 + i, mask=k0 + S * 32 + i < k_end, other=0.0).to(tl.float32)
             lanes += w * x[None, :]
     return lanes
 
@@ -139,22 +142,33 @@ def _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n):
 
 @triton.jit
 def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
-            BN: tl.constexpr):
+            BN: tl.constexpr, UNROLL: tl.constexpr = 1):
     """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
-    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert)."""
+    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert).
+    UNROLL = 2: two super-blocks' planes loaded before either's arithmetic (twice the bytes in flight)."""
     lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
-    for sb in range(sb0, sb_end):
+    for sb in range(sb0, sb_end, UNROLL):
         if QT == 3:
             lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
+            if UNROLL == 2:
+                if sb + 1 < sb_end:
+                    lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb + 1, N, offs_n, mask_n)
         else:
             a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
-            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
+            if UNROLL == 2:
+                nxt = mask_n & (offs_n * 0 + sb + 1 < sb_end)
+                a2, b2, c2, d2, dmin2, t0, t1, t2, t3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb + 1, N, offs_n,
+                                                                 nxt, QT)
+            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, sb_end * 256, QT)
+            if UNROLL == 2:
+                lanes = _sb_lanes(lanes, x_ptr, (sb + 1) * 256, a2, b2, c2, d2, dmin2, t0, t1, t2, t3, sb_end * 256,
+                                  QT)
     return tl.sum(lanes, axis=1)
 
 
 @triton.jit
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
-                QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr):
+                QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr, UNROLL: tl.constexpr = 1):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
@@ -164,7 +178,8 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
-    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN)
+    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN,
+                  UNROLL)
     if SPLIT == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
