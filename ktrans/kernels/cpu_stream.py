@@ -13,6 +13,10 @@ graph captures the whole sequence and replays it. The live row count is read fro
 a padded decode batch (a graph bucket) writes its real batch size there before the replay, and pad rows cost the
 CPU nothing.
 
+With `KTRANS_STAGE_KERNELS=1` the copies around the host functions are two Triton launches that read and write the
+pinned staging in place (ktrans.kernels.triton.stage): one before the submit, one after the wait, where torch takes
+six operations a layer.
+
 `Staging` holds one set of pinned buffers for every layer of a model: layer L+1's copies follow layer L's wait on
 the stream, so they never overlap. Ordering rule: a forward must have finished (the engine's step ends by reading
 the sampled tokens) before the next one writes the row cell; ModelRunner.prepare waits for the previous forward's
@@ -20,6 +24,7 @@ end for that reason.
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -89,6 +94,8 @@ class StreamMoE:
         self.moe, self.staging, self.name = moe, staging, name
         moe.pool.spin_us = max(moe.pool.spin_us, cpu.stream_spin_us())  # see cpu.STREAM_SPIN_US
         s = staging
+        # the copies as two kernels on the pinned staging (ktrans.kernels.triton.stage); else torch's copies
+        self.kernels = os.environ.get("KTRANS_STAGE_KERNELS", "0") == "1" and s.x.is_pinned()
         self.call = _cpu.StreamCall(moe._moe, s.x.data_ptr(), s.hidden, s.ids.data_ptr(), s.weights.data_ptr(), s.k,
                                     s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())
         self._rows = 0
@@ -109,9 +116,7 @@ class StreamMoE:
             raise ValueError(f"{self.name}: {t} tokens, the CPU experts' staging holds {s.max_rows}")
         if topk_ids.shape != (t, s.k):
             raise ValueError(f"{self.name}: topk_ids {tuple(topk_ids.shape)}, expected ({t}, {s.k})")
-        s.x[:t].copy_(x.float(), non_blocking=True)
-        s.ids[:t].copy_(topk_ids, non_blocking=True)
-        s.weights[:t].copy_(topk_weights.float(), non_blocking=True)
+        self._stage().stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
         if not torch.cuda.is_current_stream_capturing():
             s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
         self._rows = t
@@ -120,5 +125,11 @@ class StreamMoE:
     def sync(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Enqueue the pool's wait, then the copy of the output to `device`: [T, hidden] in `dtype`."""
         self.call.enqueue_wait(torch.cuda.current_stream(device).cuda_stream)
-        out = self.staging.out[: self._rows].to(device, non_blocking=True)
-        return out if out.dtype == dtype else out.to(dtype)
+        return self._stage().stage_out(self.staging.out, self._rows, device, dtype)
+
+    def _stage(self):
+        if self.kernels:
+            from ktrans.kernels.triton import stage
+        else:
+            from ktrans.kernels.torch import stage
+        return stage

@@ -1,0 +1,89 @@
+"""The CPU experts' hand-off on the GPU's stream in two launches, reading and writing the pinned staging in place.
+
+The stream path (ktrans.kernels.cpu_stream) moves one MoE layer's inputs to the host and its output back around the
+pool's submit and wait. With torch ops that is six operations a layer on the stream: the activations cast to fp32,
+three device-to-host copies (x, ids, weights), then a host-to-device copy of the fp32 output and its cast to the
+model's dtype. Pinned host memory is mapped into the GPU's address space (unified addressing), so a kernel can load
+and store it directly:
+
+- `stage_in`: one launch writes x (cast to fp32), the expert ids (int64) and the routing weights (fp32) of every
+  row into the staging, before the pool's submit;
+- `stage_out`: one launch, after the pool's wait, reads the fp32 output rows from the staging and stores them in the
+  model's dtype on the device.
+
+Ordering is the stream's: a host function runs after the kernels before it have completed, and their stores to host
+memory are visible then; a kernel after a host function starts once that function returns. Both kernels read their
+sizes from their arguments only, so a CUDA graph captures them. The oracle is the torch copies they replace
+(ktrans.kernels.torch.stage), which stay the path wherever the staging is not pinned.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # elements of a row per program
+
+
+@triton.jit
+def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, H, K, stride_x, stride_ids, stride_w,
+                     BLOCK: tl.constexpr, BK: tl.constexpr):
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    tl.store(sx_ptr + row * H + offs, x.to(tl.float32), mask=m)
+    if blk == 0:
+        j = tl.arange(0, BK)
+        mk = j < K
+        ids = tl.load(ids_ptr + row * stride_ids + j, mask=mk, other=0)
+        tl.store(sids_ptr + row * K + j, ids.to(tl.int64), mask=mk)
+        w = tl.load(w_ptr + row * stride_w + j, mask=mk, other=0.0)
+        tl.store(sw_ptr + row * K + j, w.to(tl.float32), mask=mk)
+
+
+@triton.jit
+def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    v = tl.load(src_ptr + row * H + offs, mask=m, other=0.0)
+X
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        tl.store(dst_ptr + row * H + offs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
+    else:
+        tl.store(dst_ptr + row * H + offs, v.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def stage_in(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sx: torch.Tensor, sids: torch.Tensor,
+             sw: torch.Tensor) -> None:
+    """x [T, H] (any float dtype), ids [T, K] (integers), weights [T, K] -> the staging's first T rows: sx [>= T, H]
+    fp32, sids [>= T, K] int64, sw [>= T, K] fp32 (contiguous)."""
+    t, h = x.shape
+    k = ids.shape[1]
+    if ids.shape != (t, k) or weights.shape != (t, k) or sx.shape[1] != h or sids.shape[1] != k or sw.shape[1] != k \
+            or min(sx.shape[0], sids.shape[0], sw.shape[0]) < t:
+        raise ValueError(f"stage_in: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do "
+                         f"not fit the staging {tuple(sx.shape)}, {tuple(sids.shape)}, {tuple(sw.shape)}")
+    if sx.dtype != torch.float32 or sids.dtype != torch.int64 or sw.dtype != torch.float32:
+        raise ValueError("stage_in: the staging is fp32 x, int64 ids, fp32 weights")
+    if not t:
+        return
+    x, ids, weights = _rows_of(x), _rows_of(ids), _rows_of(weights)
+    _stage_in_kernel[(t, triton.cdiv(h, BLOCK))](x, ids, weights, sx, sids, sw, h, k, x.stride(0), ids.stride(0),
+                                                 weights.stride(0), BLOCK=BLOCK, BK=triton.next_power_of_2(k))
+
+
+def stage_out(src: torch.Tensor, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The staging's first `rows` output rows (src [>= rows, H] fp32) as a new [rows, H] tensor on `device`."""
+    h = src.shape[1]
+    out = torch.empty(rows, h, dtype=dtype, device=device)
+    if rows:
+        _stage_out_kernel[(rows, triton.cdiv(h, BLOCK))](src, out, h, BLOCK=BLOCK, BF16=dtype == torch.bfloat16)
+    return out
