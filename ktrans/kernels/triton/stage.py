@@ -49,7 +49,7 @@ def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constex
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
     v = tl.load(src_ptr + row * H + offs, mask=m, other=0.0)
-X
+    if BF16:  # rounded to nearest even by hand, as torch's cast does (Triton's interpreter does not)
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
         tl.store(dst_ptr + row * H + offs, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=m)
