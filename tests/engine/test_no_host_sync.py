@@ -4,8 +4,9 @@ Under Qwen3Next-gpu.yaml (the `small` model, reference ops) a decode-only step, 
 copy, no .item() / .tolist() / int() / bool() of a CUDA tensor and no stream, event or device synchronisation from the
 embedding to the logits. Two witnesses: patched Python entry points (what ran) and torch.profiler (what the CUDA
 runtime saw: no DtoH memcpy, no cuda*Synchronize). Under the serve placement (experts on the CPU) the only device-
-to-host transfers are asynchronous copies into the CPU experts' pinned staging, and the host never waits: the
-experts' submit and wait are host functions on the stream (ktrans.kernels.cpu_stream).
+to-host transfers are the stage kernel's stores into the CPU experts' pinned staging (or, with the torch copies,
+asynchronous copies into it), and the host never waits: the experts' submit and wait are host functions on the
+stream (ktrans.kernels.cpu_stream).
 """
 from __future__ import annotations
 
@@ -109,13 +110,23 @@ def test_gpu_decode_step_never_syncs():
     assert not dtoh and not syncs, (dtoh[:5], syncs[:5])
 
 
-def test_serve_decode_step_copies_only_into_pinned_buffers():
+@pytest.mark.parametrize("stage_kernels", [True, False])
+def test_serve_decode_step_copies_only_into_pinned_buffers(stage_kernels, monkeypatch):
+    """The experts' inputs reach the pinned staging through the stage kernel (the default; no copy at all) or
+    through asynchronous copies into pinned memory (KTRANS_STAGE_KERNELS=0)."""
+    from ktrans.kernels import cpu_stream
+
+    monkeypatch.setattr(cpu_stream, "STAGE_KERNELS", stage_kernels)
     model, runner = _model("Qwen3Next-serve-cpuexperts.yaml")
     batch = _decode_step(runner)
     logits, seen, device, calls = _profile(runner, batch)
     assert logits.is_cuda
     dtoh = [e for e in device if "DtoH" in e]
-    assert dtoh, "the experts' inputs must reach the CPU"
+    staged = [e for e in device if "_stage_in_kernel" in e or "_stage_out_kernel" in e]
+    if stage_kernels:
+        assert staged and not dtoh, sorted(set(dtoh))
+    else:
+        assert dtoh and not staged, "the experts' inputs must reach the CPU"
     assert all("Pinned" in e for e in dtoh), sorted(set(dtoh))
     assert "cudaMemcpy" not in calls  # only cudaMemcpyAsync
     assert seen == [], f"host reads or syncs inside the decode forward: {sorted(set(seen))}"

@@ -36,11 +36,12 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 # (doc/benchmarks.md, session 13) its first form, without the split and the fused sums, took one 80B layer at B=1 in
 # 53.8 us against the tile path's 87.9; with them (session 14) 26.9 us against 88.0, 28.2 against 87.0 with the Q6_K
 # down projection, and its CUDA-graph test passed there. On by default since; KTRANS_MOE_LANES=0: the tile path.
-# max_tokens: the largest step it takes. Measured on the H200 (`bench kernels`, session 16, one 80B layer): 66.8 /
-# 114.0 / 211.2 us at 4 / 8 / 16 tokens against the tile path's 227.9 / 389.0 / 620.6 (which pads each expert's one
-# or two pairs to a 16-row block), so up to 16 tokens (a 16-request decode step) take it.
+# max_tokens: the largest step it takes. Measured on the H200 (`bench kernels`, session 16, one 80B layer): 70.5 /
+# 119.3 / 198.0 / 361.0 / 688.0 us at 4 / 8 / 16 / 32 / 64 tokens against the tile path's 228.8 / 390.6 / 624.4 /
+# 917.2 / 1,298.8 (which pads each expert's one or two pairs to a 16-row block), so decode steps of up to 64 tokens
+# take it; at full size the 16-request decode step went from 375 to 709 tok/s with it.
 DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per block (no sort)
-LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 16,
+LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None}  # split: K splits of gate/up (None: auto)
 
 
