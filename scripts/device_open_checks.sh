@@ -8,7 +8,8 @@
 #                                                GPU tests: graphs, split prefill), then, beside the full-size
 #                                                file writer and the llama-bench build, `bench kernels --family quant`
 #                                                (MoE B=1 with and without lanes, the layer GEMVs with the fused sum
-#                                                off/on; SWEEP=1: the GEMV sweep too; NO_BENCH=1: none); ~9 min
+#                                                off/on; SWEEP=1: the GEMV sweep too; GDN_SWEEP=1: the chunked
+#                                                DeltaNet's launch shapes; NO_BENCH=1: none); ~9 min
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
 #                                                run (per-step tokens, compiles and their specializations), then the
 #                                                CPU-only flat and module steps alternating in one process, with
@@ -79,6 +80,11 @@ kernels)
       python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
         "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
     done
+    if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
+      echo "== gdn sweep"
+      timeout 240 python3 scripts/gdn_sweep.py > "$OUT/gdn_sweep.txt" 2>&1
+      grep -E "fla-core|best|FAIL" "$OUT/gdn_sweep.txt"
+    fi
     if [ -n "${SWEEP:-}" ]; then
       echo "== gemv sweep (fused sum 0/1)"
       # shellcheck disable=SC2086

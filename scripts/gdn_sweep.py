@@ -1,0 +1,77 @@
+"""The chunked gated delta rule's launch shapes (ktrans.kernels.triton.gated_delta: PREP_WARPS, SCAN_WARPS,
+SCAN_BLOCK_V) under a grid, on the GPU at Qwen3-Next's shapes (HK 16, HV 32, d 128, one sequence): device time by
+CUDA-graph replay with a cold L2 (ktrans.bench.kernels.time_cuda), the whole call and its first launch alone (the
+per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_delta_rule on the same inputs where it
+imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
+
+    python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from ktrans.bench.kernels import _l2_bytes, time_cuda
+from ktrans.bench.kernels_gdn import _fla_peer, _prefill_inputs, _shape
+from ktrans.kernels.triton import gated_delta as gd
+
+
+class _Skipped:
+    """Stands in for a kernel to leave out of a timing: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--t", default="8192,32768")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--prep_warps", default="4,8")
+    ap.add_argument("--scan_warps", default="2,4,8")
+    ap.add_argument("--block_v", default="16,32,64")
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    dev = torch.device("cuda")
+    flush = torch.empty(2 * _l2_bytes(dev), dtype=torch.uint8, device=dev)
+    sh = _shape(dev)
+    best: dict[int, tuple[float, tuple]] = {}
+    median = lambda fn: statistics.median(time_cuda(fn, dev, args.reps, flush)) * 1e3  # noqa: E731
+    for t in ints(args.t):
+        q, k, v, a, b, A_log, dt_bias, pool = _prefill_inputs(t, sh, dev)
+        plan = gd.plan_chunks([(0, t, 0, False)], dev, [0])
+        out = torch.empty(t, sh.hv, sh.d, dtype=torch.bfloat16, device=dev)
+        peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
+        fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
+        print(f"T={t}: {fla}", flush=True)
+        for prep_w, scan_w, bv in itertools.product(ints(args.prep_warps), ints(args.scan_warps),
+                                                    ints(args.block_v)):
+            gd.PREP_WARPS, gd.SCAN_WARPS = prep_w, scan_w
+            call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
+                                                            out=out, block_v=bv)
+            key = (prep_w, scan_w, bv)
+            try:
+                whole = median(call)
+                scan = gd._scan_kernel
+                gd._scan_kernel = _Skipped()
+                try:
+                    prep = median(call)
+                finally:
+                    gd._scan_kernel = scan
+            except Exception as e:  # a shape that does not compile (registers, shared memory) is reported
+                print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv}: FAIL {type(e).__name__}: "
+                      f"{str(e)[:120]}", flush=True)
+                continue
+            print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv}: {whole:.1f} us (prep {prep:.1f}, "
+                  f"scan {whole - prep:.1f})", flush=True)
+            if t not in best or whole < best[t][0]:
+                best[t] = (whole, key)
+    for t, (us, key) in best.items():
+        print(f"best T={t}: prep_warps, scan_warps, block_v = {key}, {us:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
