@@ -21,6 +21,9 @@
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
 #                                                (AB="VAR=value ...": also batch 1 under that environment, ~1.5 min;
 #                                                SKIP_SERVE=1 leaves the serve placement out)
+#   bash scripts/device_open_checks.sh serve     the serve rules' batch-1 decode, profiled, once per SERVE_AB
+#                                                environment (default: one host function a layer off, on); ~1.5 min
+#                                                each
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -137,6 +140,16 @@ gpu)
     echo "no llama-bench: $(tail -3 /tmp/llb.log 2>/dev/null)"
   fi
   ;;
+serve)
+  # the serve rules' batch-1 decode under each environment of SERVE_AB (space-separated VAR=value, one run each, in
+  # order), profiled: the GPU's share, the CPU experts, the hand-off rest (issue 15)
+  [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }
+  for v in ${SERVE_AB:-KTRANS_STREAM_ONE_HOST_FN=0 KTRANS_STREAM_ONE_HOST_FN=1}; do
+    env "$v" E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+      e2e serve_${v//[^A-Za-z0-9]/_} --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml --prompt_len 256 \
+      --gen_len 48 --batch_sizes 1 --profile_steps 4 --use_cuda_graph"
+  done
+  ;;
 long)
   # issue 17: a 131,072-token prompt prefilled in chunks, then decoded, under the shipped serve rules; its KV and
   # DeltaNet memory beside what `rules show` predicts for the same cache
@@ -148,7 +161,7 @@ long)
     --use_cuda_graph
   ;;
 *)
-  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|long" >&2
+  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|serve|long" >&2
   exit 2
   ;;
 esac

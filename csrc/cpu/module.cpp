@@ -257,9 +257,12 @@ PYBIND11_MODULE(_cpu, m) {
       .def("enqueue_submit", &StreamCall::enqueue_submit, py::arg("stream"),
            "Put the submit on `stream` (a cudaStream_t as an int). RuntimeError if the driver call fails.")
       .def("enqueue_wait", &StreamCall::enqueue_wait, py::arg("stream"))
+      .def("enqueue_submit_wait", &StreamCall::enqueue_submit_wait, py::arg("stream"),
+           "Submit and wait as one host function on `stream` (one driver round trip instead of two).")
       .def("run_submit", &StreamCall::run_submit, py::call_guard<py::gil_scoped_release>(),
            "What the submit host function does, called directly (tests without CUDA).")
       .def("run_wait", &StreamCall::run_wait, py::call_guard<py::gil_scoped_release>())
+      .def("run_submit_wait", &StreamCall::run_submit_wait, py::call_guard<py::gil_scoped_release>())
       .def("take_error", &StreamCall::take_error,
            "The first failure of a host function since the last call ('' if none), cleared.")
       .def_property_readonly("calls", [](const StreamCall& c) { return c.calls.load(std::memory_order_acquire); },

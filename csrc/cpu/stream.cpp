@@ -54,6 +54,7 @@ void launch(uintptr_t stream, void (*fn)(void*), void* user) {
 
 void host_submit(void* p) { static_cast<StreamCall*>(p)->run_submit(); }
 void host_wait(void* p) { static_cast<StreamCall*>(p)->run_wait(); }
+void host_submit_wait(void* p) { static_cast<StreamCall*>(p)->run_submit_wait(); }
 
 }  // namespace
 
@@ -108,6 +109,8 @@ void StreamCall::run_wait() {
 void StreamCall::enqueue_submit(uintptr_t stream) { launch(stream, host_submit, this); }
 
 void StreamCall::enqueue_wait(uintptr_t stream) { launch(stream, host_wait, this); }
+
+void StreamCall::enqueue_submit_wait(uintptr_t stream) { launch(stream, host_submit_wait, this); }
 
 std::string StreamCall::take_error() {
   std::lock_guard<std::mutex> g(error_mu);

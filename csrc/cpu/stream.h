@@ -48,11 +48,18 @@ struct StreamCall {
 
   void enqueue_submit(uintptr_t stream);
   void enqueue_wait(uintptr_t stream);
+  // Submit and wait as one host function: one driver round trip a layer instead of two, the stream (and whatever
+  // GPU work would have overlapped the CPU's) held for the whole of the CPU's share.
+  void enqueue_submit_wait(uintptr_t stream);
   std::string take_error();
 
   // The host functions themselves (also callable directly, for tests on machines without CUDA).
   void run_submit();
   void run_wait();
+  void run_submit_wait() {
+    run_submit();
+    run_wait();
+  }
 };
 
 }  // namespace ktrans

@@ -35,6 +35,10 @@ from ktrans import _cpu
 from ktrans.kernels import cpu
 
 STAGE_KERNELS = os.environ.get("KTRANS_STAGE_KERNELS", "1") == "1"  # read when a layer's StreamMoE is made
+# One host function a layer (the submit and the wait together, enqueued by sync) instead of two: a driver round trip
+# less, but the GPU work between submit and sync (the shared expert) no longer overlaps the CPU's. Not measured yet:
+# off by default (KTRANS_STREAM_ONE_HOST_FN=1 turns it on).
+ONE_HOST_FN = os.environ.get("KTRANS_STREAM_ONE_HOST_FN", "0") == "1"
 _STAGING: dict[tuple, "Staging"] = {}
 _ALL: "weakref.WeakSet[Staging]" = weakref.WeakSet()  # every staging alive, grown ones included
 
@@ -99,6 +103,7 @@ class StreamMoE:
         s = staging
         # the copies as two kernels on the pinned staging (ktrans.kernels.triton.stage); else torch's copies
         self.kernels = STAGE_KERNELS and s.x.is_pinned()
+        self.one_host_fn = ONE_HOST_FN
         self.call = _cpu.StreamCall(moe._moe, s.x.data_ptr(), s.hidden, s.ids.data_ptr(), s.weights.data_ptr(), s.k,
                                     s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())
         self._rows = 0
@@ -123,11 +128,14 @@ class StreamMoE:
         if not torch.cuda.is_current_stream_capturing():
             s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
         self._rows = t
-        self.call.enqueue_submit(torch.cuda.current_stream(x.device).cuda_stream)
+        if not self.one_host_fn:  # else sync enqueues the submit with the wait
+            self.call.enqueue_submit(torch.cuda.current_stream(x.device).cuda_stream)
 
     def sync(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Enqueue the pool's wait, then the copy of the output to `device`: [T, hidden] in `dtype`."""
-        self.call.enqueue_wait(torch.cuda.current_stream(device).cuda_stream)
+        """Enqueue the pool's wait (with one_host_fn, the submit and the wait), then the copy of the output to
+        `device`: [T, hidden] in `dtype`."""
+        stream = torch.cuda.current_stream(device).cuda_stream
+        (self.call.enqueue_submit_wait if self.one_host_fn else self.call.enqueue_wait)(stream)
         return self._stage().stage_out(self.staging.out, self._rows, device, dtype)
 
     def _stage(self):

@@ -131,3 +131,18 @@ def test_serve_decode_step_copies_only_into_pinned_buffers(stage_kernels, monkey
     assert "cudaMemcpy" not in calls  # only cudaMemcpyAsync
     assert seen == [], f"host reads or syncs inside the decode forward: {sorted(set(seen))}"
     assert not [e for e in calls if e in _SYNC_RUNTIME]
+
+
+def test_one_host_function_a_layer_gives_the_same_logits(monkeypatch):
+    """KTRANS_STREAM_ONE_HOST_FN: the CPU experts' submit and wait as one host function a layer give bitwise the
+    logits of the two-function form (same kernels, same rows), and the forward still neither reads nor syncs."""
+    from ktrans.kernels import cpu_stream
+
+    got = {}
+    for one in (False, True):
+        monkeypatch.setattr(cpu_stream, "ONE_HOST_FN", one)
+        _, runner = _model("Qwen3Next-serve-cpuexperts.yaml")
+        logits, seen, _, calls = _profile(runner, _decode_step(runner))
+        assert seen == [] and not [e for e in calls if e in _SYNC_RUNTIME], one
+        got[one] = logits.float().cpu()
+    assert torch.equal(got[False], got[True])

@@ -50,6 +50,25 @@ def test_host_functions_equal_submit_on_the_live_rows(pool, t, live):
     assert (staging.out[live:] == 7.0).all()
 
 
+def test_one_host_function_equals_submit_then_wait(pool):
+    """run_submit_wait (KTRANS_STREAM_ONE_HOST_FN's single host function) gives bitwise what the submit and wait
+    host functions give on the same rows, and counts one completed call."""
+    moe = make_moe(TYPES, pool)
+    staging, call = _staged(moe, 8)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, moe.hidden, generator=gen)
+    ids, w = routing(5, K, gen)
+    _fill(staging, x, ids, w)
+    staging.set_rows(5)
+    call.call.run_submit()
+    call.call.run_wait()
+    want = staging.out[:5].clone()
+    staging.out.zero_()
+    call.call.run_submit_wait()
+    call.check()
+    assert call.call.calls == 2 and torch.equal(staging.out[:5], want)
+
+
 def test_failures_are_reported_not_thrown(pool):
     moe = make_moe(TYPES, pool)
     staging, call = _staged(moe, 4)
