@@ -61,27 +61,29 @@ class _Linear:
             raise Unsupported(f"{op.key}: a bias or no weights")
         self.mats = [(p._lin, p.n_out) for p in (op.parts or [op.lin])]
         self.pool = op.lin.pool
-        self.n_in, self.n_out = op.n_in, op.n_out
+        self.n_in = op.n_in
+        self.n_out = sum(n for _, n in self.mats)  # the parts' columns side by side (stored order)
         self.order = op.order if op.parts else None
 
     def submit(self, x: torch.Tensor) -> tuple:
+        """Queue every part; each writes its columns of one [T, n_out] output in place (the output's row stride),
+        so a split matrix needs no concatenation afterwards."""
         t = x.shape[0]
-        jobs = []
+        y = torch.empty(t, self.n_out)
+        tickets, col = [], 0
         for lin, n in self.mats:
-            y = torch.empty(t, n)
-            jobs.append((lin.submit(x.data_ptr(), t, self.n_in, y.data_ptr(), n), y))
-        _POSTED[self.pool] = jobs[-1][0]
-        return x, jobs  # x kept alive until the jobs are waited for
+            tickets.append(lin.submit(x.data_ptr(), t, self.n_in, y.data_ptr() + 4 * col, self.n_out))
+            col += n
+        _POSTED[self.pool] = tickets[-1]
+        return x, tickets, y  # x kept alive until the jobs are waited for
 
     def done(self, pending: tuple, *index: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         """The output; with `index` tensors, one gather of the output's columns (HF's order) per index instead."""
-        _, jobs = pending
-        for ticket, _ in jobs:
+        _, tickets, y = pending
+        for ticket in tickets:
             self.pool.wait(ticket)
-        if len(jobs) == 1:
-            y = jobs[0][1]
+        if self.order is None:
             return [y.index_select(1, i) for i in index] if index else y
-        y = torch.cat([y for _, y in jobs], dim=1)
         return [y.index_select(1, self.order[i]) for i in index] if index else y.index_select(1, self.order)
 
 

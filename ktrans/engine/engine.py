@@ -340,7 +340,7 @@ class Engine:
             return {}
         reqs = [c.request for c in due]
         histories = [(r.prompt_ids, r.output_ids) if r.params.has_penalties else None for r in reqs]
-        logits = torch.cat([rows[id(c)][-1:] for c in due])
+        logits = _gathered([rows[id(c)][-1:] for c in due])
         masks = grammar_masks([r.grammar for r in reqs], logits.shape[-1], pin=logits.is_cuda)  # structured outputs
         tokens = sample(logits, [r.params for r in reqs], histories,
                         [r.num_output_tokens for r in reqs], masks)  # the seeded noise's counter: the output index
@@ -438,3 +438,16 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def _gathered(picked: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [1, V] of one step's logits as one [N, V]: a view where they lie one after the other (a decode step, the
+    common case; a copy of the 600 KB rows cost ~0.3 ms a token on the CPU), else a copy. The sampler does not
+    write into its input."""
+    first = picked[0]
+    step = first.stride(0) * first.element_size()
+    if all(p.shape == first.shape and p.stride() == first.stride() and p.data_ptr() == first.data_ptr() + i * step
+           for i, p in enumerate(picked)):
+        return first.as_strided((len(picked), first.shape[1]), first.stride())
+    return torch.cat(picked)
+

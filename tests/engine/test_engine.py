@@ -243,3 +243,16 @@ def test_warm_up_past_the_queue_limit_and_after_a_failing_step(tiny, monkeypatch
     with pytest.raises(RuntimeError, match="injected"):
         engine.warm_up()
     assert pools_full(engine) and engine.num_steps == 0 and not engine._tracked
+
+
+def test_sampled_rows_are_a_view_when_consecutive():
+    """A decode step's due rows lie one after the other in the step's logits: sampled from a view of them (no copy
+    of the vocabulary-wide rows); rows that do not (a prefill's last row between others) are copied, same values."""
+    from ktrans.engine.engine import _gathered
+
+    logits = torch.randn(5, 7)
+    view = _gathered([logits[i:i + 1] for i in range(1, 4)])
+    assert torch.equal(view, logits[1:4]) and view.data_ptr() == logits[1].data_ptr()
+    picked = [logits[0:1], logits[2:3], logits[4:5]]
+    copy = _gathered(picked)
+    assert torch.equal(copy, torch.cat(picked)) and copy.data_ptr() != logits.data_ptr()
