@@ -68,11 +68,11 @@ kernels)
   fi
   if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
     echo "== ktrans bench kernels --family quant --match '${MOE_MATCH:=moe}'"
-    for u in ${MOE_UNROLL:-1}; do  # GEMV["unroll"], which the lanes path takes too
-      KTRANS_GEMV_UNROLL=$u timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
-        > "$OUT/moe_$u.jsonl" 2> "$OUT/moe_$u.err"
-      python3 -c "import json,sys; [print('unroll', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
-        "$OUT/moe_$u.jsonl" "$u" || tail -5 "$OUT/moe_$u.err"
+    for u in ${MOE_ENV:-KTRANS_MOE_LANES=1}; do  # one run per environment named (VAR=value ...)
+      env "$u" timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
+        > "$OUT/moe_${u//[^A-Za-z0-9]/_}.jsonl" 2> "$OUT/moe_${u//[^A-Za-z0-9]/_}.err"
+      python3 -c "import json,sys; [print(sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
+        "$OUT/moe_${u//[^A-Za-z0-9]/_}.jsonl" "$u" || tail -5 "$OUT/moe_${u//[^A-Za-z0-9]/_}.err"
     done
     echo "== ktrans bench kernels --family quant --match 'router gate'"
     timeout 60 ktrans bench kernels --json --reps 20 --family quant --match "router gate" 2>&1 | tail -2
@@ -119,7 +119,7 @@ gpu)
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
   E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
     --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 --use_cuda_graph
-  if [ -n "${AB:-}" ]; then  # batch 1 again under the environment AB names (e.g. AB=KTRANS_GEMV_UNROLL=2)
+  if [ -n "${AB:-}" ]; then  # batch 1 again under the environment AB names (e.g. AB=KTRANS_GEMV_FUSED_SUM=0)
     # shellcheck disable=SC2086
     env $AB E2E_TIMEOUT=${E2E_TIMEOUT:-300} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
       e2e gpu_triton_ab --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 \

@@ -4,10 +4,9 @@ same run. Prints one line per (tiling, shape) and, last, the tiling with the bes
 to write into ktrans.kernels.triton.quant.GEMV.
 
     python3 scripts/gemv_sweep.py [--reps 20] [--types Q4_K,Q6_K] [--bn 32,64,128] [--warps 2,4,8]
-                                  [--per_sm 4,8,16] [--fused 0,1] [--unroll 1,2] [--stages 0,1,3]
+                                  [--per_sm 4,8,16] [--fused 0,1] [--stages 0,1,3]
 
---unroll: super-blocks a program loads before their arithmetic; --stages: the launch's num_stages (0: Triton's
-default).
+--stages: the launch's num_stages (0: Triton's default).
 """
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--per_sm", default="4,8,16")
     ap.add_argument("--fused", default="0,1", help="the split-K sum in the GEMV's last program (1) or a second kernel")
-    ap.add_argument("--unroll", default="1")
     ap.add_argument("--stages", default="0")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
@@ -44,12 +42,10 @@ def main() -> None:
     for qtype in args.types.split(","):
         ws = {name: _packed(qtype, n, k, dev, s) for s, (name, n, k) in enumerate(SHAPES)}
         xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _, _, k in SHAPES}
-        for bn, warps, per_sm, fused, unroll, stages in itertools.product(
-                ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.fused), ints(args.unroll),
-                ints(args.stages)):
-            quant.GEMV.update(bn=bn, warps=warps, per_sm=per_sm, fused_sum=bool(fused), unroll=unroll,
-                              stages=stages or None)
-            key = (bn, warps, per_sm, fused, unroll, stages)
+        for bn, warps, per_sm, fused, stages in itertools.product(
+                ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.fused), ints(args.stages)):
+            quant.GEMV.update(bn=bn, warps=warps, per_sm=per_sm, fused_sum=bool(fused), stages=stages or None)
+            key = (bn, warps, per_sm, fused, stages)
             line = []
             for name, n, k in SHAPES:
                 w, x = ws[name], xs[k]
@@ -62,11 +58,11 @@ def main() -> None:
                 frac = (w.nbytes + 2 * (k + n)) / ms / 1e6 / hbm
                 totals[(qtype, key)] = totals.get((qtype, key), 0.0) + ms
                 line.append(f"{name}={ms * 1e3:.1f}us/{frac:.2f}")
-            print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm} fused={fused} unroll={unroll} stages={stages}: "
+            print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm} fused={fused} stages={stages}: "
                   + " ".join(line), flush=True)
     for qtype in args.types.split(","):
         best = min((v, k) for (t, k), v in totals.items() if t == qtype)
-        print(f"best {qtype}: bn, warps, per_sm, fused, unroll, stages = {best[1]}, all shapes {best[0] * 1e3:.1f} us")
+        print(f"best {qtype}: bn, warps, per_sm, fused, stages = {best[1]}, all shapes {best[0] * 1e3:.1f} us")
 
 
 if __name__ == "__main__":

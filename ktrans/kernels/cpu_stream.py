@@ -103,6 +103,11 @@ class StreamMoE:
         s = staging
         # the copies as two kernels on the pinned staging (ktrans.kernels.triton.stage); else torch's copies
         self.kernels = STAGE_KERNELS and s.x.is_pinned()
+        if self.kernels:
+            from ktrans.kernels.triton import stage
+        else:
+            from ktrans.kernels.torch import stage
+        self.stage = stage
         self.one_host_fn = ONE_HOST_FN
         self.call = _cpu.StreamCall(moe._moe, s.x.data_ptr(), s.hidden, s.ids.data_ptr(), s.weights.data_ptr(), s.k,
                                     s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())
@@ -124,7 +129,7 @@ class StreamMoE:
             raise ValueError(f"{self.name}: {t} tokens, the CPU experts' staging holds {s.max_rows}")
         if topk_ids.shape != (t, s.k):
             raise ValueError(f"{self.name}: topk_ids {tuple(topk_ids.shape)}, expected ({t}, {s.k})")
-        self._stage().stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
+        self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
         if not torch.cuda.is_current_stream_capturing():
             s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
         self._rows = t
@@ -136,11 +141,4 @@ class StreamMoE:
         `device`: [T, hidden] in `dtype`."""
         stream = torch.cuda.current_stream(device).cuda_stream
         (self.call.enqueue_submit_wait if self.one_host_fn else self.call.enqueue_wait)(stream)
-        return self._stage().stage_out(self.staging.out, self._rows, device, dtype)
-
-    def _stage(self):
-        if self.kernels:
-            from ktrans.kernels.triton import stage
-        else:
-            from ktrans.kernels.torch import stage
-        return stage
+        return self.stage.stage_out(self.staging.out, self._rows, device, dtype)

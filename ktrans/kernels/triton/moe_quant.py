@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
-from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, QT_CODE, _scale_words, _sms, counters, plane_args,
+from ktrans.kernels.triton.quant import (_MAX_TILES, QT_CODE, _scale_words, _sms, counters, plane_args,
                                          superblock_dot, tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
@@ -83,7 +83,7 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 @triton.jit
 def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, QT: tl.constexpr,
-                      BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr, UNROLL: tl.constexpr = 1):
+                      BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -104,8 +104,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
             sb0 = pid_k * SB_PER
             sb1 = tl.minimum(sb0 + SB_PER, NSB)
-            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, UNROLL)
-            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, UNROLL)
+            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN)
+            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN)
             if SPLIT == 1:
                 h = gate / (1.0 + tl.exp(-gate)) * up
                 tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -128,8 +128,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     else:
         acc = tl.zeros([BN], dtype=tl.float32)
         if e >= 0:
-            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN,
-                          UNROLL)
+            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN)
             acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)
         tl.store(part_ptr + pid_p * N + offs_n, acc, mask=mask_n)
         tl.debug_barrier()
@@ -177,7 +176,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
         _moe_lanes_kernel[(p, triton.cdiv(n, bn), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), QT=QT_CODE[w.qtype], BN=bn, GATED=gated, SPLIT=grid_k,
-            UNROLL=GEMV["unroll"], num_warps=LANES["warps"])
+            num_warps=LANES["warps"])
     return out
 
 

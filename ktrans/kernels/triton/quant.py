@@ -179,10 +179,9 @@ def _sms(device: torch.device) -> int:
 # launch) instead of a second kernel; faster in every tiling of the session-13 sweep (90.7 against 101.4 us), and
 # all on the H200 at full size (session 15, CUDA graphs) 153.7 against 135.2 tok/s at batch 1 once its CUDA-graph
 # test had passed there. On by default; KTRANS_GEMV_FUSED_SUM=0 selects the second kernel.
-# unroll: super-blocks a program loads before their arithmetic (1 or 2; the MoE's lanes path takes it too); stages:
-# the launch's num_stages (None: Triton's default). Both swept by scripts/gemv_sweep.py.
+# stages: the launch's num_stages (None: Triton's default), swept by scripts/gemv_sweep.py (no effect in session 16).
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
-        "unroll": int(os.environ.get("KTRANS_GEMV_UNROLL", "1")), "stages": None}
+        "stages": None}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -247,8 +246,8 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         cnt = counters(x.device) if fused else dst
         extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
-                                      QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, UNROLL=GEMV["unroll"],
-                                      num_warps=warps, **extra)
+                                      QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, num_warps=warps,
+                                      **extra)
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
     if split > 1 and not fused:

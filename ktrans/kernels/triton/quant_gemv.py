@@ -18,7 +18,8 @@ This kernel keeps both small:
 Measured on the H200 (scripts/gemv_sweep.py, doc/benchmarks.md): the tiling (rows per program, warps, K splits)
 moves the time by ~5%, and loading the next super-block ahead of the current one's arithmetic (carried across loop
 iterations) made it slower; at one layer's shapes every call sits near a fixed ~8 us (two launches, the split-K sum
-among them) plus ~1.5 TB/s. GEMV["unroll"] = 2 loads two super-blocks per iteration before either's arithmetic.
+among them) plus ~1.5 TB/s. Loading two super-blocks per iteration before either's arithmetic was slower at every
+layer shape too (session 16's sweep, doc/benchmarks.md).
 
 K is split across programs when the row tiles alone would not fill the GPU. The fp32 partials are summed in split
 order, deterministically: by a second kernel (ktrans.kernels.triton.quant.qlinear), or, with GEMV["fused_sum"], by
@@ -98,9 +99,8 @@ def _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask, QT: tl.constexp
 
 
 @triton.jit
-def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, k_end, QT: tl.constexpr):
-    """lanes [BN, SUB] += the products of one loaded super-block, lane by lane. Activations from k_end on are not
-    read (an unrolled super-block past the program's last, whose planes loaded as zeros)."""
+def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, QT: tl.constexpr):
+    """lanes [BN, SUB] += the products of one loaded super-block, lane by lane."""
     if QT == 2:  # Q6_K: 16 sub-blocks of 16, signed scales, codes - 32: (1 + q6/64) 64s - 96s = s (q6 - 32)
         i = tl.arange(0, 16)
         for S in tl.static_range(16):
@@ -108,7 +108,7 @@ def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, k_end, QT: tl.
             s = d * _byte(word, S % 4, True).to(tl.float32)
             bits = _bits_at(a if S < 8 else b, 4 * (S % 8), 17, 0x1E0000) | _bits_at(c, 2 * S, 21, 0x600000)
             w = _one_plus(bits) * (s * 64.0)[:, None] - (s * 96.0)[:, None]
-            x = tl.load(x_ptr + k0 + S * 16 + i, mask=k0 + S * 16 + i < k_end, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + k0 + S * 16 + i).to(tl.float32)
             lanes += w * x[None, :]
     else:  # Q4_K / Q5_K: 8 sub-blocks of 32, six-bit scales and mins times d and dmin
         i = tl.arange(0, 32)
@@ -122,7 +122,7 @@ def _sb_lanes(lanes, x_ptr, k0, a, b, c, d, dmin, s0, s1, s2, s3, k_end, QT: tl.
                 w = _one_plus(bits) * (s * 32.0)[:, None] - (s * 32.0 + m)[:, None]
             else:
                 w = _one_plus(_bits_at(a, 4 * S, 19, 0x780000)) * (s * 16.0)[:, None] - (s * 16.0 + m)[:, None]
-            x = tl.load(x_ptr + k0 + S * 32 + i, mask=k0 + S * 32 + i < k_end, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + k0 + S * 32 + i).to(tl.float32)
             lanes += w * x[None, :]
     return lanes
 
@@ -142,33 +142,22 @@ def _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n):
 
 @triton.jit
 def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
-            BN: tl.constexpr, UNROLL: tl.constexpr = 1):
+            BN: tl.constexpr):
     """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
-    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert).
-    UNROLL = 2: two super-blocks' planes loaded before either's arithmetic (twice the bytes in flight)."""
+    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert)."""
     lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
-    for sb in range(sb0, sb_end, UNROLL):
+    for sb in range(sb0, sb_end):
         if QT == 3:
             lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
-            if UNROLL == 2:
-                if sb + 1 < sb_end:
-                    lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb + 1, N, offs_n, mask_n)
         else:
             a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
-            if UNROLL == 2:
-                nxt = mask_n & (offs_n * 0 + sb + 1 < sb_end)
-                a2, b2, c2, d2, dmin2, t0, t1, t2, t3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb + 1, N, offs_n,
-                                                                 nxt, QT)
-            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, sb_end * 256, QT)
-            if UNROLL == 2:
-                lanes = _sb_lanes(lanes, x_ptr, (sb + 1) * 256, a2, b2, c2, d2, dmin2, t0, t1, t2, t3, sb_end * 256,
-                                  QT)
+            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
     return tl.sum(lanes, axis=1)
 
 
 @triton.jit
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
-                QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr, UNROLL: tl.constexpr = 1):
+                QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
@@ -178,8 +167,7 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
-    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN,
-                  UNROLL)
+    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN)
     if SPLIT == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
