@@ -23,7 +23,8 @@
 #                                                SKIP_SERVE=1 leaves the serve placement out)
 #   bash scripts/device_open_checks.sh serve     the serve rules' batch-1 decode, profiled, once per SERVE_AB
 #                                                environment (default: one host function a layer off, on); ~1.5 min
-#                                                each
+#                                                each; writes the file first when it is missing; TESTS="files":
+#                                                those GPU tests first, beside the writer
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -31,6 +32,14 @@ mkdir -p "$OUT"
 F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 source "$(dirname "$0")/device_common.sh"
 run_tests() {
+  if [ -n "${TESTS:-}" ]; then  # TESTS="file ...": just these, one process
+    echo "== gpu tests: $TESTS"
+    # shellcheck disable=SC2086
+    timeout -k 10 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -rf -p no:cacheprovider --tb="${TB:-short}" \
+      -m "gpu or triton" $TESTS > "$OUT/tests.txt" 2>&1
+    echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -"${TAIL:-12}"
+    return
+  fi
   echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
   local i=0 group f
   for group in tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py \
@@ -143,7 +152,10 @@ gpu)
 serve)
   # the serve rules' batch-1 decode under each environment of SERVE_AB (space-separated VAR=value, one run each, in
   # order), profiled: the GPU's share, the CPU experts, the hand-off rest (issue 15)
-  [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }
+  start_writer "$OUT/mk.log"
+  [ -z "${TESTS:-}" ] || run_tests
+  while [ -n "$(busy make-tiny)" ]; do sleep 2; done
+  [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
   for v in ${SERVE_AB:-KTRANS_STREAM_ONE_HOST_FN=0 KTRANS_STREAM_ONE_HOST_FN=1}; do
     env "$v" E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
       e2e serve_${v//[^A-Za-z0-9]/_} --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml --prompt_len 256 \

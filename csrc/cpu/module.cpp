@@ -229,6 +229,9 @@ PYBIND11_MODULE(_cpu, m) {
         },
         "(True, '') where CPU work can be enqueued on a CUDA stream (the driver's cuLaunchHostFunc was found), "
         "else (False, why).");
+  m.def("relay_kick", &relay_kick, py::arg("spin_us"),
+        "Wake the flag path's relay thread and have it poll for spin_us after this (a step is starting).");
+  m.def("relay_stats", &relay_stats, "[go numbers served, StreamCalls on the flag path].");
   py::class_<StreamCall>(m, "StreamCall",
                          "One MoE layer's call on a CUDA stream: enqueue_submit and enqueue_wait put its submit and "
                          "wait on the stream as host functions, reading and writing only the pinned host buffers "
@@ -263,6 +266,14 @@ PYBIND11_MODULE(_cpu, m) {
            "What the submit host function does, called directly (tests without CUDA).")
       .def("run_wait", &StreamCall::run_wait, py::call_guard<py::gil_scoped_release>())
       .def("run_submit_wait", &StreamCall::run_submit_wait, py::call_guard<py::gil_scoped_release>())
+      .def("use_flags", [](StreamCall& c, uintptr_t flags) { c.use_flags(ptr<int64_t>(flags)); }, py::arg("flags"),
+           "The flag path: the relay thread serves this call whenever the int64 at `flags` (go) changes, storing "
+           "the same number at flags + 8 (done) after the output. `flags` (3 int64: go, done, GPU timed out; pinned) "
+           "must outlive drop_flags().")
+      .def("drop_flags", &StreamCall::drop_flags, py::call_guard<py::gil_scoped_release>(),
+           "Off the flag path; returns once the relay no longer touches this call or its flags.")
+      .def_property_readonly("flag_calls", [](const StreamCall& c) { return c.flag_calls.load(); },
+                             "Go numbers the relay served for this call.")
       .def("take_error", &StreamCall::take_error,
            "The first failure of a host function since the last call ('' if none), cleared.")
       .def_property_readonly("calls", [](const StreamCall& c) { return c.calls.load(std::memory_order_acquire); },

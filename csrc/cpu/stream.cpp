@@ -3,8 +3,12 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <exception>
 #include <stdexcept>
+#include <thread>
 
 namespace ktrans {
 
@@ -111,6 +115,105 @@ void StreamCall::enqueue_submit(uintptr_t stream) { launch(stream, host_submit, 
 void StreamCall::enqueue_wait(uintptr_t stream) { launch(stream, host_wait, this); }
 
 void StreamCall::enqueue_submit_wait(uintptr_t stream) { launch(stream, host_submit_wait, this); }
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+class Relay {
+ public:
+  static Relay& get() {
+    static Relay* r = new Relay();  // never destroyed: its thread may outlive static destructors at exit
+    return *r;
+  }
+  void add(StreamCall* c) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (std::find(calls_.begin(), calls_.end(), c) == calls_.end()) calls_.push_back(c);
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+  // Blocks while the relay runs a layer of this call: after it returns the relay never touches c again.
+  void remove(StreamCall* c) {
+    std::lock_guard<std::mutex> g(mu_);
+    calls_.erase(std::remove(calls_.begin(), calls_.end(), c), calls_.end());
+  }
+  void kick(int spin_us) {
+    spin_ns_.store(std::max(spin_us, 0) * int64_t{1000}, std::memory_order_relaxed);
+    spin_until_.store(now_ns() + spin_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> g(sleep_mu_);
+      kicked_ = true;
+    }
+    cv_.notify_one();
+  }
+  std::vector<uint64_t> stats() {
+    std::lock_guard<std::mutex> g(mu_);
+    return {served_.load(), calls_.size()};
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      bool served = false;
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        for (StreamCall* c : calls_) served = c->serve_flag() || served;
+      }
+      if (served) {
+        served_.fetch_add(1, std::memory_order_relaxed);
+        spin_until_.store(now_ns() + spin_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+        continue;
+      }
+      if (now_ns() < spin_until_.load(std::memory_order_relaxed)) {
+        cpu_pause();  // not backoff(): yielding would put a runnable thread between the GPU's go and this one
+        continue;
+      }
+      std::unique_lock<std::mutex> lk(sleep_mu_);
+      cv_.wait_for(lk, std::chrono::milliseconds(1), [this] { return kicked_; });
+      kicked_ = false;
+    }
+  }
+  std::mutex mu_;  // calls_, and held while a layer runs
+  std::vector<StreamCall*> calls_;
+  std::thread thread_;
+  std::atomic<int64_t> spin_ns_{20'000'000}, spin_until_{0};
+  std::atomic<uint64_t> served_{0};
+  std::mutex sleep_mu_;
+  std::condition_variable cv_;
+  bool kicked_ = false;
+};
+
+}  // namespace
+
+void StreamCall::use_flags(int64_t* f) {
+  drop_flags();
+  flags_ = f;
+  seen_ = __atomic_load_n(&f[0], __ATOMIC_ACQUIRE);  // what is there now was served (or never will be)
+  Relay::get().add(this);
+}
+
+void StreamCall::drop_flags() {
+  if (flags_ == nullptr) return;
+  Relay::get().remove(this);
+  flags_ = nullptr;
+}
+
+bool StreamCall::serve_flag() {
+  int64_t go = __atomic_load_n(&flags_[0], __ATOMIC_ACQUIRE);
+  if (go == seen_) return false;
+  seen_ = go;
+  run_submit();  // a failure is kept for take_error(); done is stored anyway, so the GPU never waits forever
+  run_wait();
+  flag_calls.fetch_add(1, std::memory_order_relaxed);
+  __atomic_store_n(&flags_[1], go, __ATOMIC_RELEASE);  // after the output rows (x86 stores stay in order)
+  return true;
+}
+
+void relay_kick(int spin_us) { Relay::get().kick(spin_us); }
+
+std::vector<uint64_t> relay_stats() { return Relay::get().stats(); }
 
 std::string StreamCall::take_error() {
   std::lock_guard<std::mutex> g(error_mu);

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "moe.h"
 #include "pool.h"
@@ -60,6 +61,29 @@ struct StreamCall {
     run_submit();
     run_wait();
   }
+
+  // The flag path: no host functions at all. The GPU's stage-in kernel ends by storing a new sequence number into
+  // flags[0] (go); the relay thread (below) sees it, runs submit and wait, and stores the same number into flags[1]
+  // (done), which a one-program kernel on the stream polls before the stage-out. flags is pinned host memory mapped
+  // into the GPU's address space ([go, done, gpu timed out]), owned by the caller and registered until drop_flags().
+  void use_flags(int64_t* f);
+  void drop_flags();
+  bool serve_flag();              // the relay's: serve a new go if there is one; true if it did
+  std::atomic<uint64_t> flag_calls{0};  // go numbers served
+  ~StreamCall() { drop_flags(); }
+
+ private:
+  int64_t* flags_ = nullptr;
+  int64_t seen_ = 0;  // the last go number served
 };
+
+// The relay: one thread that serves every StreamCall on the flag path. It polls their go flags (each a cache line
+// of pinned host memory the GPU writes over PCIe) and runs a layer's submit and wait itself, helping the pool as
+// the host function's thread did: the pool's n - 1 workers plus this caller. It polls for `spin_us` after the last
+// layer it served or the last kick, then sleeps (waking each millisecond, or at the next kick: the engine kicks it
+// when a step starts).
+void relay_kick(int spin_us);
+// (go numbers served in total, StreamCalls registered).
+std::vector<uint64_t> relay_stats();
 
 }  // namespace ktrans

@@ -39,6 +39,11 @@ STAGE_KERNELS = os.environ.get("KTRANS_STAGE_KERNELS", "1") == "1"  # read when 
 # less, but the GPU work between submit and sync (the shared expert) no longer overlaps the CPU's. Not measured yet:
 # off by default (KTRANS_STREAM_ONE_HOST_FN=1 turns it on).
 ONE_HOST_FN = os.environ.get("KTRANS_STREAM_ONE_HOST_FN", "0") == "1"
+# The flag path: no host functions. The stage-in kernel ends by storing a sequence number into a pinned `go` cell,
+# the relay thread of ktrans._cpu (polling those cells) runs the layer's submit and wait and stores the number into
+# `done`, and a one-program kernel on the stream polls `done` before the stage-out (ktrans.kernels.triton.stage).
+# Needs the stage kernels. Off by default until measured (KTRANS_STREAM_FLAGS=1 turns it on).
+FLAGS = os.environ.get("KTRANS_STREAM_FLAGS", "0") == "1"
 _STAGING: dict[tuple, "Staging"] = {}
 _ALL: "weakref.WeakSet[Staging]" = weakref.WeakSet()  # every staging alive, grown ones included
 
@@ -87,9 +92,19 @@ class Staging:
 
 
 def set_live_rows(n: int) -> None:
-    """Before a graph replay: the live rows every CPU expert layer's submit will read."""
+    """Before a graph replay: the live rows every CPU expert layer's submit will read (and, on the flag path, the
+    relay thread woken to poll for the replay's layers)."""
     for s in list(_ALL):
         s.set_rows(min(n, s.max_rows))
+    if _FLAGGED:
+        _cpu.relay_kick(max(_FLAGGED.values()))
+
+
+_FLAGGED: "weakref.WeakKeyDictionary[StreamMoE, int]" = weakref.WeakKeyDictionary()  # flag-path calls: spin us
+
+
+def _drop_flags(call, flags) -> None:
+    call.drop_flags()  # returns once the relay is done with call and flags; both are released after
 
 
 class StreamMoE:
@@ -112,12 +127,24 @@ class StreamMoE:
         self.call = _cpu.StreamCall(moe._moe, s.x.data_ptr(), s.hidden, s.ids.data_ptr(), s.weights.data_ptr(), s.k,
                                     s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())
         self._rows = 0
+        # the flag path: [go, done, GPU timed out] in pinned host memory, [arrived, seq] on the layer's device
+        self.flagged = FLAGS and self.kernels
+        self.ring: torch.Tensor | None = None
+        if self.flagged:
+            self.flags = torch.zeros(3, dtype=torch.int64, pin_memory=True)
+            self.call.use_flags(self.flags.data_ptr())
+            weakref.finalize(self, _drop_flags, self.call, self.flags)
+            _FLAGGED[self] = moe.pool.spin_us
 
     def check(self) -> None:
         """Raise what a host function of an earlier forward reported (its output was not computed)."""
         err = self.call.take_error()
         if err:
             raise RuntimeError(f"{self.name}: the CPU experts failed on the CUDA stream: {err}")
+        if self.flagged and int(self.flags[2]):
+            seq, self.flags[2] = int(self.flags[2]), 0
+            raise RuntimeError(f"{self.name}: the GPU stopped waiting for the CPU experts' call {seq} (the relay "
+                               f"thread never stored it as done; the layer's output is wrong)")
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                live: int | None = None) -> None:
@@ -129,16 +156,30 @@ class StreamMoE:
             raise ValueError(f"{self.name}: {t} tokens, the CPU experts' staging holds {s.max_rows}")
         if topk_ids.shape != (t, s.k):
             raise ValueError(f"{self.name}: topk_ids {tuple(topk_ids.shape)}, expected ({t}, {s.k})")
-        self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
-        if not torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
             s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
         self._rows = t
+        if self.flagged:
+            if self.ring is None or self.ring.device != x.device:
+                if capturing:  # the counter must outlive the graph, not sit in its private pool
+                    raise RuntimeError(f"{self.name}: the flag path's first call is being captured; run it eagerly "
+                                       f"first (ModelRunner's warm-up does)")
+                self.ring = torch.zeros(2, dtype=torch.int64, device=x.device)
+            self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights, self.ring, self.flags)
+            if not capturing:
+                _cpu.relay_kick(_FLAGGED.get(self, 0))
+            return
+        self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
         if not self.one_host_fn:  # else sync enqueues the submit with the wait
             self.call.enqueue_submit(torch.cuda.current_stream(x.device).cuda_stream)
 
     def sync(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Enqueue the pool's wait (with one_host_fn, the submit and the wait), then the copy of the output to
         `device`: [T, hidden] in `dtype`."""
+        if self.flagged:
+            self.stage.cpu_wait(self.ring, self.flags)
+            return self.stage.stage_out(self.staging.out, self._rows, device, dtype, flagged=True)
         stream = torch.cuda.current_stream(device).cuda_stream
         (self.call.enqueue_submit_wait if self.one_host_fn else self.call.enqueue_wait)(stream)
         return self.stage.stage_out(self.staging.out, self._rows, device, dtype)

@@ -26,29 +26,53 @@ BLOCK = 1024  # elements of a row per program
 
 
 @triton.jit
-def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, H, K, stride_x, stride_ids, stride_w,
-                     BLOCK: tl.constexpr, BK: tl.constexpr):
+def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, K, stride_x, stride_ids, stride_w,
+                     ring_ptr, flags_ptr, BLOCK: tl.constexpr, BK: tl.constexpr, RING: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
-    m = offs < H
+    live = (row < T).to(tl.int32)  # T = 0: the flag path's one program only rings
+    m = offs < H * live
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     tl.store(sx_ptr + row * H + offs, x.to(tl.float32), mask=m)
     if blk == 0:
         j = tl.arange(0, BK)
-        mk = j < K
+        mk = j < K * live
         ids = tl.load(ids_ptr + row * stride_ids + j, mask=mk, other=0)
         tl.store(sids_ptr + row * K + j, ids.to(tl.int64), mask=mk)
         w = tl.load(w_ptr + row * stride_w + j, mask=mk, other=0.0)
         tl.store(sw_ptr + row * K + j, w.to(tl.float32), mask=mk)
+    if RING:  # the last program to finish rings: go = ++seq, after every program's stores (see module doc)
+        tl.debug_barrier()  # this program's threads' stores before its release
+        arrived = tl.atomic_add(ring_ptr, 1, sem="acq_rel", scope="sys")
+        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.store(ring_ptr, 0)
+            seq = tl.load(ring_ptr + 1) + 1
+            tl.store(ring_ptr + 1, seq)
+            tl.store(flags_ptr, seq)
 
 
 @triton.jit
-def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constexpr):
+def _cpu_wait_kernel(ring_ptr, flags_ptr, MAX_POLLS: tl.constexpr):
+    """Poll done (flags[1]) until it holds this call's sequence number; past MAX_POLLS give up and say so in
+    flags[2] (the host raises at its next check). One program: the stream's next kernels start when it ends."""
+    seq = tl.load(ring_ptr + 1)
+    done = tl.load(flags_ptr + 1, volatile=True)
+    polls = 0
+    while (done != seq) & (polls < MAX_POLLS):
+        done = tl.load(flags_ptr + 1, volatile=True)
+        polls += 1
+    if done != seq:
+        tl.store(flags_ptr + 2, seq)
+
+
+@triton.jit
+def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constexpr, VOLATILE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
-    v = tl.load(src_ptr + row * H + offs, mask=m, other=0.0)
+    # the flag path: rows the CPU wrote while this stream polled, with no host function between (read past caches)
+    v = tl.load(src_ptr + row * H + offs, mask=m, other=0.0, volatile=VOLATILE)
     if BF16:  # rounded to nearest even by hand, as torch's cast does (Triton's interpreter does not)
         bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
@@ -62,9 +86,11 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def stage_in(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sx: torch.Tensor, sids: torch.Tensor,
-             sw: torch.Tensor) -> None:
+             sw: torch.Tensor, ring: torch.Tensor | None = None, flags: torch.Tensor | None = None) -> None:
     """x [T, H] (any float dtype), ids [T, K] (integers), weights [T, K] -> the staging's first T rows: sx [>= T, H]
-    fp32, sids [>= T, K] int64, sw [>= T, K] fp32 (contiguous)."""
+    fp32, sids [>= T, K] int64, sw [>= T, K] fp32 (contiguous). With `ring` ([arrived, seq] int64 on x's device,
+    zeros at first) and `flags` ([go, done, timed out] int64, pinned), the flag path: the launch ends by storing
+    ++seq into go, T = 0 included (the relay then serves an empty call, and the wait still ends)."""
     t, h = x.shape
     k = ids.shape[1]
     if ids.shape != (t, k) or weights.shape != (t, k) or sx.shape[1] != h or sids.shape[1] != k or sw.shape[1] != k \
@@ -73,17 +99,33 @@ def stage_in(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sx: torc
                          f"not fit the staging {tuple(sx.shape)}, {tuple(sids.shape)}, {tuple(sw.shape)}")
     if sx.dtype != torch.float32 or sids.dtype != torch.int64 or sw.dtype != torch.float32:
         raise ValueError("stage_in: the staging is fp32 x, int64 ids, fp32 weights")
-    if not t:
+    if (ring is None) != (flags is None):
+        raise ValueError("stage_in: the flag path takes both ring and flags")
+    if not t and ring is None:
         return
     x, ids, weights = _rows_of(x), _rows_of(ids), _rows_of(weights)
-    _stage_in_kernel[(t, triton.cdiv(h, BLOCK))](x, ids, weights, sx, sids, sw, h, k, x.stride(0), ids.stride(0),
-                                                 weights.stride(0), BLOCK=BLOCK, BK=triton.next_power_of_2(k))
+    _stage_in_kernel[(max(t, 1), triton.cdiv(h, BLOCK))](
+        x, ids, weights, sx, sids, sw, t, h, k, x.stride(0), ids.stride(0), weights.stride(0),
+        sx if ring is None else ring, sx if flags is None else flags, BLOCK=BLOCK, BK=triton.next_power_of_2(k),
+        RING=ring is not None)
 
 
-def stage_out(src: torch.Tensor, rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The staging's first `rows` output rows (src [>= rows, H] fp32) as a new [rows, H] tensor on `device`."""
+MAX_POLLS = 1 << 28  # the wait's give-up: minutes of ~1 us reads over PCIe, far beyond any layer's CPU share
+
+
+def cpu_wait(ring: torch.Tensor, flags: torch.Tensor) -> None:
+    """On the current stream: wait until the relay has stored this call's sequence number (ring[1], set by the
+    call's stage_in) into done (flags[1])."""
+    _cpu_wait_kernel[(1,)](ring, flags, MAX_POLLS=MAX_POLLS)
+
+
+def stage_out(src: torch.Tensor, rows: int, device: torch.device, dtype: torch.dtype,
+              flagged: bool = False) -> torch.Tensor:
+    """The staging's first `rows` output rows (src [>= rows, H] fp32) as a new [rows, H] tensor on `device`;
+    `flagged`: after a cpu_wait (volatile loads)."""
     h = src.shape[1]
     out = torch.empty(rows, h, dtype=dtype, device=device)
     if rows:
-        _stage_out_kernel[(rows, triton.cdiv(h, BLOCK))](src, out, h, BLOCK=BLOCK, BF16=dtype == torch.bfloat16)
+        _stage_out_kernel[(rows, triton.cdiv(h, BLOCK))](src, out, h, BLOCK=BLOCK, BF16=dtype == torch.bfloat16,
+                                                         VOLATILE=flagged)
     return out
