@@ -2,6 +2,8 @@
 #include "stream.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -133,6 +135,7 @@ class Relay {
     std::lock_guard<std::mutex> g(mu_);
     if (std::find(calls_.begin(), calls_.end(), c) == calls_.end()) calls_.push_back(c);
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    pin();
   }
   // Blocks while the relay runs a layer of this call: after it returns the relay never touches c again.
   void remove(StreamCall* c) {
@@ -174,6 +177,21 @@ class Relay {
       cv_.wait_for(lk, std::chrono::milliseconds(1), [this] { return kicked_; });
       kicked_ = false;
     }
+  }
+  // The relay is its pools' caller (it helps in their jobs), and a pinned pool leaves one CPU for the caller: the
+  // relay goes there, the CPUs this thread may use less those the pools' workers are pinned to (on the 16-core
+  // Xeon, unpinned, it polled beside a worker and a batch-1 token's CPU experts took 10.4 ms instead of 9.4).
+  void pin() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return;
+    bool any_pinned = false;
+    for (StreamCall* c : calls_) {
+      if (c->pool == nullptr || !c->pool->pinned()) continue;
+      any_pinned = true;
+      for (int cpu : c->pool->worker_cpus()) CPU_CLR(cpu, &set);
+    }
+    if (any_pinned && CPU_COUNT(&set) > 0) pthread_setaffinity_np(thread_.native_handle(), sizeof(set), &set);
   }
   std::mutex mu_;  // calls_, and held while a layer runs
   std::vector<StreamCall*> calls_;

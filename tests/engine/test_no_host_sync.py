@@ -11,6 +11,7 @@ stream (ktrans.kernels.cpu_stream).
 from __future__ import annotations
 
 import contextlib
+import traceback
 
 import pytest
 import torch
@@ -28,6 +29,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 _SYNC_RUNTIME = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+def _caller() -> str:
+    """The innermost project or Triton frames of the current stack (what made the host read or sync)."""
+    frames = [f for f in traceback.extract_stack()[:-2] if "/ktrans/" in f.filename or "/triton/" in f.filename]
+    return " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in reversed(frames[-3:])) or "?"
+
+
 @contextlib.contextmanager
 def host_reads():
     """Record every Python-level read of a CUDA tensor's value on the host, and every explicit synchronisation."""
@@ -40,7 +47,7 @@ def host_reads():
         def spy(*args, **kwargs):
             t = args[0] if args else None
             if not on_cuda_only or (isinstance(t, torch.Tensor) and t.is_cuda):
-                seen.append(name)
+                seen.append(f"{name} from {_caller()}")
             return real(*args, **kwargs)
 
         setattr(owner, name, spy)
