@@ -24,6 +24,7 @@ import os
 import torch
 from torch import nn
 
+from ktrans.kernels import cpu_stream
 from ktrans.runtime.batch import ForwardBatch, SeqChunk, flatten
 from ktrans.runtime.pools import KVPool, StatePool
 
@@ -272,6 +273,7 @@ class ModelRunner:
             # blocking: a host thread that waits for it sleeps instead of polling a core the CPU experts use
             self._ended = torch.cuda.Event(blocking=True)
             self._ended.record(torch.cuda.current_stream(device))
+            cpu_stream.note_end(self._ended)
 
     def wait_end(self) -> None:
         """Sleep until the last forward has ended on the GPU (a no-op where the model runs on the CPU). The engine

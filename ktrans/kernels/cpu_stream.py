@@ -42,9 +42,11 @@ ONE_HOST_FN = os.environ.get("KTRANS_STREAM_ONE_HOST_FN", "0") == "1"
 # The flag path: no host functions. The stage-in kernel ends by storing a sequence number into a pinned `go` cell,
 # the relay thread of ktrans._cpu (polling those cells) runs the layer's submit and wait and stores the number into
 # `done`, and a one-program kernel on the stream polls `done` before the stage-out (ktrans.kernels.triton.stage).
-# Needs the stage kernels. Off by default until measured (KTRANS_STREAM_FLAGS=1 turns it on).
-FLAGS = os.environ.get("KTRANS_STREAM_FLAGS", "0") == "1"
+# Needs the stage kernels. On the H200 at full size (doc/benchmarks.md, session 17) a batch-1 serve token took 15.0
+# and 14.6 ms this way against 15.8 with the host functions, in one call; KTRANS_STREAM_FLAGS=0 selects those.
+FLAGS = os.environ.get("KTRANS_STREAM_FLAGS", "1") == "1"
 _STAGING: dict[tuple, "Staging"] = {}
+_LAST_END: list = [None]  # the end of the last forward on a GPU (a CUDA event; ModelRunner.mark_end: note_end)
 _ALL: "weakref.WeakSet[Staging]" = weakref.WeakSet()  # every staging alive, grown ones included
 
 
@@ -81,14 +83,26 @@ class Staging:
         return s
 
     def set_rows(self, n: int) -> None:
-        """The live row count the next submits read (a graph replay's real batch size)."""
+        """The live row count the next submits read (a graph replay's real batch size). A forward still running on
+        the GPU reads the cell when its layers' submits run: a new count waits for the last forward's end first
+        (one runner waits for its own before it prepares a step; two runners on one model, as tests have, would
+        otherwise give the first one's late layers the second one's count)."""
         if not 0 <= n <= self.max_rows:
             raise ValueError(f"live rows {n} outside [0, {self.max_rows}]")
+        if self._rows_np[0] != n:
+            end = _LAST_END[0]
+            if end is not None and not end.query():
+                end.synchronize()
         self._rows_np[0] = n
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.x, self.ids, self.weights, self.out, self.rows))
+
+
+def note_end(event) -> None:
+    """The last forward enqueued ends at `event` (any runner's): a row count that changes waits for it."""
+    _LAST_END[0] = event
 
 
 def set_live_rows(n: int) -> None:

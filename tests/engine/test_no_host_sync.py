@@ -143,16 +143,23 @@ def test_serve_decode_step_copies_only_into_pinned_buffers(stage_kernels, monkey
     assert not [e for e in calls if e in _SYNC_RUNTIME]
 
 
-def test_one_host_function_a_layer_gives_the_same_logits(monkeypatch):
-    """KTRANS_STREAM_ONE_HOST_FN: the CPU experts' submit and wait as one host function a layer give bitwise the
-    logits of the two-function form (same kernels, same rows), and the forward still neither reads nor syncs."""
+@pytest.mark.parametrize("form", ["one host function", "flags"])
+def test_hand_off_forms_give_the_same_logits(form, monkeypatch):
+    """The CPU experts' hand-off without host functions (KTRANS_STREAM_FLAGS, the default: the relay thread and a
+    polling kernel) and with one host function a layer (KTRANS_STREAM_ONE_HOST_FN) give bitwise the logits of the
+    two-function form (same kernels, same rows), and the forward still neither reads nor syncs; the flag path's
+    device operations include its polls, one a layer."""
     from ktrans.kernels import cpu_stream
 
     got = {}
-    for one in (False, True):
-        monkeypatch.setattr(cpu_stream, "ONE_HOST_FN", one)
-        _, runner = _model("Qwen3Next-serve-cpuexperts.yaml")
-        logits, seen, _, calls = _profile(runner, _decode_step(runner))
-        assert seen == [] and not [e for e in calls if e in _SYNC_RUNTIME], one
-        got[one] = logits.float().cpu()
-    assert torch.equal(got[False], got[True])
+    for variant in ("two host functions", form):
+        monkeypatch.setattr(cpu_stream, "FLAGS", variant == "flags")
+        monkeypatch.setattr(cpu_stream, "ONE_HOST_FN", variant == "one host function")
+        model, runner = _model("Qwen3Next-serve-cpuexperts.yaml")
+        logits, seen, device, calls = _profile(runner, _decode_step(runner))
+        assert seen == [] and not [e for e in calls if e in _SYNC_RUNTIME], variant
+        polls = [e for e in device if "_cpu_wait_kernel" in e]
+        layers = sum(type(m).__name__ == "KExpertsCPU" for m in model.modules())
+        assert layers and len(polls) == (layers if variant == "flags" else 0), variant
+        got[variant] = logits.float().cpu()
+    assert torch.equal(got["two host functions"], got[form])
