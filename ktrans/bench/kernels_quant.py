@@ -155,6 +155,54 @@ for _b in (4, 8, 32, 64):  # the tile path where the lanes path is the default, 
 case("quant", "moe q4_k/q6_k-down layer E=512 top-10 B=1, lanes", ("decode",))(_moe_case(1, "Q6_K", lanes=True))
 
 
+def _block_case(tokens: int):
+    """A MoE block's decode step on the GPU, routed experts and shared expert (Q4_K, the 80B's shapes): fused
+    (KTRANS_MOE_FUSED_SHARED: router and shared gate in one GEMV, one top-k launch, the shared expert as the routed
+    MoE's extra pair; four launches) against the peer, the unfused block (router GEMV, top-k, the routed lanes MoE,
+    the shared expert as a one-expert MoE, the gated sum with its gate's dot; seven launches)."""
+    def setup(device: torch.device) -> Timed:
+        from ktrans.kernels.triton import moe_quant as mq
+        from ktrans.kernels.triton.dense_gemv import dense_gemv
+        from ktrans.kernels.triton.quant_layout import concat_rows, repack
+        from ktrans.kernels.triton.router import gated_sum_dot, route, route_with_shared
+
+        _full_size_only(device)
+        if not (mq.LANES["on"] and tokens <= mq.LANES["max_tokens"]):
+            raise ValueError(f"the fused block takes the lanes path's steps (<= {mq.LANES['max_tokens']} tokens)")
+
+        def stack(n, rows, cols, seed):
+            raw = torch.stack([random_blocks("Q4_K", rows, cols, device, seed + 7 * e) for e in range(n)])
+            return repack(raw, "Q4_K", (n, rows, cols), device)
+
+        gate_up = concat_rows([stack(E, I_MOE, H, 1), stack(E, I_MOE, H, 2)])
+        down = stack(E, H, I_MOE, 3)
+        sh = (concat_rows([stack(1, I_MOE, H, 4), stack(1, I_MOE, H, 5)]), stack(1, H, I_MOE, 6))  # one-expert stacks
+        router = torch.randn(E, H, device=device, dtype=torch.bfloat16) * 0.02
+        shared_gate = torch.randn(1, H, device=device, dtype=torch.bfloat16) * 0.02
+        both = torch.cat([router, shared_gate])
+        x = torch.randn(tokens, H, device=device, dtype=torch.bfloat16) * 0.1
+        ones = torch.ones(tokens, 1, device=device)
+        zeros = torch.zeros(tokens, 1, dtype=torch.int32, device=device)
+        gemv = dense_gemv if tokens <= 4 else (lambda a, w: torch.nn.functional.linear(a, w))
+
+        def fused():
+            ids, w = route_with_shared(gemv(x, both), TOP_K, True)
+            return mq.moe_quant(x, ids, w, gate_up, down, extra=sh)
+
+        def unfused():
+            ids, w = route(gemv(x, router), TOP_K, True)
+            routed = mq.moe_quant(x, ids, w, gate_up, down)
+            return gated_sum_dot(routed, mq.moe_quant(x, zeros, ones, *sh), x, shared_gate)
+
+        per_expert = (gate_up.nbytes + down.nbytes) // E
+        return Timed(fused, (min(E, tokens * TOP_K) + 1) * per_expert + both.numel() * 2, 0, unfused, "unfused")
+    return setup
+
+
+for _b in (1, 16):
+    case("quant", f"moe block q4_k E=512 top-10 + shared expert B={_b}, fused", ("decode",))(_block_case(_b))
+
+
 def _repack_case(down_type: str, x16: bool):
     """One MoE layer's blocks (already on the GPU) repacked by the Triton kernel, as split prefill does for every
     streamed layer; x16: gate and up in the CPU experts' 16-row layout. Peer: the torch repack (row-major blocks)."""

@@ -8,6 +8,8 @@ submitted before the shared expert runs and synced after, so a CPU expert op ove
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,9 @@ from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
 from ktrans.operators.linear import project
 
+# The shared expert as one more pair a token of the routed GPU MoE (`_SharedFused`): off until measured on a GPU
+# (KTRANS_MOE_FUSED_SHARED=1 turns it on).
+FUSED_SHARED = os.environ.get("KTRANS_MOE_FUSED_SHARED", "0") == "1"
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                    provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
@@ -68,11 +73,18 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         super().__init__(key, orig, config, **kwargs)
         self.top_k = orig.top_k
         self.norm_topk_prob = orig.norm_topk_prob
+        self._shared_fused: dict[str, "_SharedFused | None"] = {}  # per phase, built at its first call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
         x = move(x, dev)
         router = self.op_for(phase)
+        if FUSED_SHARED and x.dim() == 2:
+            if phase not in self._shared_fused:
+                self._shared_fused[phase] = _SharedFused.build(self, phase, dev, router, x)
+            fused = self._shared_fused[phase]
+            if fused is not None and 0 < x.shape[0] <= fused.max_rows:
+                return self.leave(fused(x), phase)
         ids, weights = router.route(move(self.gate(x), dev))
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
         if asynchronous:
@@ -227,3 +239,62 @@ class _GPUMLP:
 
         t = x.shape[0]
         return moe_quant(x, self.ids[:t], self.weights[:t], self.gate_up, self.down)  # (it makes rows unit-stride)
+
+
+class _SharedFused:
+    """The block's decode step as one GPU MoE over k + 1 pairs a token: the shared expert is the extra pair (id E,
+    weight sigmoid of its gate logit), so its gate and up ride the routed experts' gate-and-up launch and its down
+    their down launch, whose top-k sum adds it (ktrans.kernels.triton.moe_quant's extra expert); the router's logits
+    and the shared gate's come from one GEMV over the two weights stacked ([E + 1, H]), and one top-k launch writes
+    the k + 1 ids and weights (router.route_with_shared). Four launches a layer where the block took seven (router
+    GEMV, top-k, two routed, two shared, the gated sum). Applies where the routed experts are KExpertsMarlin's packed
+    stacks, the shared expert's projections KLinearMarlin matrices of the same types and shapes (the one-expert GPU
+    MoE of KQwen3NextMLP), the router a float weight and the shared gate a plain [1, H] row (whatever the router op:
+    the routed experts' op runs Triton kernels already), for steps on the lanes path (moe_quant.LANES["max_tokens"] rows); else the block runs as before. The sum
+    differs from the unfused block's in rounding only: the shared expert's output enters the fp32 top-k sum instead
+    of a bf16 tensor added after, and its gate logit is the GEMV's (rounded to the activations' dtype)."""
+
+    def __init__(self, gate_w: torch.Tensor, top_k: int, renorm: bool, gate_up, down, extra):
+        from ktrans.kernels.triton.moe_quant import LANES
+
+        self.gate_w, self.top_k, self.renorm = gate_w, top_k, renorm
+        self.gate_up, self.down, self.extra = gate_up, down, extra
+        self.max_rows = LANES["max_tokens"] if LANES["on"] else 0
+
+    @classmethod
+    def build(cls, block: "KQwen3NextSparseMoeBlock", phase: str, dev: torch.device, router: Op,
+              x: torch.Tensor) -> "_SharedFused | None":
+        from ktrans.operators.linear import KTransformersLinear
+
+        if not isinstance(block.shared_expert, KQwen3NextMLP):
+            return None
+        experts = block.experts.impl.get(phase) if isinstance(block.experts, BaseOperator) else None
+        gate_up, down = getattr(experts, "gate_up", None), getattr(experts, "down", None)
+        if gate_up is None or down is None or getattr(experts, "streaming", True) or gate_up.device != dev:
+            return None
+        mlp = _GPUMLP.build(block.shared_expert, phase, dev)
+        if mlp is None or (mlp.gate_up.qtype, mlp.gate_up.n, mlp.gate_up.k, mlp.down.qtype, mlp.down.n,
+                           mlp.down.k) != (gate_up.qtype, gate_up.n, gate_up.k, down.qtype, down.n, down.k):
+            return None
+        row = gate_weight_row(block.shared_expert_gate, x, phase)
+        gate = block.gate
+        op = gate.impl.get(phase) if isinstance(gate, KTransformersLinear) else None
+        parts = getattr(op, "parts", None)
+        dense = parts[0].dense if parts and len(parts) == 1 and getattr(op, "place", None) is None \
+            and getattr(op, "bias", None) is None else None
+        if dense is None and type(gate) is torch.nn.Linear and gate.bias is None:
+            dense = gate.weight
+        if row is None or dense is None or dense.device != dev or dense.shape != (gate_up.experts, x.shape[1]):
+            return None
+        gate_w = torch.cat([dense.detach(), row.detach().to(dense.dtype)]).contiguous()  # [E + 1, H], ~2 MiB at bf16
+        return cls(gate_w, block.top_k, block.norm_topk_prob, gate_up, down, (mlp.gate_up, mlp.down))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ktrans.kernels.triton.dense_gemv import MAX_ROWS, dense_gemv
+        from ktrans.kernels.triton.moe_quant import moe_quant
+        from ktrans.kernels.triton.router import route_with_shared
+
+        xg = x.to(self.gate_w.dtype)
+        logits = dense_gemv(xg, self.gate_w) if x.shape[0] <= MAX_ROWS else F.linear(xg, self.gate_w)
+        ids, weights = route_with_shared(logits, self.top_k, self.renorm)
+        return moe_quant(x, ids, weights, self.gate_up, self.down, extra=self.extra)

@@ -177,3 +177,33 @@ def test_lanes_path_past_four_tokens(triton_device, monkeypatch):
     monkeypatch.setitem(mq.LANES, "on", True)
     y = mq.moe_quant(x, ids, weights, gate_up, down)
     assert y.shape == (9, H) and _err(y, ref) < 2e-5 and _err(y, tiles.double().cpu()) < 1e-2
+
+
+@pytest.mark.parametrize("t, down_type", [(1, "Q6_K"), (5, "Q4_K")])
+def test_lanes_path_with_an_extra_expert(t, down_type, triton_device, monkeypatch):
+    """The shared expert as one more pair a token (id E, its own one-expert stacks, not in the routed stack): the
+    fused launch equals routed + weight * shared (both references in float64) within the lanes path's 2e-5, with a
+    skipped slot; a type or shape that differs from the stack's, and a step past the lanes path, are refused."""
+    from ktrans.kernels.triton import moe_quant as mq
+    from ktrans.kernels.triton.quant_layout import as_stack
+
+    gate_up, down, (g, u, d) = _layer(triton_device, down_type)
+    sg, su = _stack("Q4_K", I, H, 300, triton_device), _stack("Q4_K", I, H, 400, triton_device)
+    sd = _stack(down_type, H, I, 500, triton_device)
+    # expert 2 of other stacks as the shared expert: planes that lie anywhere, at offsets of either sign
+    extra = (as_stack(concat_rows([sg, su]).expert(2)), as_stack(sd.expert(2)))
+    ref_sh = [dequantize_packed(w.to("cpu")).double()[2:3] for w in (sg, su, sd)]
+    ids, weights = _routing(t, triton_device, seed=11 + t)
+    ids[0, 1] = -1
+    gate_w = torch.rand(t, 1, device=triton_device)
+    x = (torch.randn(t, 2 * H, device=triton_device) * 1e-3)[:, :H]
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d) + moe_experts(
+        x.cpu().double(), torch.zeros(t, 1, dtype=torch.int64), gate_w.cpu().double(), *ref_sh)
+    ids_x = torch.cat([ids, torch.full((t, 1), E, device=triton_device, dtype=ids.dtype)], 1)
+    y = mq.moe_quant(x, ids_x, torch.cat([weights, gate_w], 1), gate_up, down, extra=extra)
+    assert y.shape == (t, H) and _err(y, ref) < 2e-5
+    with pytest.raises(ValueError, match="types or shapes differ"):
+        mq.moe_quant(x, ids_x, torch.cat([weights, gate_w], 1), gate_up, down, extra=(extra[0], extra[0]))
+    monkeypatch.setitem(mq.LANES, "max_tokens", t - 1)
+    with pytest.raises(ValueError, match="lanes path only"):
+        mq.moe_quant(x, ids_x, torch.cat([weights, gate_w], 1), gate_up, down, extra=extra)

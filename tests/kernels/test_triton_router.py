@@ -58,3 +58,17 @@ def test_gated_sum_dot(triton_device, dtype, t, h):
     torch.testing.assert_close(tri.gated_sum_dot(routed, shared, strided, w), got, atol=0, rtol=0)
     with pytest.raises(ValueError, match="do not fit"):
         tri.gated_sum_dot(routed, shared, x, w.T)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 12, 1), (3, 512, 10)])
+@pytest.mark.parametrize("renorm", [True, False])
+def test_route_with_shared(triton_device, t, e, k, renorm):
+    """Logits with the shared expert's gate logit as column E: the first k ids and weights as route() gives them,
+    then id E with sigmoid(gate logit), in fp32."""
+    logits = torch.stack([(torch.randperm(e + 1) - e // 2).float() / 64 for _ in range(t)]).to(triton_device)
+    want_ids, want_w = route(logits[:, :e], k, renorm)
+    got_ids, got_w = tri.route_with_shared(logits, k, renorm)
+    assert got_ids.shape == (t, k + 1) and got_w.dtype == torch.float32
+    assert torch.equal(got_ids[:, :k], want_ids) and (got_ids[:, k] == e).all()
+    torch.testing.assert_close(got_w[:, :k], want_w, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_w[:, k], torch.sigmoid(logits[:, e]), atol=1e-6, rtol=1e-5)

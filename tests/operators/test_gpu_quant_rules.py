@@ -132,6 +132,46 @@ def test_shared_expert_as_a_one_expert_moe(q4_k_m, triton_device, monkeypatch):
     assert rel(fused, mlp(x)) < 2e-5 and fused_rows == [1, 3, 4, 1, 2]
 
 
+@pytest.mark.triton
+def test_shared_expert_fused_into_the_routed_moe(q4_k_m, triton_device, monkeypatch):
+    """KTRANS_MOE_FUSED_SHARED: each MoE block whose shared expert has the routed experts' types and shapes runs a
+    decode step as one MoE over k + 1 pairs (router and shared gate in one GEMV, one top-k launch, the shared expert
+    as the extra pair); fp32, within fp32 rounding of the unfused block (2e-5). A block whose types differ keeps the
+    unfused path, and so do steps past the lanes path."""
+    from ktrans.operators import moe
+
+    config, source = q4_k_m
+    _, model = _models(config, source, triton_device.type, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    fused_layers = 0
+    for layer in model.model.layers:
+        block = layer.mlp
+        if not isinstance(block, moe.KQwen3NextSparseMoeBlock):
+            continue
+        x = (torch.randn(3, config.hidden_size, generator=g) * 0.5).to(triton_device)
+        monkeypatch.setattr(moe, "FUSED_SHARED", False)
+        want = block(x)
+        monkeypatch.setattr(moe, "FUSED_SHARED", True)
+        got = block(x)
+        plan = block._shared_fused["prefill"]
+        experts = block.experts.impl["prefill"]
+        sh = block.shared_expert.gate_proj.impl["prefill"].packed_weight()
+        same = sh is not None and sh.qtype == experts.gate_up.qtype and \
+            block.shared_expert.down_proj.impl["prefill"].packed_weight().qtype == experts.down.qtype
+        assert (plan is not None) == same, block.key
+        assert got.shape == want.shape and rel(got, want) < 2e-5, (block.key, rel(got, want))
+        if plan is not None:
+            fused_layers += 1
+            last = (block, plan, x)
+    assert fused_layers > 0
+    block, plan, x = last
+    plan.max_rows = 2  # a step past the lanes path takes the unfused path
+    monkeypatch.setattr(moe, "FUSED_SHARED", False)
+    want = block(x)
+    monkeypatch.setattr(moe, "FUSED_SHARED", True)
+    assert torch.equal(block(x), want)
+
+
 @pytest.fixture(scope="module")
 def q8_0(tmp_path_factory):
     return _gguf(tmp_path_factory, "q8_0")
@@ -182,7 +222,12 @@ def test_deltanet_projection_in_stored_order(quant, parts, request, triton_devic
 
 
 @pytest.mark.gpu
-def test_model_teacher_forced_on_the_gpu(q4_k_m):
+@pytest.mark.parametrize("fused_shared", [False, True])
+def test_model_teacher_forced_on_the_gpu(q4_k_m, fused_shared, monkeypatch):
+    """fused_shared: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches)."""
+    from ktrans.operators import moe
+
+    monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
     config, source = q4_k_m
     ref, model = _models(config, source, "cuda", torch.bfloat16)
     layer = model.model.layers[0]
@@ -192,6 +237,8 @@ def test_model_teacher_forced_on_the_gpu(q4_k_m):
     prompt = torch.randint(0, config.vocab_size, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     err = rel(_all_logits(model, prompt), _all_logits(ref, prompt))
     assert err < 0.05, err
+    assert not fused_shared or any(b._shared_fused.get("generate") for b in model.modules()
+                                   if isinstance(b, moe.KQwen3NextSparseMoeBlock))
 
 
 def test_float_checkpoint_runs_as_the_reference(tmp_path_factory):

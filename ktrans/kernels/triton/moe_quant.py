@@ -80,17 +80,20 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["x_lo", "x_hi", "x_d", "x_sc"])
 def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
-                      s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, QT: tl.constexpr,
-                      BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr):
+                      s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
+                      QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_X: tl.constexpr):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
     P, 2N] and the last of the pair's and tile's programs to finish (counted in cnt_ptr, zero between calls) sums
     them in split order; silu(gate) * up into out_ptr [P, N].
     Else (down, whole K): the pair's weighted row into part_ptr [P, N] fp32, and the last of a token's X_DIV pairs
-    (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it."""
+    (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it.
+    HAS_X: pairs whose id is E_X take an extra expert's planes (the shared expert), at element offsets x_lo, x_hi,
+    x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come)."""
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -98,7 +101,14 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     e64 = tl.maximum(e, 0).to(tl.int64)
-    lo, hi, d, sc = lo_ptr + e64 * s_lo, hi_ptr + e64 * s_hi, d_ptr + e64 * s_d, sc_ptr + e64 * s_sc
+    o_lo, o_hi, o_d, o_sc = e64 * s_lo, e64 * s_hi, e64 * s_d, e64 * s_sc
+    if HAS_X:
+        is_x = e == E_X
+        o_lo = tl.where(is_x, x_lo, o_lo)
+        o_hi = tl.where(is_x, x_hi, o_hi)
+        o_d = tl.where(is_x, x_d, o_d)
+        o_sc = tl.where(is_x, x_sc, o_sc)
+    lo, hi, d, sc = lo_ptr + o_lo, hi_ptr + o_hi, d_ptr + o_d, sc_ptr + o_sc
     if GATED:
         if e >= 0:
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
@@ -148,10 +158,24 @@ def _expert_strides(planes) -> list[int]:
     return [t.stride(0) if t.numel() > 1 else 0 for t in planes]
 
 
+def _offsets(planes, extra_planes) -> list[int]:
+    """Each extra plane's offset from the stack's, in the plane's elements (both of one dtype, element-aligned)."""
+    out = []
+    for a, b in zip(planes, extra_planes):
+        if a.dtype != b.dtype or a.device != b.device:
+            raise ValueError("moe_quant: the extra expert's planes differ from the stack's in dtype or device")
+        diff = b.data_ptr() - a.data_ptr()
+        if diff % a.element_size():
+            raise ValueError("moe_quant: the extra expert's planes are not element-aligned with the stack's")
+        out.append(diff // a.element_size())
+    return out
+
+
 def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: PackedWeight,
-           down: PackedWeight) -> torch.Tensor:
+           down: PackedWeight, extra: tuple[PackedWeight, PackedWeight] | None = None) -> torch.Tensor:
     """The few-token path: two launches (gate and up split over K where the pairs alone would not fill the GPU;
-    down with the sum over the top-k), the sums in fixed order (ktrans.kernels.triton.quant_gemv's fused sum)."""
+    down with the sum over the top-k), the sums in fixed order (ktrans.kernels.triton.quant_gemv's fused sum).
+    extra: (gate_up, down) of one more expert, taken by pairs whose id is gate_up.experts."""
     t, k = ids.shape
     p, inter, hidden = t * k, gate_up.n // 2, down.n
     ids = ids.reshape(-1)
@@ -169,14 +193,19 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     part = torch.empty(max(split * p * 2 * inter if split > 1 else 0, p * hidden), dtype=torch.float32,
                        device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    for w, src, dst, n, x_div, grid_k, gated in ((gate_up, x, h, inter, k, split, True),
-                                                 (down, h, out, hidden, k, 1, False)):
+    for j, (w, src, dst, n, x_div, grid_k, gated) in enumerate(((gate_up, x, h, inter, k, split, True),
+                                                               (down, h, out, hidden, k, 1, False))):
         lo, hi, d, _ = plane_args(w)
         planes = (lo, hi, d, _scale_words(w))
+        offs = [0, 0, 0, 0]
+        if extra is not None:
+            xw = extra[j]
+            xlo, xhi, xd, _ = plane_args(xw)
+            offs = _offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
         _moe_lanes_kernel[(p, triton.cdiv(n, bn), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
-            x_div, src.stride(0), dst.stride(0), QT=QT_CODE[w.qtype], BN=bn, GATED=gated, SPLIT=grid_k,
-            num_warps=LANES["warps"])
+            x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bn, GATED=gated,
+            SPLIT=grid_k, HAS_X=extra is not None, num_warps=LANES["warps"])
     return out
 
 
@@ -218,9 +247,10 @@ def _launch(x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, bexp: torch.
 
 
 def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: PackedWeight,
-              down: PackedWeight) -> torch.Tensor:
+              down: PackedWeight, extra: tuple[PackedWeight, PackedWeight] | None = None) -> torch.Tensor:
     """x [T, H]; ids, weights [T, k]; gate_up: a stack [E, 2I, H] (gate rows, then up rows); down [E, H, I].
-    Returns [T, H] in x's dtype."""
+    Returns [T, H] in x's dtype. extra: (gate_up, down) of one more expert of the same types and shapes (the shared
+    expert, a one-expert stack each), which pairs with id E take: the lanes path only (T <= LANES["max_tokens"])."""
     t, k = ids.shape
     e, inter, hidden = gate_up.experts, gate_up.n // 2, down.n
     if x.shape != (t, gate_up.k) or down.k != inter or down.experts != e:
@@ -230,6 +260,14 @@ def moe_quant(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
     p = t * k
     rw = weights.reshape(-1)
     rw = rw if rw.is_contiguous() else rw.contiguous()
+    if extra is not None:
+        xg, xd = extra
+        if not (LANES["on"] and t <= LANES["max_tokens"]):
+            raise ValueError(f"moe_quant: an extra expert rides the lanes path only ({t} tokens)")
+        if (xg.qtype, xg.n, xg.k, xd.qtype, xd.n, xd.k) != (gate_up.qtype, gate_up.n, gate_up.k, down.qtype, down.n,
+                                                            down.k):
+            raise ValueError("moe_quant: the extra expert's types or shapes differ from the stack's")
+        return _lanes(x, ids, rw, gate_up, down, extra)
     if LANES["on"] and t <= LANES["max_tokens"]:
         return _lanes(x, ids, rw, gate_up, down)
     if t <= DIRECT_MAX_TOKENS:

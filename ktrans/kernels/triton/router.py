@@ -19,7 +19,7 @@ import triton.language as tl
 
 @triton.jit
 def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E_PAD: tl.constexpr,
-                         K_PAD: tl.constexpr, RENORM: tl.constexpr):
+                         K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = False):
     row = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     x = tl.load(LOGITS + row * stride_l + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
@@ -39,8 +39,31 @@ def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E
         w = e / tl.sum(e, 0)
     else:
         w = e / total
-    tl.store(IDS + row * K + ks, ids.to(tl.int64), mask=ks < K)
-    tl.store(W + row * K + ks, w.to(W.dtype.element_ty), mask=ks < K)
+    if SHARED:  # column n_experts is the shared expert's gate logit: slot K, expert id n_experts, sigmoid weight
+        g = tl.load(LOGITS + row * stride_l + n_experts).to(tl.float32)
+        ids = tl.where(ks == K, n_experts, ids)
+        w = tl.where(ks == K, tl.sigmoid(g), w)
+        tl.store(IDS + row * (K + 1) + ks, ids.to(tl.int64), mask=ks < K + 1)
+        tl.store(W + row * (K + 1) + ks, w.to(W.dtype.element_ty), mask=ks < K + 1)
+    else:
+        tl.store(IDS + row * K + ks, ids.to(tl.int64), mask=ks < K)
+        tl.store(W + row * K + ks, w.to(W.dtype.element_ty), mask=ks < K)
+
+
+def route_with_shared(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E + 1]: the router's E logits, then the shared expert's gate logit -> ids [T, k + 1] int64 (the
+    top k as route() gives them, then E) and weights [T, k + 1] fp32 (theirs, then sigmoid of the gate logit): the
+    shared expert as one more pair of a MoE whose extra expert is id E (one launch)."""
+    t, e1 = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    ids = torch.empty(t, top_k + 1, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, top_k + 1, dtype=torch.float32, device=logits.device)
+    if t:
+        _topk_softmax_kernel[(t,)](logits, ids, weights, logits.stride(0), e1 - 1, K=top_k,
+                                   E_PAD=triton.next_power_of_2(e1 - 1), K_PAD=triton.next_power_of_2(top_k + 1),
+                                   RENORM=norm_topk_prob, SHARED=True, num_warps=1 if e1 - 1 <= 1024 else 4)
+    return ids, weights
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
