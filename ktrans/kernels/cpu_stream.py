@@ -164,22 +164,12 @@ class StreamMoE:
                live: int | None = None) -> None:
         """Enqueue on the current stream: copies of the inputs into the staging, then the pool's submit of the first
         `live` rows (default all; a padded batch's live sequences, so its eager step computes what its replays do)."""
-        self.check()
-        s, t = self.staging, x.shape[0]
-        if t > s.max_rows:
-            raise ValueError(f"{self.name}: {t} tokens, the CPU experts' staging holds {s.max_rows}")
-        if topk_ids.shape != (t, s.k):
-            raise ValueError(f"{self.name}: topk_ids {tuple(topk_ids.shape)}, expected ({t}, {s.k})")
-        capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
-        self._rows = t
+        if topk_ids.shape != (x.shape[0], self.staging.k):
+            raise ValueError(f"{self.name}: topk_ids {tuple(topk_ids.shape)}, expected ({x.shape[0]}, "
+                             f"{self.staging.k})")
+        capturing = self._begin(x, live)
+        s = self.staging
         if self.flagged:
-            if self.ring is None or self.ring.device != x.device:
-                if capturing:  # the counter must outlive the graph, not sit in its private pool
-                    raise RuntimeError(f"{self.name}: the flag path's first call is being captured; run it eagerly "
-                                       f"first (ModelRunner's warm-up does)")
-                self.ring = torch.zeros(2, dtype=torch.int64, device=x.device)
             self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights, self.ring, self.flags)
             if not capturing:
                 _cpu.relay_kick(_FLAGGED.get(self, 0))
@@ -187,6 +177,34 @@ class StreamMoE:
         self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
         if not self.one_host_fn:  # else sync enqueues the submit with the wait
             self.call.enqueue_submit(torch.cuda.current_stream(x.device).cuda_stream)
+
+    def submit_logits(self, x: torch.Tensor, logits: torch.Tensor, renorm: bool, live: int | None = None) -> None:
+        """submit() with the routing done here: the router's top-k of `logits` [T, E] runs inside the stage-in
+        launch and writes the ids and weights straight into the staging (the flag path only: `flagged`)."""
+        if not self.flagged:
+            raise RuntimeError(f"{self.name}: submit_logits needs the flag path (KTRANS_STREAM_FLAGS=1)")
+        capturing = self._begin(x, live)
+        s = self.staging
+        self.stage.route_stage_in(x, logits, s.k, renorm, s.x, s.ids, s.weights, self.ring, self.flags)
+        if not capturing:
+            _cpu.relay_kick(_FLAGGED.get(self, 0))
+
+    def _begin(self, x: torch.Tensor, live: int | None) -> bool:
+        """A call's checks, its live rows (eager) and, on the flag path, the ring counter; True while capturing."""
+        self.check()
+        s, t = self.staging, x.shape[0]
+        if t > s.max_rows:
+            raise ValueError(f"{self.name}: {t} tokens, the CPU experts' staging holds {s.max_rows}")
+        capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            s.set_rows(t if live is None else live)  # eager; a replay's rows are set by whoever replays
+        self._rows = t
+        if self.flagged and (self.ring is None or self.ring.device != x.device):
+            if capturing:  # the counter must outlive the graph, not sit in its private pool
+                raise RuntimeError(f"{self.name}: the flag path's first call is being captured; run it eagerly "
+                                   f"first (ModelRunner's warm-up does)")
+            self.ring = torch.zeros(2, dtype=torch.int64, device=x.device)
+        return capturing
 
     def sync(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Enqueue the pool's wait (with one_host_fn, the submit and the wait), then the copy of the output to

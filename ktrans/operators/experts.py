@@ -198,6 +198,20 @@ class KTransformersExperts(BaseOperator):
         op.submit(move(x, dev), move(topk_ids, dev), move(topk_weights, dev))
         self._pending = (phase, op)
 
+    def takes_logits(self, x: torch.Tensor, k: int) -> bool:
+        """Whether this phase's op routes itself from the router's logits (submit_logits) for x."""
+        op = self.op_for(current_phase())
+        return hasattr(op, "submit_logits") and op.input_device(x.device) == x.device and op.takes_logits(x, k)
+
+    def submit_logits(self, x: torch.Tensor, logits: torch.Tensor, k: int, renorm: bool) -> None:
+        """submit() with the top k of `logits` taken by the op itself (where takes_logits said so)."""
+        phase = current_phase()
+        op = self.op_for(phase)
+        if op.device.type == "cuda":
+            use_device(op.device)
+        op.submit_logits(x, logits, k, renorm)
+        self._pending = (phase, op)
+
     def sync(self) -> torch.Tensor:
         if self._pending is None:
             raise RuntimeError(f"{self.key}: sync() without submit()")

@@ -164,6 +164,25 @@ class KExpertsCPU(ExpertsOp):
             moe = self._build(self.source, self.dtype)  # streaming: GGUF blocks are views of the map, no copy
         self._pending = moe.submit(x, topk_ids, topk_weights)
 
+    def takes_logits(self, x: torch.Tensor, k: int) -> bool:
+        """Whether submit_logits can run for x: on a GPU, on the stream's flag path."""
+        if not (x.is_cuda and not self.streaming and self.moe is not None and cpu_stream.available()[0]):
+            return False
+        return self.stream_call(k).flagged
+
+    def submit_logits(self, x: torch.Tensor, logits: torch.Tensor, k: int, renorm: bool) -> None:
+        """submit() with the routing (top k of the router's logits) done inside the stage-in launch."""
+        if self._pending is not None or self._on_stream is not None:
+            raise RuntimeError(f"{self.key}: submit() called twice without sync()")
+        self._out_dtype = x.dtype
+        call = self.stream_call(k)
+        if x.shape[0] > call.staging.max_rows:
+            self.reserve(x.shape[0])
+            call = self.stream_call(k)
+        batch = current_batch()
+        call.submit_logits(x, logits, renorm, live=batch.num_live if batch is not None else None)
+        self._on_stream = x.device
+
     def sync(self) -> torch.Tensor:
         if self._on_stream is not None:
             device, self._on_stream = self._on_stream, None

@@ -132,6 +132,7 @@ class KRouterTriton(Checked, KRouterTorch):
         return tri_router.gated_sum(routed, shared, shared_gate)
 
     FUSES_GATE = True  # the shared expert's [1, hidden] gate logit in the final sum's launch: one launch a layer fewer
+    STAGES = True  # its top-k may run inside the CPU experts' stage-in launch (moe.ROUTE_STAGE)
 
     def combine_dot(self, routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
                     gate_weight: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,9 @@ from ktrans.operators.linear import project
 # The shared expert as one more pair a token of the routed GPU MoE (`_SharedFused`): off until measured on a GPU
 # (KTRANS_MOE_FUSED_SHARED=1 turns it on).
 FUSED_SHARED = os.environ.get("KTRANS_MOE_FUSED_SHARED", "0") == "1"
+# The Triton router's top-k inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage.route_stage_in): a
+# launch a layer less under the serve rules; off until measured on a GPU (KTRANS_ROUTE_STAGE=1 turns it on).
+ROUTE_STAGE = os.environ.get("KTRANS_ROUTE_STAGE", "0") == "1"
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                    provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
@@ -85,12 +88,17 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
             fused = self._shared_fused[phase]
             if fused is not None and 0 < x.shape[0] <= fused.max_rows:
                 return self.leave(fused(x), phase)
-        ids, weights = router.route(move(self.gate(x), dev))
+        logits = move(self.gate(x), dev)
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
-        if asynchronous:
-            self.experts.submit(x, ids, weights)
+        if asynchronous and ROUTE_STAGE and getattr(router, "STAGES", False) and x.dim() == 2 \
+                and self.experts.takes_logits(x, self.top_k):
+            self.experts.submit_logits(x, logits, self.top_k, self.norm_topk_prob)
         else:
-            routed = self.experts(x, ids, weights)
+            ids, weights = router.route(logits)
+            if asynchronous:
+                self.experts.submit(x, ids, weights)
+            else:
+                routed = self.experts(x, ids, weights)
         # Meanwhile: the shared expert and its gate, on this block's device (the gate in the final sum's launch
         # where the router op can: a [1, hidden] projection is a dot product a token).
         shared = move(self.shared_expert(x), dev)

@@ -143,23 +143,30 @@ def test_serve_decode_step_copies_only_into_pinned_buffers(stage_kernels, monkey
     assert not [e for e in calls if e in _SYNC_RUNTIME]
 
 
-@pytest.mark.parametrize("form", ["one host function", "flags"])
+@pytest.mark.parametrize("form", ["one host function", "flags", "route stage"])
 def test_hand_off_forms_give_the_same_logits(form, monkeypatch):
     """The CPU experts' hand-off without host functions (KTRANS_STREAM_FLAGS, the default: the relay thread and a
-    polling kernel) and with one host function a layer (KTRANS_STREAM_ONE_HOST_FN) give bitwise the logits of the
-    two-function form (same kernels, same rows), and the forward still neither reads nor syncs; the flag path's
-    device operations include its polls, one a layer."""
+    polling kernel), with the router's top-k inside its stage-in launch (KTRANS_ROUTE_STAGE, on the flag path) and
+    with one host function a layer (KTRANS_STREAM_ONE_HOST_FN) give bitwise the logits of the two-function form
+    (same kernels, same rows), and the forward still neither reads nor syncs; the flag path's device operations
+    include its polls, one a layer, and with the route stage no top-k launch of its own."""
     from ktrans.kernels import cpu_stream
+    from ktrans.operators import moe
 
     got = {}
     for variant in ("two host functions", form):
-        monkeypatch.setattr(cpu_stream, "FLAGS", variant == "flags")
+        monkeypatch.setattr(cpu_stream, "FLAGS", variant in ("flags", "route stage"))
+        monkeypatch.setattr(moe, "ROUTE_STAGE", variant == "route stage")
         monkeypatch.setattr(cpu_stream, "ONE_HOST_FN", variant == "one host function")
         model, runner = _model("Qwen3Next-serve-cpuexperts.yaml")
         logits, seen, device, calls = _profile(runner, _decode_step(runner))
         assert seen == [] and not [e for e in calls if e in _SYNC_RUNTIME], variant
         polls = [e for e in device if "_cpu_wait_kernel" in e]
         layers = sum(type(m).__name__ == "KExpertsCPU" for m in model.modules())
-        assert layers and len(polls) == (layers if variant == "flags" else 0), variant
+        assert layers and len(polls) == (layers if variant in ("flags", "route stage") else 0), variant
+        fused = [e for e in device if "_route_stage_kernel" in e]
+        topk = [e for e in device if "_topk_softmax_kernel" in e]
+        assert len(fused) == (layers if variant == "route stage" else 0), variant
+        assert variant != "route stage" or not topk, variant
         got[variant] = logits.float().cpu()
     assert torch.equal(got["two host functions"], got[form])

@@ -154,3 +154,33 @@ def test_flag_path_in_a_cuda_graph(pool, monkeypatch):
         want = moe.submit(xb[:live].contiguous(), idss[:live].contiguous(), ws[:live].contiguous()).wait()
         assert torch.equal(out[:live].float().cpu(), want.to(torch.bfloat16).float())
     assert call.call.flag_calls == calls0 + 3
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("t, renorm", [(1, True), (5, False), (0, True)])
+def test_route_stage_in_writes_what_route_then_stage_in_write(pool, t, renorm, triton_device):
+    """KTRANS_ROUTE_STAGE: the router's top-k inside the stage-in launch writes bitwise the x, ids and weights that
+    route() then stage_in() write, rings go once (T = 0 too), and the relay serves the call as for stage_in."""
+    from ktrans.kernels.triton import router, stage
+
+    moe = make_moe(TYPES, pool)
+    pinned = triton_device.type == "cuda"
+    got, want = (cpu_stream.Staging(8, moe.hidden, K, pinned=pinned) for _ in range(2))
+    flags = torch.zeros(3, dtype=torch.int64, pin_memory=pinned)
+    ring = torch.zeros(2, dtype=torch.int64, device=triton_device)
+    gen = torch.Generator().manual_seed(t)
+    n_experts = 13  # not a power of two; distinct logits (no ties to break)
+    logits = torch.stack([torch.randperm(n_experts, generator=gen).float() / 8 for _ in range(t)]) if t \
+        else torch.zeros(0, n_experts)
+    x = torch.randn(t, moe.hidden, generator=gen)
+    xd, ld = x.to(triton_device), logits.to(triton_device)
+    stage.route_stage_in(xd, ld, K, renorm, got.x, got.ids, got.weights, ring, flags)
+    ids, w = router.route(ld, K, renorm)
+    stage.stage_in(xd, ids, w, want.x, want.ids, want.weights)
+    if pinned:
+        torch.cuda.synchronize()
+    assert int(flags[0]) == 1 and int(ring[1]) == 1 and int(ring[0]) == 0
+    for a, b in ((got.x, want.x), (got.ids, want.ids), (got.weights, want.weights)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="do not fit the staging"):
+        stage.route_stage_in(xd, ld, K + 1, renorm, got.x, got.ids, got.weights, ring, flags)

@@ -18,11 +18,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E_PAD: tl.constexpr,
-                         K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = False):
-    row = tl.program_id(0)
+def topk_softmax_row(row_ptr, n_experts, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                     RENORM: tl.constexpr):
+    """One token's routing from its logits row: (slots [K_PAD], ids [K_PAD] int32, weights [K_PAD] fp32), slots past
+    K padding (weight 0). Also run inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage)."""
     offs = tl.arange(0, E_PAD)
-    x = tl.load(LOGITS + row * stride_l + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
+    x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
     mx = tl.max(x, 0)
     total = tl.sum(tl.exp(x - mx), 0)
     ks = tl.arange(0, K_PAD)
@@ -39,6 +40,14 @@ def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E
         w = e / tl.sum(e, 0)
     else:
         w = e / total
+    return ks, ids, w
+
+
+@triton.jit
+def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E_PAD: tl.constexpr,
+                         K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = False):
+    row = tl.program_id(0)
+    ks, ids, w = topk_softmax_row(LOGITS + row * stride_l, n_experts, K, E_PAD, K_PAD, RENORM)
     if SHARED:  # column n_experts is the shared expert's gate logit: slot K, expert id n_experts, sigmoid weight
         g = tl.load(LOGITS + row * stride_l + n_experts).to(tl.float32)
         ids = tl.where(ks == K, n_experts, ids)

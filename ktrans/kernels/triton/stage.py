@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.router import topk_softmax_row
+
 BLOCK = 1024  # elements of a row per program
 
 
@@ -42,14 +44,42 @@ def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, K, s
         tl.store(sids_ptr + row * K + j, ids.to(tl.int64), mask=mk)
         w = tl.load(w_ptr + row * stride_w + j, mask=mk, other=0.0)
         tl.store(sw_ptr + row * K + j, w.to(tl.float32), mask=mk)
-    if RING:  # the last program to finish rings: go = ++seq, after every program's stores (see module doc)
-        tl.debug_barrier()  # this program's threads' stores before its release
-        arrived = tl.atomic_add(ring_ptr, 1, sem="acq_rel", scope="sys")
-        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-            tl.store(ring_ptr, 0)
-            seq = tl.load(ring_ptr + 1) + 1
-            tl.store(ring_ptr + 1, seq)
-            tl.store(flags_ptr, seq)
+    if RING:
+        _ring(ring_ptr, flags_ptr)
+
+
+@triton.jit
+def _ring(ring_ptr, flags_ptr):
+    """The last program to finish rings: go = ++seq, after every program's stores (see the module doc)."""
+    tl.debug_barrier()  # this program's threads' stores before its release
+    arrived = tl.atomic_add(ring_ptr, 1, sem="acq_rel", scope="sys")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(ring_ptr, 0)
+        seq = tl.load(ring_ptr + 1) + 1
+        tl.store(ring_ptr + 1, seq)
+        tl.store(flags_ptr, seq)
+
+
+@triton.jit
+def _route_stage_kernel(x_ptr, l_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, n_experts, stride_x, stride_l, ring_ptr,
+                        flags_ptr, BLOCK: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        RENORM: tl.constexpr):
+    """stage_in with the router's top-k in its first program of each row (the flag path only: it rings)."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    live = (row < T).to(tl.int32)
+    m = offs < H * live
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    tl.store(sx_ptr + row * H + offs, x.to(tl.float32), mask=m)
+    if blk == 0:
+        if row < T:
+            ks, ids, w = topk_softmax_row(l_ptr + row * stride_l, n_experts, K, E_PAD, K_PAD, RENORM)
+            mk = ks < K
+            tl.store(sids_ptr + row * K + ks, ids.to(tl.int64), mask=mk)
+            # rounded to the logits' dtype first, as route() returns them: the same weights as the two launches
+            tl.store(sw_ptr + row * K + ks, w.to(l_ptr.dtype.element_ty).to(tl.float32), mask=mk)
+    _ring(ring_ptr, flags_ptr)
 
 
 @triton.jit
@@ -108,6 +138,25 @@ def stage_in(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sx: torc
         x, ids, weights, sx, sids, sw, t, h, k, x.stride(0), ids.stride(0), weights.stride(0),
         sx if ring is None else ring, sx if flags is None else flags, BLOCK=BLOCK, BK=triton.next_power_of_2(k),
         RING=ring is not None)
+
+
+def route_stage_in(x: torch.Tensor, logits: torch.Tensor, top_k: int, renorm: bool, sx: torch.Tensor,
+                   sids: torch.Tensor, sw: torch.Tensor, ring: torch.Tensor, flags: torch.Tensor) -> None:
+    """The router's top-k (ktrans.kernels.triton.router.route on `logits` [T, E]) and stage_in of x [T, H] and
+    those ids and weights, on the flag path, in one launch: the ids and weights go straight into the pinned staging
+    (the GPU never holds them), bitwise what route() then stage_in() write."""
+    t, h = x.shape
+    e = logits.shape[1]
+    if logits.shape[0] != t or sx.shape[1] != h or sids.shape[1] != top_k or sw.shape[1] != top_k \
+            or min(sx.shape[0], sids.shape[0], sw.shape[0]) < t:
+        raise ValueError(f"route_stage_in: x {tuple(x.shape)}, logits {tuple(logits.shape)}, top-{top_k} do not "
+                         f"fit the staging {tuple(sx.shape)}, {tuple(sids.shape)}, {tuple(sw.shape)}")
+    if sx.dtype != torch.float32 or sids.dtype != torch.int64 or sw.dtype != torch.float32:
+        raise ValueError("route_stage_in: the staging is fp32 x, int64 ids, fp32 weights")
+    x, logits = _rows_of(x), _rows_of(logits)
+    _route_stage_kernel[(max(t, 1), triton.cdiv(h, BLOCK))](
+        x, logits, sx, sids, sw, t, h, e, x.stride(0), logits.stride(0), ring, flags, BLOCK=BLOCK, K=top_k,
+        E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k), RENORM=renorm)
 
 
 MAX_POLLS = 1 << 28  # the wait's give-up: minutes of ~1 us reads over PCIe, far beyond any layer's CPU share
