@@ -206,6 +206,15 @@ class StreamMoE:
             self.ring = torch.zeros(2, dtype=torch.int64, device=x.device)
         return capturing
 
+    def sync_staged(self) -> torch.Tensor:
+        """The flag path's poll only: the output rows [T, hidden] fp32 as they lie in the pinned staging, for a
+        kernel after it on the stream to read in place (volatile loads; the MoE block's gated sum), valid until the
+        next call's stage-in."""
+        if not self.flagged:
+            raise RuntimeError(f"{self.name}: sync_staged needs the flag path (KTRANS_STREAM_FLAGS=1)")
+        self.stage.cpu_wait(self.ring, self.flags)
+        return self.staging.out[: self._rows]
+
     def sync(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Enqueue the pool's wait (with one_host_fn, the submit and the wait), then the copy of the output to
         `device`: [T, hidden] in `dtype`."""

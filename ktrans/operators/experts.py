@@ -212,6 +212,17 @@ class KTransformersExperts(BaseOperator):
         op.submit_logits(x, logits, k, renorm)
         self._pending = (phase, op)
 
+    def sync_staged(self) -> tuple[torch.Tensor, torch.dtype] | None:
+        """sync() leaving the output where the op's stream path put it (pinned host rows, fp32) and the dtype sync()
+        would have given, for a kernel that reads them in place; None (nothing synced) where the op cannot."""
+        if self._pending is None:
+            raise RuntimeError(f"{self.key}: sync() without submit()")
+        phase, op = self._pending
+        got = op.sync_staged() if hasattr(op, "sync_staged") else None
+        if got is not None:
+            self._pending = None
+        return got
+
     def sync(self) -> torch.Tensor:
         if self._pending is None:
             raise RuntimeError(f"{self.key}: sync() without submit()")

@@ -183,6 +183,15 @@ class KExpertsCPU(ExpertsOp):
         call.submit_logits(x, logits, renorm, live=batch.num_live if batch is not None else None)
         self._on_stream = x.device
 
+    def sync_staged(self) -> tuple[torch.Tensor, torch.dtype] | None:
+        """After submit_logits: (the output rows in the pinned staging, fp32, the dtype sync() would have given),
+        for a kernel that reads them in place; None where the call is not on the flag path (then sync())."""
+        if self._on_stream is None or not self._stream.flagged or self._out_dtype not in (torch.float32,
+                                                                                            torch.bfloat16):
+            return None
+        self._on_stream = None
+        return self._stream.sync_staged(), self._out_dtype
+
     def sync(self) -> torch.Tensor:
         if self._on_stream is not None:
             device, self._on_stream = self._on_stream, None

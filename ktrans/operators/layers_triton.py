@@ -132,7 +132,12 @@ class KRouterTriton(Checked, KRouterTorch):
         return tri_router.gated_sum(routed, shared, shared_gate)
 
     FUSES_GATE = True  # the shared expert's [1, hidden] gate logit in the final sum's launch: one launch a layer fewer
-    STAGES = True  # its top-k may run inside the CPU experts' stage-in launch (moe.ROUTE_STAGE)
+    STAGES = True  # its top-k may run inside the CPU experts' stage-in launch, its sum read their output (ROUTE_STAGE)
+
+    def combine_dot_staged(self, routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
+                           gate_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """combine_dot() with routed the CPU experts' fp32 rows in the pinned staging, read as `dtype` rows."""
+        return tri_router.gated_sum_dot(routed, shared, x, gate_weight, staged_dtype=dtype)
 
     def combine_dot(self, routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,
                     gate_weight: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ from ktrans.operators.linear import project
 # The shared expert as one more pair a token of the routed GPU MoE (`_SharedFused`): off until measured on a GPU
 # (KTRANS_MOE_FUSED_SHARED=1 turns it on).
 FUSED_SHARED = os.environ.get("KTRANS_MOE_FUSED_SHARED", "0") == "1"
-# The Triton router's top-k inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage.route_stage_in): a
-# launch a layer less under the serve rules; off until measured on a GPU (KTRANS_ROUTE_STAGE=1 turns it on).
+# The CPU experts' hand-off folded into the Triton router's launches, on the flag path: its top-k inside the
+# stage-in launch (ktrans.kernels.triton.stage.route_stage_in) and the stage-out inside the gated sum, which reads
+# the pinned output rows in place (router.gated_sum_dot's staged_dtype): two launches a layer less under the serve
+# rules, the same sums bitwise; off until measured on a GPU (KTRANS_ROUTE_STAGE=1 turns it on).
 ROUTE_STAGE = os.environ.get("KTRANS_ROUTE_STAGE", "0") == "1"
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
@@ -90,8 +92,9 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
                 return self.leave(fused(x), phase)
         logits = move(self.gate(x), dev)
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
-        if asynchronous and ROUTE_STAGE and getattr(router, "STAGES", False) and x.dim() == 2 \
-                and self.experts.takes_logits(x, self.top_k):
+        staged = asynchronous and ROUTE_STAGE and getattr(router, "STAGES", False) and x.dim() == 2 \
+            and self.experts.takes_logits(x, self.top_k)
+        if staged:
             self.experts.submit_logits(x, logits, self.top_k, self.norm_topk_prob)
         else:
             ids, weights = router.route(logits)
@@ -105,6 +108,10 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         gate_row = gate_weight_row(self.shared_expert_gate, x, phase) if router.FUSES_GATE else None
         if gate_row is None:
             shared_gate = move(self.shared_expert_gate(x), dev)
+        if staged and gate_row is not None:  # the stage-out folded into the sum: it reads the pinned rows in place
+            got = self.experts.sync_staged()
+            if got is not None:
+                return self.leave(router.combine_dot_staged(got[0], shared, x, gate_row, got[1]), phase)
         if asynchronous:
             routed = self.experts.sync()
         if gate_row is not None:

@@ -72,3 +72,24 @@ def test_route_with_shared(triton_device, t, e, k, renorm):
     assert torch.equal(got_ids[:, :k], want_ids) and (got_ids[:, k] == e).all()
     torch.testing.assert_close(got_w[:, :k], want_w, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got_w[:, k], torch.sigmoid(logits[:, e]), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_sum_dot_on_the_staged_rows(triton_device, dtype):
+    """The stage-out folded into the gated sum (KTRANS_ROUTE_STAGE): the CPU experts' fp32 rows read in place as
+    `dtype` rows give bitwise the sum of stage_out's copy (ktrans.kernels.triton.stage) then gated_sum_dot."""
+    from ktrans.kernels.triton import stage
+
+    t, h = 3, 1300
+    g = torch.Generator().manual_seed(9)
+    staged = torch.randn(t + 2, h, generator=g)  # the staging holds more rows than the call's
+    if triton_device.type == "cuda":
+        staged = staged.pin_memory()
+    shared = torch.randn(t, h, generator=g).to(dtype).to(triton_device)
+    x = torch.randn(t, h, generator=g).to(dtype).to(triton_device)
+    w = (torch.randn(1, h, generator=g) * 0.05).to(dtype).to(triton_device)
+    want = tri.gated_sum_dot(stage.stage_out(staged, t, triton_device, dtype), shared, x, w)
+    got = tri.gated_sum_dot(staged[:t], shared, x, w, staged_dtype=dtype)
+    assert got.dtype == want.dtype and got.device == want.device and torch.equal(got, want)
+    with pytest.raises(ValueError, match="staged routed output"):
+        tri.gated_sum_dot(staged[:t].to(torch.float16), shared, x, w, staged_dtype=dtype)

@@ -114,7 +114,8 @@ def gated_sum(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tens
 
 
 @triton.jit
-def _gated_sum_dot_kernel(R, S, X, W, O, H, stride_r, stride_s, stride_x, BLOCK: tl.constexpr):
+def _gated_sum_dot_kernel(R, S, X, W, O, H, stride_r, stride_s, stride_x, BLOCK: tl.constexpr,
+                          STAGED: tl.constexpr = False, R_BF16: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -125,26 +126,41 @@ def _gated_sum_dot_kernel(R, S, X, W, O, H, stride_r, stride_s, stride_x, BLOCK:
     g = tl.sigmoid(tl.sum(acc, 0))
     for h0 in range(0, H, BLOCK):
         mask = h0 + offs < H
-        r = tl.load(R + row * stride_r + h0 + offs, mask=mask, other=0.0).to(tl.float32)
+        # STAGED: R is the CPU experts' fp32 output in pinned host memory, written while the stream polled (read
+        # past caches), rounded to bf16 by hand (R_BF16: to nearest even, as the stage-out's cast) where the
+        # routed output would have been bf16
+        r = tl.load(R + row * stride_r + h0 + offs, mask=mask, other=0.0, volatile=STAGED).to(tl.float32)
+        if R_BF16:
+            bits = r.to(tl.uint32, bitcast=True)
+            bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
+            r = bits.to(tl.float32, bitcast=True)
         s = tl.load(S + row * stride_s + h0 + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(O + row * H + h0 + offs, (r + g * s).to(O.dtype.element_ty), mask=mask)
 
 
-def gated_sum_dot(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor
-                  ) -> torch.Tensor:
+def gated_sum_dot(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, gate_weight: torch.Tensor,
+                  staged_dtype: torch.dtype | None = None) -> torch.Tensor:
     """routed [T, H] + sigmoid(x [T, H] . gate_weight [1, H]) * shared [T, H] (one launch, one program a token; the
     logit in fp32, not rounded to the activations' dtype first), in the promoted dtype of routed, shared and the
-    weight."""
+    weight. staged_dtype: routed is the CPU experts' fp32 output in the pinned staging (ktrans.kernels.cpu_stream,
+    after its poll), read in place as if it had been copied out in staged_dtype first: the stage-out launch folded
+    into this one, bitwise the same sum."""
     t, h = shared.shape
     if routed.shape != (t, h) or x.shape != (t, h) or gate_weight.shape != (1, h):
         raise ValueError(f"gated_sum_dot: routed {tuple(routed.shape)}, shared {tuple(shared.shape)}, x "
                          f"{tuple(x.shape)}, gate weight {tuple(gate_weight.shape)} do not fit")
     routed, shared, x = (v if v.stride(-1) == 1 else v.contiguous() for v in (routed, shared, x))
     gate_weight = gate_weight.contiguous()
-    dtype = torch.promote_types(torch.promote_types(routed.dtype, shared.dtype), gate_weight.dtype)
+    r_dtype = routed.dtype if staged_dtype is None else staged_dtype
+    if staged_dtype is not None and (routed.dtype != torch.float32 or staged_dtype not in (torch.float32,
+                                                                                          torch.bfloat16)):
+        raise ValueError(f"gated_sum_dot: a staged routed output is fp32 read as fp32 or bf16, not {routed.dtype} "
+                         f"as {staged_dtype}")
+    dtype = torch.promote_types(torch.promote_types(r_dtype, shared.dtype), gate_weight.dtype)
     out = torch.empty(t, h, dtype=dtype, device=shared.device)
     if t:
         block = min(1024, triton.next_power_of_2(h))
         _gated_sum_dot_kernel[(t,)](routed, shared, x, gate_weight, out, h, routed.stride(0), shared.stride(0),
-                                    x.stride(0), BLOCK=block, num_warps=4)
+                                    x.stride(0), BLOCK=block, STAGED=staged_dtype is not None,
+                                    R_BF16=staged_dtype == torch.bfloat16, num_warps=4)
     return out
