@@ -19,7 +19,8 @@
 #                                                graphs (batch 1 and 16, pp512/pp4096), the serve placement with the
 #                                                quantized linears at --cache_lens 32768 --max_batch_size 4 and 8
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
-#                                                (AB="VAR=value ...": also batch 1 under that environment, ~1.5 min;
+#                                                (AB="VAR=value ...": also batch 1 (AB_BATCHES: these) under that
+#                                                environment, ~1.5 min;
 #                                                SKIP_SERVE=1 leaves the serve placement out)
 #   bash scripts/device_open_checks.sh serve     the serve rules' batch-1 decode, profiled, once per SERVE_AB
 #                                                environment (default: one host function a layer off, on); ~1.5 min
@@ -131,7 +132,8 @@ gpu)
   if [ -n "${AB:-}" ]; then  # batch 1 again under the environment AB names (e.g. AB=KTRANS_GEMV_FUSED_SUM=0)
     # shellcheck disable=SC2086
     env $AB E2E_TIMEOUT=${E2E_TIMEOUT:-300} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
-      e2e gpu_triton_ab --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 --batch_sizes 1 \
+      e2e gpu_triton_ab --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 \
+      --batch_sizes ${AB_BATCHES:-1} \
       --profile_steps 0 --use_cuda_graph"
   fi
   # issue 16's memory target: --cache_lens 32768 --max_batch_size 4, 8 prefix-cache snapshots (`rules show`: 3.25 GiB)
