@@ -85,6 +85,21 @@ for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
     case("quant", f"gemm q4_k {_one[0]} [{_one[1]}x{_one[2]}] M=4096", ("prefill",))(_gemv_case((_one,), 4096))
 
 
+def _pair_case(device: torch.device) -> Timed:
+    """A DeltaNet layer's in_proj_qkvz and in_proj_ba at one row in one GEMV launch (qlinear_pair, KTRANS_GEMV_PAIR)
+    against the two launches it replaces (the peer)."""
+    from ktrans.kernels.triton.quant import qlinear, qlinear_pair
+
+    _full_size_only(device)
+    wa, wb = (_packed("Q4_K", n, k, device, s) for s, (_, n, k) in enumerate(DELTANET[:2]))
+    x = torch.randn(1, DELTANET[0][2], device=device, dtype=torch.bfloat16)
+    return Timed(lambda: qlinear_pair(x, wa, wb), wa.nbytes + wb.nbytes + 2 * (x.numel() + wa.n + wb.n), 0,
+                 lambda: (qlinear(x, wa), qlinear(x, wb)), "two_launches")
+
+
+case("quant", "gemv q4_k deltanet in_proj_qkvz + in_proj_ba M=1, one launch", ("decode",))(_pair_case)
+
+
 def _dense_gemv_case(setup_device: torch.device) -> Timed:
     """The router's gate as KLinearMarlin keeps it (floats, bf16 [512, 2048]) at one row: the Triton GEMV against
     cuBLAS (F.linear), which it replaces for decode rows."""

@@ -15,6 +15,7 @@ device: its rows are all of the batch and its slots are the batch's state_slots 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ from ktrans.operators.norm import rms_norm_gated
 from ktrans.runtime.batch import ForwardBatch
 from ktrans.weights.source import WeightSource
 
+# One-row decode steps take in_proj_ba and a stored part of in_proj_qkvz of its type and width (the whole of it, or
+# attn_gate where attn_qkv has more bits) in one GEMV launch where both are KLinearMarlin matrices
+# (ktrans.kernels.triton.quant.qlinear_pair): a launch a DeltaNet layer less; off until measured on a GPU
+# (KTRANS_GEMV_PAIR=1 turns it on).
+GEMV_PAIR = os.environ.get("KTRANS_GEMV_PAIR", "0") == "1"
 GDN_OPS = OpRegistry("gated deltanet")
 # The Triton kernels (FLA-style chunked rule, fused decode step): on CUDA, and on the CPU under Triton's interpreter.
 GDN_OPS.declare("KGatedDeltaNetTriton", devices=("cpu", "cuda"), module="ktrans.operators.gdn_triton",
@@ -196,6 +202,7 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
                      "conv_kernel_size", "conv_dim"):
             setattr(self, name, getattr(orig, name))
         self.eps = orig.norm.eps
+        self._pairs: dict[str, tuple | None] = {}  # per phase: in_proj_qkvz's and in_proj_ba's packed matrices
 
     def param_specs(self) -> list[ParamSpec]:
         k = self.key
@@ -216,6 +223,44 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
             return None
         return outs
 
+    def _pair(self, phase: str, dev: torch.device) -> tuple | None:
+        """(matrices, the two of one type and width that share a launch, in_proj_qkvz's stored row counts) where
+        in_proj_qkvz (as stored: one matrix, or attn_qkv and attn_gate of two types) and in_proj_ba are KLinearMarlin
+        on this device and in_proj_ba has a partner of its own type and width (qlinear_pair takes them), else None.
+        The matrices: in_proj_qkvz's stored parts, then in_proj_ba's."""
+        if phase not in self._pairs:
+            self._pairs[phase] = None
+            ops = []
+            for lin in (self.in_proj_qkvz, self.in_proj_ba):
+                ok = isinstance(lin, BaseOperator) and phase in lin.impl and lin.devices[phase] == dev \
+                    and lin.out_devices[phase] == dev
+                ops.append(lin.impl[phase] if ok else None)
+            qkvz, ba = ops
+            parts = getattr(qkvz, "parts", None) or []
+            rows = getattr(qkvz, "stored_rows", None)
+            mats = [p.packed for p in parts] + [ba.packed_weight() if hasattr(ba, "packed_weight") else None]
+            if parts and qkvz.bias is None and rows is not None and None not in mats \
+                    and list(rows) == [self.conv_dim, self.value_dim] and mats[-1].n == 2 * self.num_v_heads:
+                last = len(mats) - 1
+                mate = next((i for i in range(last) if (mats[i].qtype, mats[i].k) == (mats[last].qtype,
+                                                                                       mats[last].k)), None)
+                if mate is not None:
+                    self._pairs[phase] = (mats, (mate, last), list(rows))
+        return self._pairs[phase]
+
+    def _paired_projections(self, x: torch.Tensor, pair: tuple) -> tuple[torch.Tensor, ...]:
+        """(mixed, z, b, a) of one row from in_proj_qkvz and in_proj_ba with two of their matrices in one launch."""
+        from ktrans.kernels.triton.quant import qlinear, qlinear_pair
+
+        mats, (i, j), rows = pair
+        outs = [None] * len(mats)
+        outs[i], outs[j] = qlinear_pair(x, mats[i], mats[j])
+        for n, w in enumerate(mats):
+            if outs[n] is None:
+                outs[n] = qlinear(x, w)
+        mixed, z = outs[0].split(rows, dim=1) if len(mats) == 2 else outs[:2]
+        return (mixed.contiguous(), z.reshape(1, self.num_v_heads, self.head_v_dim), *self.split_ba(outs[-1]))
+
     def split_ba(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """in_proj_ba's output, grouped per key head [b (r) | a (r)] -> b, a [T, num_v_heads]."""
         t, r = ba.shape[0], self.num_v_heads // self.num_k_heads
@@ -233,6 +278,11 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
         phase, dev = self.phase_device()
         x, batch = move(x, dev), batch.on(dev)
         t = x.shape[0]
+        pair = self._pair(phase, dev) if GEMV_PAIR and t == 1 and x.dim() == 2 else None
+        if pair is not None:  # in_proj_ba and a stored part of in_proj_qkvz of its type in one GEMV launch
+            mixed, z, b, a = self._paired_projections(x, pair)
+            core = self.op_for(phase)(mixed, z, b, a, batch)
+            return self.leave(move(self.out_proj(core), dev), phase)
         stored = self._stored_qkvz(x, phase, dev)
         if stored is not None:  # [q | k | v] of all heads and z straight from the stored tensors: nothing to regroup
             mixed, z = stored  # columns of one output where both tensors are one matrix: rows strided when t > 1

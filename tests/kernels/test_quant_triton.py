@@ -158,3 +158,26 @@ def test_gemv_fused_split_sum_equals_two_launches(qtype, triton_device, monkeypa
         for split, y in want.items():
             assert torch.equal(quant.qlinear(x, w, split=split), y), (qtype, split)
     assert not quant.counters(x.device).any()
+
+
+@pytest.mark.parametrize("qtype, split", [("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 3), ("Q8_0", None)])
+def test_gemv_pair_equals_two_gemvs(qtype, split, triton_device):
+    """qlinear_pair (one launch over two matrices of one type and width, e.g. in_proj_qkvz and in_proj_ba): each
+    output bitwise what qlinear gives at the same K split; rows that fill no whole tile; mismatched matrices refused."""
+    from ktrans.kernels.triton.quant import qlinear, qlinear_pair
+
+    k = 3 * 256
+    wa, wb = _weight(qtype, 96 + 5, k, triton_device, seed=1), _weight(qtype, 24, k, triton_device, seed=2)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16).to(triton_device)
+    s = split or 2
+    ya, yb = qlinear_pair(x, wa, wb, split=s)
+    assert ya.shape == (1, wa.n) and yb.shape == (1, wb.n)
+    assert torch.equal(ya, qlinear(x, wa, split=s)) and torch.equal(yb, qlinear(x, wb, split=s))
+    if split is None:  # the default split: within fp32 rounding of the single launches' own splits
+        ya, yb = qlinear_pair(x, wa, wb)
+        torch.testing.assert_close(ya.float(), qlinear(x, wa).float(), rtol=1e-2, atol=1e-2)
+    other = _weight("Q6_K" if qtype != "Q6_K" else "Q4_K", 24, k, triton_device, seed=2)
+    with pytest.raises(ValueError, match="one type and width"):
+        qlinear_pair(x, wa, other)
+    with pytest.raises(ValueError, match="one row"):
+        qlinear_pair(x.expand(2, k), wa, wb)

@@ -172,6 +172,29 @@ def test_shared_expert_fused_into_the_routed_moe(q4_k_m, triton_device, monkeypa
     assert torch.equal(block(x), want)
 
 
+@pytest.mark.triton
+def test_deltanet_projections_paired_in_one_launch(q4_k_m, triton_device):
+    """KTRANS_GEMV_PAIR: a DeltaNet layer's one-row in_proj_ba and the stored part of in_proj_qkvz of its type (here
+    attn_gate, attn_qkv having more bits) in one GEMV launch give what the separate projections give, within fp32
+    rounding (the launch splits K for the two together)."""
+    from ktrans.operators.gdn import KQwen3NextGatedDeltaNet
+
+    config, source = q4_k_m
+    _, model = _models(config, source, triton_device.type, torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, KQwen3NextGatedDeltaNet)]
+    x = (torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(6)) * 0.5).to(triton_device)
+    for gdn in layers:
+        pair = gdn._pair("generate", triton_device)
+        assert pair is not None, gdn.key
+        mats, (i, j), rows = pair
+        assert len(mats) == 3 and (i, j) == (1, 2) and mats[0].qtype != mats[2].qtype  # attn_gate with ssm_ba
+        got = gdn._paired_projections(x, pair)
+        mixed, z = gdn._stored_qkvz(x, "generate", triton_device)
+        want = (mixed, z.view(1, gdn.num_v_heads, gdn.head_v_dim), *gdn.split_ba(gdn.in_proj_ba(x)))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and rel(g, w) < 1e-5, gdn.key
+
+
 @pytest.fixture(scope="module")
 def q8_0(tmp_path_factory):
     return _gguf(tmp_path_factory, "q8_0")
@@ -222,12 +245,15 @@ def test_deltanet_projection_in_stored_order(quant, parts, request, triton_devic
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_shared", [False, True])
-def test_model_teacher_forced_on_the_gpu(q4_k_m, fused_shared, monkeypatch):
-    """fused_shared: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches)."""
-    from ktrans.operators import moe
+@pytest.mark.parametrize("variant", ["as shipped", "fused shared expert", "paired projections"])
+def test_model_teacher_forced_on_the_gpu(q4_k_m, variant, monkeypatch):
+    """Variants: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches),
+    KTRANS_GEMV_PAIR (a DeltaNet's in_proj_ba with a part of in_proj_qkvz in one GEMV launch)."""
+    from ktrans.operators import gdn, moe
 
+    fused_shared = variant == "fused shared expert"
     monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
+    monkeypatch.setattr(gdn, "GEMV_PAIR", variant == "paired projections")
     config, source = q4_k_m
     ref, model = _models(config, source, "cuda", torch.bfloat16)
     layer = model.model.layers[0]
@@ -239,6 +265,8 @@ def test_model_teacher_forced_on_the_gpu(q4_k_m, fused_shared, monkeypatch):
     assert err < 0.05, err
     assert not fused_shared or any(b._shared_fused.get("generate") for b in model.modules()
                                    if isinstance(b, moe.KQwen3NextSparseMoeBlock))
+    assert variant != "paired projections" or any(m._pairs.get("generate") for m in model.modules()
+                                                  if isinstance(m, gdn.KQwen3NextGatedDeltaNet))
 
 
 def test_float_checkpoint_runs_as_the_reference(tmp_path_factory):

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant import (_MAX_TILES, QT_CODE, _scale_words, _sms, counters, plane_args,
-                                         superblock_dot, tiles)
+                                         plane_offsets, superblock_dot, tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
@@ -158,19 +158,6 @@ def _expert_strides(planes) -> list[int]:
     return [t.stride(0) if t.numel() > 1 else 0 for t in planes]
 
 
-def _offsets(planes, extra_planes) -> list[int]:
-    """Each extra plane's offset from the stack's, in the plane's elements (both of one dtype, element-aligned)."""
-    out = []
-    for a, b in zip(planes, extra_planes):
-        if a.dtype != b.dtype or a.device != b.device:
-            raise ValueError("moe_quant: the extra expert's planes differ from the stack's in dtype or device")
-        diff = b.data_ptr() - a.data_ptr()
-        if diff % a.element_size():
-            raise ValueError("moe_quant: the extra expert's planes are not element-aligned with the stack's")
-        out.append(diff // a.element_size())
-    return out
-
-
 def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: PackedWeight,
            down: PackedWeight, extra: tuple[PackedWeight, PackedWeight] | None = None) -> torch.Tensor:
     """The few-token path: two launches (gate and up split over K where the pairs alone would not fill the GPU;
@@ -201,7 +188,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
         if extra is not None:
             xw = extra[j]
             xlo, xhi, xd, _ = plane_args(xw)
-            offs = _offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
+            offs = plane_offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
         _moe_lanes_kernel[(p, triton.cdiv(n, bn), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bn, GATED=gated,

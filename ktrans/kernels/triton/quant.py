@@ -246,14 +246,61 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         cnt = counters(x.device) if fused else dst
         extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
-                                      QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, num_warps=warps,
-                                      **extra)
+                                      tiles_n, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused,
+                                      num_warps=warps, **extra)
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
     if split > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
     return out
+
+
+def plane_offsets(planes, other) -> list[int]:
+    """Each of `other`'s planes' offset from `planes`' (kernel arguments, as plane_args and _scale_words give
+    them), in the plane's elements: a kernel reaches a second matrix's planes from the first's pointers."""
+    out = []
+    for a, b in zip(planes, other):
+        if a.dtype != b.dtype or a.device != b.device:
+            raise ValueError("the second matrix's planes differ from the first's in dtype or device")
+        diff = b.data_ptr() - a.data_ptr()
+        if diff % a.element_size():
+            raise ValueError("the second matrix's planes are not element-aligned with the first's")
+        out.append(diff // a.element_size())
+    return out
+
+
+def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
+                 split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One activation row times two matrices of one type and width (e.g. a DeltaNet's in_proj_qkvz and
+    in_proj_ba), in one GEMV launch: (x @ Wa^T [1, Na], x @ Wb^T [1, Nb]), each bitwise what qlinear gives at the
+    same K split. `split`: as qlinear's (default: enough programs for the two together)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != wa.k:
+        raise ValueError(f"qlinear_pair: one row of width {wa.k}, got x {tuple(x.shape)}")
+    if wa.experts is not None or wb.experts is not None or (wa.qtype, wa.k) != (wb.qtype, wb.k):
+        raise ValueError(f"qlinear_pair: two matrices of one type and width, got {wa.qtype} [{wa.n}, {wa.k}] and "
+                         f"{wb.qtype} [{wb.n}, {wb.k}]")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    mode, _, bn, warps = tiles(1)
+    nsb = wa.k // QK
+    tiles_a, tiles_b = triton.cdiv(wa.n, bn), triton.cdiv(wb.n, bn)
+    if split is None:
+        split = max(1, min(nsb, triton.cdiv(GEMV["per_sm"] * _sms(x.device), tiles_a + tiles_b)))
+    sb_per = triton.cdiv(nsb, split)
+    split = triton.cdiv(nsb, sb_per)
+    if split > 1 and not (GEMV["fused_sum"] and tiles_a + tiles_b <= _MAX_TILES):
+        return qlinear(x, wa, split), qlinear(x, wb, split)
+    out = torch.empty(1, wa.n + wb.n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split * (wa.n + wb.n) if split > 1 else 1, dtype=torch.float32, device=x.device)
+    lo, hi, d, _ = plane_args(wa)
+    planes = (lo, hi, d, _scale_words(wa))
+    blo, bhi, bd, _ = plane_args(wb)
+    offs = plane_offsets(planes, (blo, bhi, bd, _scale_words(wb)))
+    extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
+    gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
+                                            tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
+                                            FUSED_SUM=split > 1, HAS_B=True, num_warps=warps, **extra)
+    return out[:, : wa.n], out[:, wa.n:]
 
 
 def _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps) -> None:

@@ -155,16 +155,31 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
     return tl.sum(lanes, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["b_lo", "b_hi", "b_d", "b_sc"])
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
-                QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr):
+                TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr,
+                HAS_B: tl.constexpr = False):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
-    order into out_ptr, as the separate sum kernel does, and zeroes the count for the next call (a graph replay)."""
+    order into out_ptr, as the separate sum kernel does, and zeroes the count for the next call (a graph replay).
+    HAS_B: a second matrix of the same type and width (N_B rows, its planes at element offsets b_* from the first's)
+    in the same launch: row tiles TILES_A.. are its, its rows follow the first's in out_ptr and its partials theirs
+    in part_ptr ([SPLIT, N] then [SPLIT, N_B])."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    tile = pid_n
+    if HAS_B:
+        is_b = pid_n >= TILES_A
+        tile = tl.where(is_b, pid_n - TILES_A, pid_n)
+        lo_ptr += tl.where(is_b, b_lo, 0)
+        hi_ptr += tl.where(is_b, b_hi, 0)
+        d_ptr += tl.where(is_b, b_d, 0)
+        sc_ptr += tl.where(is_b, b_sc, 0)
+        out_ptr += tl.where(is_b, N, 0)
+        part_ptr += tl.where(is_b, SPLIT * N, 0)
+        N = tl.where(is_b, N_B, N)
+    offs_n = tile * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
     acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN)
