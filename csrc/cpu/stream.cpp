@@ -159,13 +159,13 @@ class Relay {
  private:
   void loop() {
     for (;;) {
-      bool served = false;
+      uint64_t served = 0;
       {
         std::lock_guard<std::mutex> g(mu_);
-        for (StreamCall* c : calls_) served = c->serve_flag() || served;
+        for (StreamCall* c : calls_) served += c->serve_flag() ? 1 : 0;
       }
       if (served) {
-        served_.fetch_add(1, std::memory_order_relaxed);
+        served_.fetch_add(served, std::memory_order_relaxed);
         spin_until_.store(now_ns() + spin_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
         continue;
       }

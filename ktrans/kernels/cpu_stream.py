@@ -118,6 +118,15 @@ _FLAGGED: "weakref.WeakKeyDictionary[StreamMoE, int]" = weakref.WeakKeyDictionar
 
 
 def _drop_flags(call, flags) -> None:
+    """Off the flag path (a StreamMoE collected: a grown staging's, or at exit). The GPU may still have its stage-ins
+    queued (the host runs ahead): the last forward ends first, so none rings a cell nobody serves or that the host
+    allocator has handed out again."""
+    end = _LAST_END[0]
+    if end is not None:
+        try:
+            end.synchronize()
+        except Exception:  # at interpreter exit CUDA may be gone already; nothing is queued then
+            pass
     call.drop_flags()  # returns once the relay is done with call and flags; both are released after
 
 
@@ -203,7 +212,10 @@ class StreamMoE:
             if capturing:  # the counter must outlive the graph, not sit in its private pool
                 raise RuntimeError(f"{self.name}: the flag path's first call is being captured; run it eagerly "
                                    f"first (ModelRunner's warm-up does)")
-            self.ring = torch.zeros(2, dtype=torch.int64, device=x.device)
+            if self.ring is not None:  # a new device: the old one's calls end first, and numbering goes on
+                torch.cuda.synchronize(self.ring.device)
+            # [arrived, seq]: seq continues from the last go (the relay serves a number it has not seen)
+            self.ring = torch.tensor([0, int(self.flags[0])], dtype=torch.int64).to(x.device)
         return capturing
 
     def sync_staged(self) -> torch.Tensor:

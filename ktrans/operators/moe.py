@@ -85,10 +85,11 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         x = move(x, dev)
         router = self.op_for(phase)
         if FUSED_SHARED and x.dim() == 2:
-            if phase not in self._shared_fused:
+            # built eagerly (its stacked gate weight is a new tensor): a first call inside a capture runs unfused
+            if phase not in self._shared_fused and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._shared_fused[phase] = _SharedFused.build(self, phase, dev, router, x)
-            fused = self._shared_fused[phase]
-            if fused is not None and 0 < x.shape[0] <= fused.max_rows:
+            fused = self._shared_fused.get(phase)
+            if fused is not None and fused.takes(x.shape[0]):
                 return self.leave(fused(x), phase)
         logits = move(self.gate(x), dev)
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
@@ -270,11 +271,16 @@ class _SharedFused:
     of a bf16 tensor added after, and its gate logit is the GEMV's (rounded to the activations' dtype)."""
 
     def __init__(self, gate_w: torch.Tensor, top_k: int, renorm: bool, gate_up, down, extra):
-        from ktrans.kernels.triton.moe_quant import LANES
-
         self.gate_w, self.top_k, self.renorm = gate_w, top_k, renorm
         self.gate_up, self.down, self.extra = gate_up, down, extra
-        self.max_rows = LANES["max_tokens"] if LANES["on"] else 0
+        self.max_rows: int | None = None  # None: the lanes path's limits as they are at the call
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens rides the lanes path (the extra expert's only path)."""
+        from ktrans.kernels.triton.moe_quant import LANES
+
+        limit = self.max_rows if self.max_rows is not None else (LANES["max_tokens"] if LANES["on"] else 0)
+        return 0 < rows <= limit
 
     @classmethod
     def build(cls, block: "KQwen3NextSparseMoeBlock", phase: str, dev: torch.device, router: Op,

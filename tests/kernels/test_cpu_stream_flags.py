@@ -157,10 +157,12 @@ def test_flag_path_in_a_cuda_graph(pool, monkeypatch):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("t, renorm", [(1, True), (5, False), (0, True)])
-def test_route_stage_in_writes_what_route_then_stage_in_write(pool, t, renorm, triton_device):
+@pytest.mark.parametrize("t, renorm, dtype", [(1, True, torch.float32), (5, False, torch.bfloat16),
+                                              (0, True, torch.float32)])
+def test_route_stage_in_writes_what_route_then_stage_in_write(pool, t, renorm, dtype, triton_device):
     """KTRANS_ROUTE_STAGE: the router's top-k inside the stage-in launch writes bitwise the x, ids and weights that
-    route() then stage_in() write, rings go once (T = 0 too), and the relay serves the call as for stage_in."""
+    route() then stage_in() write (bf16 logits: the weights rounded to bf16 first, as route() returns them), rings
+    go once (T = 0 too), and the relay serves the call: its output rows are CPUMoE.submit's on those rows."""
     from ktrans.kernels.triton import router, stage
 
     moe = make_moe(TYPES, pool)
@@ -169,18 +171,41 @@ def test_route_stage_in_writes_what_route_then_stage_in_write(pool, t, renorm, t
     flags = torch.zeros(3, dtype=torch.int64, pin_memory=pinned)
     ring = torch.zeros(2, dtype=torch.int64, device=triton_device)
     gen = torch.Generator().manual_seed(t)
-    n_experts = 13  # not a power of two; distinct logits (no ties to break)
+    n_experts = 7  # not a power of two, within the layer's 8; distinct logits, exact in bf16 (no ties to break)
     logits = torch.stack([torch.randperm(n_experts, generator=gen).float() / 8 for _ in range(t)]) if t \
         else torch.zeros(0, n_experts)
-    x = torch.randn(t, moe.hidden, generator=gen)
-    xd, ld = x.to(triton_device), logits.to(triton_device)
-    stage.route_stage_in(xd, ld, K, renorm, got.x, got.ids, got.weights, ring, flags)
-    ids, w = router.route(ld, K, renorm)
-    stage.stage_in(xd, ids, w, want.x, want.ids, want.weights)
-    if pinned:
-        torch.cuda.synchronize()
-    assert int(flags[0]) == 1 and int(ring[1]) == 1 and int(ring[0]) == 0
+    x = torch.randn(t, moe.hidden, generator=gen).to(dtype)
+    xd, ld = x.to(triton_device), logits.to(dtype).to(triton_device)
+    call = cpu_stream.StreamMoE(moe, got, "layer")
+    call.call.use_flags(flags.data_ptr())
+    try:
+        got.set_rows(t)
+        _cpu.relay_kick(20000)
+        stage.route_stage_in(xd, ld, K, renorm, got.x, got.ids, got.weights, ring, flags)
+        ids, w = router.route(ld, K, renorm)
+        stage.stage_in(xd, ids, w, want.x, want.ids, want.weights)
+        stage.cpu_wait(ring, flags)
+        if pinned:
+            torch.cuda.synchronize()
+        assert int(flags[0]) == int(flags[1]) == 1 and int(ring[1]) == 1 and int(ring[0]) == 0
+        call.check()
+    finally:
+        call.call.drop_flags()
     for a, b in ((got.x, want.x), (got.ids, want.ids), (got.weights, want.weights)):
         assert torch.equal(a, b)
+    if t:
+        expect = moe.submit(want.x[:t].clone(), want.ids[:t].clone(), want.weights[:t].clone()).wait()
+        assert torch.equal(got.out[:t], expect)
     with pytest.raises(ValueError, match="do not fit the staging"):
         stage.route_stage_in(xd, ld, K + 1, renorm, got.x, got.ids, got.weights, ring, flags)
+
+
+def test_a_new_device_continues_the_numbering(pool, monkeypatch):
+    """The ring counter made for a call's device starts from the last go number, so the relay serves the next call
+    (a counter back at 0 would ring a number the relay has seen, and the wait would pass on the old output)."""
+    moe = make_moe(TYPES, pool)
+    call = cpu_stream.StreamMoE(moe, cpu_stream.Staging(2, moe.hidden, K, pinned=False), "layer")
+    call.flagged, call.flags = True, torch.tensor([7, 7, 0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no CUDA here)
+    call._begin(torch.zeros(1, moe.hidden), None)
+    assert call.ring.tolist() == [0, 7]

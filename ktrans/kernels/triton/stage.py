@@ -12,7 +12,16 @@ and store it directly:
   model's dtype on the device.
 
 Ordering is the stream's: a host function runs after the kernels before it have completed, and their stores to host
-memory are visible then; a kernel after a host function starts once that function returns. Both kernels read their
+memory are visible then; a kernel after a host function starts once that function returns.
+
+The flag path (ktrans.kernels.cpu_stream.FLAGS, the default) has no host function. `stage_in` ends by ringing: each
+program's threads store, meet at a barrier, and add one to a device counter with an acq_rel atomic at system scope;
+the program that finds itself last has acquired every other program's release, and stores ++seq into the pinned
+`go` cell after them (a plain store: what the H200 runs shows it ordered; PCIe has no host atomics to do it with).
+The relay thread of ktrans._cpu sees the number, runs the layer and stores it into `done` after the output rows
+(x86 keeps stores in order). `cpu_wait`, one program, polls `done` with volatile (relaxed, system-scope) loads
+until it holds seq, or gives up after MAX_POLLS and says so in the flags; `stage_out` (or the MoE block's gated sum)
+then reads the rows with volatile loads, past any cache that could hold an older copy. Both kernels read their
 sizes from their arguments only, so a CUDA graph captures them. The oracle is the torch copies they replace
 (ktrans.kernels.torch.stage), which stay the path wherever the staging is not pinned.
 """
@@ -159,7 +168,7 @@ def route_stage_in(x: torch.Tensor, logits: torch.Tensor, top_k: int, renorm: bo
         E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k), RENORM=renorm)
 
 
-MAX_POLLS = 1 << 28  # the wait's give-up: minutes of ~1 us reads over PCIe, far beyond any layer's CPU share
+MAX_POLLS = 1 << 26  # the wait's give-up: ~1 min of ~1 us reads over PCIe, far beyond any layer's CPU share
 
 
 def cpu_wait(ring: torch.Tensor, flags: torch.Tensor) -> None:
