@@ -15,6 +15,7 @@ import torch
 
 from ktrans.kernels.torch.attention import paged_attention, paged_attention_decode, write_kv
 from ktrans.model.qwen3_next import Qwen3NextAttention
+from ktrans.operators import linear as linear_ops
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
 from ktrans.operators.linear import project
 from ktrans.operators.rope import RopeTables
@@ -89,13 +90,28 @@ class KQwen3NextAttention(BaseOperator):
         self.num_kv_heads = orig.num_kv_heads
         self.head_dim = orig.head_dim
         self.scaling = orig.scaling
+        self._pair_plans: dict[str, tuple | None] = {}  # per phase: q/k/v's packed matrices, two in one launch
+
+    def _pair_plan(self, phase: str, dev: torch.device):
+        """linear_marlin.pair_plan of q_proj, k_proj and v_proj in this phase (built once; None where none pairs)."""
+        if phase not in self._pair_plans:
+            from ktrans.operators.linear_marlin import pair_plan
+
+            self._pair_plans[phase] = pair_plan((self.q_proj, self.k_proj, self.v_proj), phase, dev)
+        return self._pair_plans[phase]
 
     def forward(self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch) -> torch.Tensor:
         phase, dev = self.phase_device()
         x, rope, batch = move(x, dev), move(rope, dev), batch.on(dev)
         t, d = x.shape[0], self.head_dim
         # Children may sit elsewhere, so their outputs come back here.
-        qg, k, v = (move(y, dev) for y in project(x, self.q_proj, self.k_proj, self.v_proj))
+        plan = self._pair_plan(phase, dev) if linear_ops.GEMV_PAIR and t == 1 and x.dim() == 2 else None
+        if plan is not None:  # two of the three in one GEMV launch (KLinearMarlin matrices of one type and width)
+            from ktrans.operators.linear_marlin import run_pair_plan
+
+            qg, k, v = run_pair_plan(x, plan)
+        else:
+            qg, k, v = (move(y, dev) for y in project(x, self.q_proj, self.k_proj, self.v_proj))
         q, gate = qg.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
         q = move(self.q_norm(q), dev)
         k = move(self.k_norm(k.view(t, self.num_kv_heads, d)), dev)

@@ -15,7 +15,6 @@ device: its rows are all of the batch and its slots are the batch's state_slots 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from ktrans.kernels.torch.conv import causal_conv1d, causal_conv1d_update
 from ktrans.kernels.torch.gated_delta import chunk_gated_delta_rule, gated_delta_rule_decode
 from ktrans.model.qwen3_next import Qwen3NextGatedDeltaNet
+from ktrans.operators import linear as linear_ops
 from ktrans.operators.attention import check_pool_device
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, ParamSpec, load_param, move, register_operator
 from ktrans.operators.linear import project
@@ -31,11 +31,6 @@ from ktrans.operators.norm import rms_norm_gated
 from ktrans.runtime.batch import ForwardBatch
 from ktrans.weights.source import WeightSource
 
-# One-row decode steps take in_proj_ba and a stored part of in_proj_qkvz of its type and width (the whole of it, or
-# attn_gate where attn_qkv has more bits) in one GEMV launch where both are KLinearMarlin matrices
-# (ktrans.kernels.triton.quant.qlinear_pair): a launch a DeltaNet layer less; off until measured on a GPU
-# (KTRANS_GEMV_PAIR=1 turns it on).
-GEMV_PAIR = os.environ.get("KTRANS_GEMV_PAIR", "0") == "1"
 GDN_OPS = OpRegistry("gated deltanet")
 # The Triton kernels (FLA-style chunked rule, fused decode step): on CUDA, and on the CPU under Triton's interpreter.
 GDN_OPS.declare("KGatedDeltaNetTriton", devices=("cpu", "cuda"), module="ktrans.operators.gdn_triton",
@@ -278,7 +273,7 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
         phase, dev = self.phase_device()
         x, batch = move(x, dev), batch.on(dev)
         t = x.shape[0]
-        pair = self._pair(phase, dev) if GEMV_PAIR and t == 1 and x.dim() == 2 else None
+        pair = self._pair(phase, dev) if linear_ops.GEMV_PAIR and t == 1 and x.dim() == 2 else None
         if pair is not None:  # in_proj_ba and a stored part of in_proj_qkvz of its type in one GEMV launch
             mixed, z, b, a = self._paired_projections(x, pair)
             core = self.op_for(phase)(mixed, z, b, a, batch)

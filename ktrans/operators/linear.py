@@ -7,6 +7,8 @@ two are imported when a rule names them. KTransformers' VLinearMarlin maps to KL
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,6 +67,13 @@ class KTransformersLinear(BaseOperator):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
         return self.leave(self.op_for(phase)(move(x, dev)), phase)
+
+
+# One-row decode steps run two projections of one input, of one type and width, in one GEMV launch where both are
+# KLinearMarlin matrices (ktrans.kernels.triton.quant.qlinear_pair): a DeltaNet's in_proj_ba with the part of
+# in_proj_qkvz of its type, two of an attention layer's q/k/v projections; off until measured on a GPU
+# (KTRANS_GEMV_PAIR=1 turns it on).
+GEMV_PAIR = os.environ.get("KTRANS_GEMV_PAIR", "0") == "1"
 
 
 def project(x: torch.Tensor, *linears: "KTransformersLinear") -> list[torch.Tensor]:

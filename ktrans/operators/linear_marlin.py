@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton.dense_gemv import MAX_ROWS as DENSE_MAX_ROWS
 from ktrans.kernels.triton.dense_gemv import dense_gemv
-from ktrans.kernels.triton.quant import plane_args, qlinear
+from ktrans.kernels.triton.quant import plane_args, qlinear, qlinear_pair
 from ktrans.kernels.triton.quant_layout import PackedWeight, packable, repack
 from ktrans.operators.base import Op
 from ktrans.operators.linear import LINEAR_OPS
@@ -174,3 +174,35 @@ class KLinearMarlin(Op):
             return "not loaded"
         kinds = "+".join(p.qtype + ("" if p.packed is not None else " (float)") for p in self.parts)
         return f"{kinds}, {self.nbytes / 2**20:.1f} MiB"
+
+
+def pair_plan(lins, phase: str, dev: torch.device) -> tuple[list[PackedWeight], tuple[int, int]] | None:
+    """For projections of one input (KTransformersLinears) on `dev` in `phase`: their packed matrices and the first
+    two of one type and width, which qlinear_pair runs in one launch; None where one is not a single KLinearMarlin
+    matrix in HF's row order (floats, two parts, a bias) or no two match."""
+    from ktrans.operators.base import BaseOperator
+
+    ws = []
+    for lin in lins:
+        op = lin.impl.get(phase) if isinstance(lin, BaseOperator) else None
+        if op is None or lin.devices[phase] != dev or lin.out_devices[phase] != dev or \
+                not isinstance(op, KLinearMarlin):
+            return None
+        w = op.packed_weight()
+        if w is None:
+            return None
+        ws.append(w)
+    pair = next(((i, j) for i in range(len(ws)) for j in range(i + 1, len(ws))
+                 if (ws[i].qtype, ws[i].k) == (ws[j].qtype, ws[j].k)), None)
+    return (ws, pair) if pair is not None else None
+
+
+def run_pair_plan(x: torch.Tensor, plan: tuple[list[PackedWeight], tuple[int, int]]) -> list[torch.Tensor]:
+    """One row through a pair_plan: the paired two in one launch, the others one launch each; outputs in order."""
+    ws, (i, j) = plan
+    outs: list[torch.Tensor | None] = [None] * len(ws)
+    outs[i], outs[j] = qlinear_pair(x, ws[i], ws[j])
+    for n, w in enumerate(ws):
+        if outs[n] is None:
+            outs[n] = qlinear(x, w)
+    return outs

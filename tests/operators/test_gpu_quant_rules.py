@@ -195,6 +195,28 @@ def test_deltanet_projections_paired_in_one_launch(q4_k_m, triton_device):
             assert g.shape == w.shape and rel(g, w) < 1e-5, gdn.key
 
 
+@pytest.mark.triton
+def test_attention_projections_paired_in_one_launch(q4_k_m, triton_device):
+    """KTRANS_GEMV_PAIR: an attention layer's one-row q/k/v with the two of one type and width (here k_proj and
+    v_proj, both Q8_0 beside a Q4_K q_proj) in one GEMV launch give what the three projections give, within fp32
+    rounding."""
+    from ktrans.operators.attention import KQwen3NextAttention
+    from ktrans.operators.linear_marlin import run_pair_plan
+
+    config, source = q4_k_m
+    _, model = _models(config, source, triton_device.type, torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, KQwen3NextAttention)]
+    x = (torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(8)) * 0.5).to(triton_device)
+    assert layers
+    for att in layers:
+        plan = att._pair_plan("generate", triton_device)
+        assert plan is not None and plan[1] == (1, 2), att.key
+        got = run_pair_plan(x, plan)
+        want = [lin(x) for lin in (att.q_proj, att.k_proj, att.v_proj)]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and rel(g, w) < 1e-5, att.key
+
+
 @pytest.fixture(scope="module")
 def q8_0(tmp_path_factory):
     return _gguf(tmp_path_factory, "q8_0")
@@ -248,12 +270,13 @@ def test_deltanet_projection_in_stored_order(quant, parts, request, triton_devic
 @pytest.mark.parametrize("variant", ["as shipped", "fused shared expert", "paired projections"])
 def test_model_teacher_forced_on_the_gpu(q4_k_m, variant, monkeypatch):
     """Variants: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches),
-    KTRANS_GEMV_PAIR (a DeltaNet's in_proj_ba with a part of in_proj_qkvz in one GEMV launch)."""
-    from ktrans.operators import gdn, moe
+    KTRANS_GEMV_PAIR (a DeltaNet's in_proj_ba with a part of in_proj_qkvz, and two of an attention layer's q/k/v, in
+    one GEMV launch)."""
+    from ktrans.operators import gdn, linear, moe
 
     fused_shared = variant == "fused shared expert"
     monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
-    monkeypatch.setattr(gdn, "GEMV_PAIR", variant == "paired projections")
+    monkeypatch.setattr(linear, "GEMV_PAIR", variant == "paired projections")
     config, source = q4_k_m
     ref, model = _models(config, source, "cuda", torch.bfloat16)
     layer = model.model.layers[0]
