@@ -118,7 +118,7 @@ def run(families: list[str] | None, match: str | None, reps: int, as_json: bool,
     for c in CASES:
         if families and c.family not in families:
             continue
-        if match and match not in c.name:
+        if match and not any(m in c.name for m in match.split("|")):
             continue
         row: dict = {"family": c.family, "case": c.name, "device": str(dev)}
         try:

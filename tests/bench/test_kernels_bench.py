@@ -25,6 +25,9 @@ def test_cases_run_and_report(monkeypatch, capsys):
     assert "skipped by family" not in by_case
     assert any("skipped" in r and "no_such_family" in r["skipped"] for r in rows)
     assert capsys.readouterr().out.count("\n") == len(rows)
+    # --match A|B: cases whose name contains either
+    picked = kernels.run(None, "n=1000|by family", reps=1, as_json=True, device="cpu")
+    assert {r.get("case") for r in picked if "case" in r} == {"sum n=1000", "skipped by family"}
 
 
 def test_quant_family_registers_its_cases_and_runs_the_small_one(capsys):
