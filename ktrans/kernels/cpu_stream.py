@@ -151,7 +151,9 @@ class StreamMoE:
                                     s.out.data_ptr(), s.hidden, s.max_rows, s.rows.data_ptr())
         self._rows = 0
         # the flag path: [go, done, GPU timed out] in pinned host memory, [arrived, seq] on the layer's device
-        self.flagged = FLAGS and self.kernels
+        # The relay polls for the GPU's rings as the pool's workers poll for jobs: where they may not (a pool whose
+        # threads share cores, or KTRANS_CPU_SPIN_US=0), it would sleep between layers, and the host functions serve.
+        self.flagged = FLAGS and self.kernels and moe.pool.spin_us > 0
         self.ring: torch.Tensor | None = None
         if self.flagged:
             self.flags = torch.zeros(3, dtype=torch.int64, pin_memory=True)
