@@ -90,9 +90,7 @@ class Staging:
         if not 0 <= n <= self.max_rows:
             raise ValueError(f"live rows {n} outside [0, {self.max_rows}]")
         if self._rows_np[0] != n:
-            end = _LAST_END[0]
-            if end is not None and not end.query():
-                end.synchronize()
+            _wait_last_end()
         self._rows_np[0] = n
 
     @property
@@ -105,28 +103,32 @@ def note_end(event) -> None:
     _LAST_END[0] = event
 
 
+def _wait_last_end() -> None:
+    end = _LAST_END[0]
+    if end is not None and not end.query():
+        end.synchronize()
+
+
 def set_live_rows(n: int) -> None:
     """Before a graph replay: the live rows every CPU expert layer's submit will read (and, on the flag path, the
     relay thread woken to poll for the replay's layers)."""
     for s in list(_ALL):
         s.set_rows(min(n, s.max_rows))
     if _FLAGGED:
-        _cpu.relay_kick(max(_FLAGGED.values()))
+        _cpu.relay_kick(max(s.moe.pool.spin_us for s in list(_FLAGGED)))
 
 
-_FLAGGED: "weakref.WeakKeyDictionary[StreamMoE, int]" = weakref.WeakKeyDictionary()  # flag-path calls: spin us
+_FLAGGED: "weakref.WeakSet[StreamMoE]" = weakref.WeakSet()  # the StreamMoEs on the flag path
 
 
 def _drop_flags(call, flags) -> None:
     """Off the flag path (a StreamMoE collected: a grown staging's, or at exit). The GPU may still have its stage-ins
     queued (the host runs ahead): the last forward ends first, so none rings a cell nobody serves or that the host
     allocator has handed out again."""
-    end = _LAST_END[0]
-    if end is not None:
-        try:
-            end.synchronize()
-        except Exception:  # at interpreter exit CUDA may be gone already; nothing is queued then
-            pass
+    try:
+        _wait_last_end()
+    except Exception:  # at interpreter exit CUDA may be gone already; nothing is queued then
+        pass
     call.drop_flags()  # returns once the relay is done with call and flags; both are released after
 
 
@@ -159,7 +161,7 @@ class StreamMoE:
             self.flags = torch.zeros(3, dtype=torch.int64, pin_memory=True)
             self.call.use_flags(self.flags.data_ptr())
             weakref.finalize(self, _drop_flags, self.call, self.flags)
-            _FLAGGED[self] = moe.pool.spin_us
+            _FLAGGED.add(self)
 
     def check(self) -> None:
         """Raise what a host function of an earlier forward reported (its output was not computed)."""
@@ -183,7 +185,7 @@ class StreamMoE:
         if self.flagged:
             self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights, self.ring, self.flags)
             if not capturing:
-                _cpu.relay_kick(_FLAGGED.get(self, 0))
+                _cpu.relay_kick(self.moe.pool.spin_us)
             return
         self.stage.stage_in(x, topk_ids, topk_weights, s.x, s.ids, s.weights)
         if not self.one_host_fn:  # else sync enqueues the submit with the wait
@@ -198,7 +200,7 @@ class StreamMoE:
         s = self.staging
         self.stage.route_stage_in(x, logits, s.k, renorm, s.x, s.ids, s.weights, self.ring, self.flags)
         if not capturing:
-            _cpu.relay_kick(_FLAGGED.get(self, 0))
+            _cpu.relay_kick(self.moe.pool.spin_us)
 
     def _begin(self, x: torch.Tensor, live: int | None) -> bool:
         """A call's checks, its live rows (eager) and, on the flag path, the ring counter; True while capturing."""

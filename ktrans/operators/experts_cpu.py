@@ -144,17 +144,26 @@ class KExpertsCPU(ExpertsOp):
             self._stream = cpu_stream.StreamMoE(self.moe, staging, self.key)
         return self._stream
 
-    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    def _begin(self, x: torch.Tensor) -> None:
         if self._pending is not None or self._on_stream is not None:
             raise RuntimeError(f"{self.key}: submit() called twice without sync()")
         self._out_dtype = x.dtype
+
+    def _on_stream_call(self, x: torch.Tensor, k: int) -> tuple[cpu_stream.StreamMoE, int | None]:
+        """The stream call for a step of x's rows (grown first for a step larger than reserved: a direct call) and
+        the step's live rows (a padded batch's live sequences; None: all)."""
+        call = self.stream_call(k)
+        if x.shape[0] > call.staging.max_rows:
+            self.reserve(x.shape[0])
+            call = self.stream_call(k)
+        batch = current_batch()
+        return call, batch.num_live if batch is not None else None
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        self._begin(x)
         if x.is_cuda:
-            call = self.stream_call(topk_ids.shape[1])
-            if x.shape[0] > call.staging.max_rows:  # a step larger than reserved (a direct call): grow first
-                self.reserve(x.shape[0])
-                call = self.stream_call(topk_ids.shape[1])
-            batch = current_batch()
-            call.submit(x, topk_ids, topk_weights, live=batch.num_live if batch is not None else None)
+            call, live = self._on_stream_call(x, topk_ids.shape[1])
+            call.submit(x, topk_ids, topk_weights, live=live)
             self._on_stream = x.device
             return
         moe = self.moe
@@ -172,15 +181,9 @@ class KExpertsCPU(ExpertsOp):
 
     def submit_logits(self, x: torch.Tensor, logits: torch.Tensor, k: int, renorm: bool) -> None:
         """submit() with the routing (top k of the router's logits) done inside the stage-in launch."""
-        if self._pending is not None or self._on_stream is not None:
-            raise RuntimeError(f"{self.key}: submit() called twice without sync()")
-        self._out_dtype = x.dtype
-        call = self.stream_call(k)
-        if x.shape[0] > call.staging.max_rows:
-            self.reserve(x.shape[0])
-            call = self.stream_call(k)
-        batch = current_batch()
-        call.submit_logits(x, logits, renorm, live=batch.num_live if batch is not None else None)
+        self._begin(x)
+        call, live = self._on_stream_call(x, k)
+        call.submit_logits(x, logits, renorm, live=live)
         self._on_stream = x.device
 
     def sync_staged(self) -> tuple[torch.Tensor, torch.dtype] | None:

@@ -221,8 +221,9 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
     def _pair(self, phase: str, dev: torch.device) -> tuple | None:
         """(matrices, the two of one type and width that share a launch, in_proj_qkvz's stored row counts) where
         in_proj_qkvz (as stored: one matrix, or attn_qkv and attn_gate of two types) and in_proj_ba are KLinearMarlin
-        on this device and in_proj_ba has a partner of its own type and width (qlinear_pair takes them), else None.
-        The matrices: in_proj_qkvz's stored parts, then in_proj_ba's."""
+        on this device and two of their matrices match (qlinear_pair takes them: in_proj_ba and a part of
+        in_proj_qkvz, whose parts are of two types), else None. The matrices: in_proj_qkvz's stored parts, then
+        in_proj_ba's."""
         if phase not in self._pairs:
             self._pairs[phase] = None
             ops = []
@@ -236,23 +237,17 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
             mats = [p.packed for p in parts] + [ba.packed_weight() if hasattr(ba, "packed_weight") else None]
             if parts and qkvz.bias is None and rows is not None and None not in mats \
                     and list(rows) == [self.conv_dim, self.value_dim] and mats[-1].n == 2 * self.num_v_heads:
-                last = len(mats) - 1
-                mate = next((i for i in range(last) if (mats[i].qtype, mats[i].k) == (mats[last].qtype,
-                                                                                       mats[last].k)), None)
-                if mate is not None:
-                    self._pairs[phase] = (mats, (mate, last), list(rows))
+                pair = linear_ops.pair_of(mats)
+                if pair is not None:
+                    self._pairs[phase] = (mats, pair, list(rows))
         return self._pairs[phase]
 
     def _paired_projections(self, x: torch.Tensor, pair: tuple) -> tuple[torch.Tensor, ...]:
         """(mixed, z, b, a) of one row from in_proj_qkvz and in_proj_ba with two of their matrices in one launch."""
-        from ktrans.kernels.triton.quant import qlinear, qlinear_pair
+        from ktrans.operators.linear_marlin import run_pair_plan
 
-        mats, (i, j), rows = pair
-        outs = [None] * len(mats)
-        outs[i], outs[j] = qlinear_pair(x, mats[i], mats[j])
-        for n, w in enumerate(mats):
-            if outs[n] is None:
-                outs[n] = qlinear(x, w)
+        mats, two, rows = pair
+        outs = run_pair_plan(x, (mats, two))
         mixed, z = outs[0].split(rows, dim=1) if len(mats) == 2 else outs[:2]
         return (mixed.contiguous(), z.reshape(1, self.num_v_heads, self.head_v_dim), *self.split_ba(outs[-1]))
 

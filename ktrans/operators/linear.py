@@ -76,6 +76,12 @@ class KTransformersLinear(BaseOperator):
 GEMV_PAIR = os.environ.get("KTRANS_GEMV_PAIR", "0") == "1"
 
 
+def pair_of(mats) -> tuple[int, int] | None:
+    """The first two of `mats` (packed matrices) of one type and width, which one GEMV launch takes together."""
+    return next(((i, j) for i in range(len(mats)) for j in range(i + 1, len(mats))
+                 if (mats[i].qtype, mats[i].k) == (mats[j].qtype, mats[j].k)), None)
+
+
 def project(x: torch.Tensor, *linears: "KTransformersLinear") -> list[torch.Tensor]:
     """Each of `linears` applied to x, as calling them one by one would. Where every one of them runs an op that can
     queue its work and return (`begin`: KLinearCPUInfer) on x's device, all are queued before any is waited for, so

@@ -32,7 +32,7 @@ from ktrans.kernels.triton.dense_gemv import dense_gemv
 from ktrans.kernels.triton.quant import plane_args, qlinear, qlinear_pair
 from ktrans.kernels.triton.quant_layout import PackedWeight, packable, repack
 from ktrans.operators.base import Op
-from ktrans.operators.linear import LINEAR_OPS
+from ktrans.operators.linear import LINEAR_OPS, pair_of
 from ktrans.weights import quants as Q
 from ktrans.weights.source import RawTensor, WeightSource
 
@@ -192,8 +192,7 @@ def pair_plan(lins, phase: str, dev: torch.device) -> tuple[list[PackedWeight], 
         if w is None:
             return None
         ws.append(w)
-    pair = next(((i, j) for i in range(len(ws)) for j in range(i + 1, len(ws))
-                 if (ws[i].qtype, ws[i].k) == (ws[j].qtype, ws[j].k)), None)
+    pair = pair_of(ws)
     return (ws, pair) if pair is not None else None
 
 

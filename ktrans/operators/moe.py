@@ -266,12 +266,16 @@ class _SharedFused:
     GEMV, top-k, two routed, two shared, the gated sum). Applies where the routed experts are KExpertsMarlin's packed
     stacks, the shared expert's projections KLinearMarlin matrices of the same types and shapes (the one-expert GPU
     MoE of KQwen3NextMLP), the router a float weight and the shared gate a plain [1, H] row (whatever the router op:
-    the routed experts' op runs Triton kernels already), for steps on the lanes path (moe_quant.LANES["max_tokens"] rows); else the block runs as before. The sum
+    the routed experts' op runs Triton kernels already), for steps on the lanes path (moe_quant.LANES["max_tokens"]
+    rows); else the block runs as before. The sum
     differs from the unfused block's in rounding only: the shared expert's output enters the fp32 top-k sum instead
     of a bf16 tensor added after, and its gate logit is the GEMV's (rounded to the activations' dtype)."""
 
     def __init__(self, gate_w: torch.Tensor, top_k: int, renorm: bool, gate_up, down, extra):
-        self.gate_w, self.top_k, self.renorm = gate_w, top_k, renorm
+        from ktrans.operators.linear_marlin import Matrix
+
+        self.gate = Matrix(None, gate_w, str(gate_w.dtype))  # floats: the Triton GEMV for decode rows, else F.linear
+        self.top_k, self.renorm = top_k, renorm
         self.gate_up, self.down, self.extra = gate_up, down, extra
         self.max_rows: int | None = None  # None: the lanes path's limits as they are at the call
 
@@ -311,11 +315,8 @@ class _SharedFused:
         return cls(gate_w, block.top_k, block.norm_topk_prob, gate_up, down, (mlp.gate_up, mlp.down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from ktrans.kernels.triton.dense_gemv import MAX_ROWS, dense_gemv
         from ktrans.kernels.triton.moe_quant import moe_quant
         from ktrans.kernels.triton.router import route_with_shared
 
-        xg = x.to(self.gate_w.dtype)
-        logits = dense_gemv(xg, self.gate_w) if x.shape[0] <= MAX_ROWS else F.linear(xg, self.gate_w)
-        ids, weights = route_with_shared(logits, self.top_k, self.renorm)
+        ids, weights = route_with_shared(self.gate(x), self.top_k, self.renorm)
         return moe_quant(x, ids, weights, self.gate_up, self.down, extra=self.extra)

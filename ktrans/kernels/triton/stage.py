@@ -41,11 +41,7 @@ def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, K, s
                      ring_ptr, flags_ptr, BLOCK: tl.constexpr, BK: tl.constexpr, RING: tl.constexpr):
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    live = (row < T).to(tl.int32)  # T = 0: the flag path's one program only rings
-    m = offs < H * live
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
-    tl.store(sx_ptr + row * H + offs, x.to(tl.float32), mask=m)
+    live = _stage_x(x_ptr, sx_ptr, row, blk, T, H, stride_x, BLOCK)
     if blk == 0:
         j = tl.arange(0, BK)
         mk = j < K * live
@@ -55,6 +51,18 @@ def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, K, s
         tl.store(sw_ptr + row * K + j, w.to(tl.float32), mask=mk)
     if RING:
         _ring(ring_ptr, flags_ptr)
+
+
+@triton.jit
+def _stage_x(x_ptr, sx_ptr, row, blk, T, H, stride_x, BLOCK: tl.constexpr):
+    """Block blk of activation row `row` into the staging as fp32; returns 1 where the row is live (row < T), else 0
+    (T = 0: the flag path's one program only rings)."""
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    live = (row < T).to(tl.int32)
+    m = offs < H * live
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    tl.store(sx_ptr + row * H + offs, x.to(tl.float32), mask=m)
+    return live
 
 
 @triton.jit
@@ -76,11 +84,7 @@ def _route_stage_kernel(x_ptr, l_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, n_experts,
     """stage_in with the router's top-k in its first program of each row (the flag path only: it rings)."""
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    live = (row < T).to(tl.int32)
-    m = offs < H * live
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
-    tl.store(sx_ptr + row * H + offs, x.to(tl.float32), mask=m)
+    _stage_x(x_ptr, sx_ptr, row, blk, T, H, stride_x, BLOCK)
     if blk == 0:
         if row < T:
             ks, ids, w = topk_softmax_row(l_ptr + row * stride_l, n_experts, K, E_PAD, K_PAD, RENORM)
@@ -120,6 +124,18 @@ def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constex
         tl.store(dst_ptr + row * H + offs, v.to(dst_ptr.dtype.element_ty), mask=m)
 
 
+def _check_staging(name: str, misfit: bool, t: int, h: int, k: int, sx: torch.Tensor, sids: torch.Tensor,
+                   sw: torch.Tensor, inputs: str) -> None:
+    """ValueError unless T rows of hidden size h and top-k k fit the staging (sx, sids, sw) and the inputs fit each
+    other (`misfit` False), and the staging is fp32 x, int64 ids, fp32 weights."""
+    if misfit or sx.shape[1] != h or sids.shape[1] != k or sw.shape[1] != k \
+            or min(sx.shape[0], sids.shape[0], sw.shape[0]) < t:
+        raise ValueError(f"{name}: {inputs} do not fit the staging {tuple(sx.shape)}, {tuple(sids.shape)}, "
+                         f"{tuple(sw.shape)}")
+    if sx.dtype != torch.float32 or sids.dtype != torch.int64 or sw.dtype != torch.float32:
+        raise ValueError(f"{name}: the staging is fp32 x, int64 ids, fp32 weights")
+
+
 def _rows_of(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -132,12 +148,8 @@ def stage_in(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sx: torc
     ++seq into go, T = 0 included (the relay then serves an empty call, and the wait still ends)."""
     t, h = x.shape
     k = ids.shape[1]
-    if ids.shape != (t, k) or weights.shape != (t, k) or sx.shape[1] != h or sids.shape[1] != k or sw.shape[1] != k \
-            or min(sx.shape[0], sids.shape[0], sw.shape[0]) < t:
-        raise ValueError(f"stage_in: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)} do "
-                         f"not fit the staging {tuple(sx.shape)}, {tuple(sids.shape)}, {tuple(sw.shape)}")
-    if sx.dtype != torch.float32 or sids.dtype != torch.int64 or sw.dtype != torch.float32:
-        raise ValueError("stage_in: the staging is fp32 x, int64 ids, fp32 weights")
+    _check_staging("stage_in", ids.shape != (t, k) or weights.shape != (t, k), t, h, k, sx, sids, sw,
+                   f"x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     if (ring is None) != (flags is None):
         raise ValueError("stage_in: the flag path takes both ring and flags")
     if not t and ring is None:
@@ -156,12 +168,8 @@ def route_stage_in(x: torch.Tensor, logits: torch.Tensor, top_k: int, renorm: bo
     (the GPU never holds them), bitwise what route() then stage_in() write."""
     t, h = x.shape
     e = logits.shape[1]
-    if logits.shape[0] != t or sx.shape[1] != h or sids.shape[1] != top_k or sw.shape[1] != top_k \
-            or min(sx.shape[0], sids.shape[0], sw.shape[0]) < t:
-        raise ValueError(f"route_stage_in: x {tuple(x.shape)}, logits {tuple(logits.shape)}, top-{top_k} do not "
-                         f"fit the staging {tuple(sx.shape)}, {tuple(sids.shape)}, {tuple(sw.shape)}")
-    if sx.dtype != torch.float32 or sids.dtype != torch.int64 or sw.dtype != torch.float32:
-        raise ValueError("route_stage_in: the staging is fp32 x, int64 ids, fp32 weights")
+    _check_staging("route_stage_in", logits.shape[0] != t, t, h, top_k, sx, sids, sw,
+                   f"x {tuple(x.shape)}, logits {tuple(logits.shape)}, top-{top_k}")
     x, logits = _rows_of(x), _rows_of(logits)
     _route_stage_kernel[(max(t, 1), triton.cdiv(h, BLOCK))](
         x, logits, sx, sids, sw, t, h, e, x.stride(0), logits.stride(0), ring, flags, BLOCK=BLOCK, K=top_k,
