@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
-from ktrans.kernels.triton.quant import (_MAX_TILES, QT_CODE, _scale_words, _sms, counters, plane_args,
-                                         plane_offsets, superblock_dot, tiles)
+from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, QT_CODE, _scale_words, _sms, counters, gemv_rows,
+                                         plane_args, plane_offsets, superblock_dot, tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
@@ -84,7 +84,7 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_X: tl.constexpr):
+                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -93,7 +93,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     Else (down, whole K): the pair's weighted row into part_ptr [P, N] fp32, and the last of a token's X_DIV pairs
     (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it.
     HAS_X: pairs whose id is E_X take an extra expert's planes (the shared expert), at element offsets x_lo, x_hi,
-    x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come)."""
+    x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come).
+    ROWS: row_dot's (the row-owning form where > 0)."""
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -114,8 +115,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
             sb0 = pid_k * SB_PER
             sb1 = tl.minimum(sb0 + SB_PER, NSB)
-            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN)
-            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN)
+            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS)
+            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS)
             if SPLIT == 1:
                 h = gate / (1.0 + tl.exp(-gate)) * up
                 tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -138,7 +139,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     else:
         acc = tl.zeros([BN], dtype=tl.float32)
         if e >= 0:
-            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN)
+            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN, ROWS)
             acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)
         tl.store(part_ptr + pid_p * N + offs_n, acc, mask=mask_n)
         tl.debug_barrier()
@@ -167,8 +168,10 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     p, inter, hidden = t * k, gate_up.n // 2, down.n
     ids = ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
-    bn = LANES["bn"] * (2 if interpreting() else 1)
-    tiles_i, tiles_h = triton.cdiv(inter, bn), triton.cdiv(hidden, bn)
+    # per launch: the lane-group row_dot (rows 0) or the row-owning one (GEMV["rows"]; bf16 x, K-quant types)
+    rows = [gemv_rows(x, gate_up.qtype) if x.stride(0) % 2 == 0 else 0, gemv_rows(x, down.qtype)]
+    bns = [GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1) for r in rows]
+    tiles_i, tiles_h = triton.cdiv(inter, bns[0]), triton.cdiv(hidden, bns[1])
     nsb = gate_up.k // QK
     split = LANES["split"] or max(1, min(nsb, triton.cdiv(LANES["per_sm"] * _sms(x.device), p * tiles_i)))
     sb_per = triton.cdiv(nsb, split)
@@ -189,10 +192,11 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             xw = extra[j]
             xlo, xhi, xd, _ = plane_args(xw)
             offs = plane_offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
-        _moe_lanes_kernel[(p, triton.cdiv(n, bn), grid_k)](
+        _moe_lanes_kernel[(p, triton.cdiv(n, bns[j]), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
-            x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bn, GATED=gated,
-            SPLIT=grid_k, HAS_X=extra is not None, num_warps=LANES["warps"])
+            x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
+            SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j],
+            num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"])
     return out
 
 

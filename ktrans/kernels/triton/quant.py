@@ -180,8 +180,12 @@ def _sms(device: torch.device) -> int:
 # all on the H200 at full size (session 15, CUDA graphs) 153.7 against 135.2 tok/s at batch 1 once its CUDA-graph
 # test had passed there. On by default; KTRANS_GEMV_FUSED_SUM=0 selects the second kernel.
 # stages: the launch's num_stages (None: Triton's default), swept by scripts/gemv_sweep.py (no effect in session 16).
+# rows: each row's super-block read by that many threads (quant_gemv._row_dot_rows: a sub-block's scale made once a
+# row, x read as bf16 pairs; bf16 x only), with rows_bn rows and rows_warps warps a program; 0: the lane-group kernel.
+# KTRANS_GEMV_ROWS=H or H,BN,WARPS sets them (also for the MoE's few-token path).
+_ROWS_ENV = [int(v) for v in (os.environ.get("KTRANS_GEMV_ROWS", "0").split(",") + ["128", "4"])[:3]]
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
-        "stages": None}
+        "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -197,11 +201,20 @@ def counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def tiles(m: int) -> tuple[int, int, int, int]:
-    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel; 0: a few rows, fp32
-    products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter pays per program, not per element: it gets
-    wider row tiles."""
+def gemv_rows(x: torch.Tensor, qtype: str) -> int:
+    """The GEMV's ROWS argument for activation row x: GEMV["rows"] where the row-owning kernel applies (a K-quant
+    type, bf16 x whose row start is int32-aligned), else 0."""
+    ok = x.dtype == torch.bfloat16 and qtype != "Q8_0" and x.data_ptr() % 4 == 0
+    return GEMV["rows"] if ok else 0
+
+
+def tiles(m: int, rows: int = 0) -> tuple[int, int, int, int]:
+    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel, `rows` its ROWS; 0: a
+    few rows, fp32 products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter pays per program, not per
+    element: it gets wider row tiles."""
     wide = 2 if interpreting() else 1
+    if m == 1 and rows:
+        return 3, 1, GEMV["rows_bn"], GEMV["rows_warps"]
     if m == 1:
         return 3, 1, GEMV["bn"] * wide, GEMV["warps"]
     if m <= 4:
@@ -228,7 +241,8 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
-    mode, bm, bn, warps = tiles(m)
+    rows = gemv_rows(x, w.qtype) if m == 1 else 0
+    mode, bm, bn, warps = tiles(m, rows)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     if split is None:  # a decode GEMV streams with no software pipelining across programs: enough programs per SM
         # keep enough loads in flight (a 2048-row matrix at K=2048 has only 32 row tiles)
@@ -246,7 +260,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         cnt = counters(x.device) if fused else dst
         extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
-                                      0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused,
+                                      0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
                                       num_warps=warps, **extra)
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
@@ -281,7 +295,8 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
         raise ValueError(f"qlinear_pair: two matrices of one type and width, got {wa.qtype} [{wa.n}, {wa.k}] and "
                          f"{wb.qtype} [{wb.n}, {wb.k}]")
     x = x if x.stride(1) == 1 else x.contiguous()
-    mode, _, bn, warps = tiles(1)
+    rows = gemv_rows(x, wa.qtype)
+    mode, _, bn, warps = tiles(1, rows)
     nsb = wa.k // QK
     tiles_a, tiles_b = triton.cdiv(wa.n, bn), triton.cdiv(wb.n, bn)
     if split is None:
@@ -299,7 +314,7 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
-                                            FUSED_SUM=split > 1, HAS_B=True, num_warps=warps, **extra)
+                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, num_warps=warps, **extra)
     return out[:, : wa.n], out[:, wa.n:]
 
 

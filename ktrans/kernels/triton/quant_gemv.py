@@ -141,10 +141,117 @@ def _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n):
 
 
 @triton.jit
+def _pick8(S: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7):
+    """v_S for a compile-time S (values kept in registers across an unrolled loop)."""
+    return v0 if S == 0 else (v1 if S == 1 else (v2 if S == 2 else (v3 if S == 3 else (
+        v4 if S == 4 else (v5 if S == 5 else (v6 if S == 6 else v7))))))
+
+
+@triton.jit
+def _scale8(d, dmin, s0, s1, s2, s3, S: tl.constexpr, QT: tl.constexpr, HALF: tl.constexpr):
+    """(c, k) [BN] of sub-block S (Q6_K: 8 * HALF + S) such that its weight is (1 + q / 2^b) * c - k (_one_plus)."""
+    if QT == 2:  # Q6_K: signed scales, codes offset by 32
+        word = s0 if 8 * HALF + S < 4 else (s1 if 8 * HALF + S < 8 else (s2 if 8 * HALF + S < 12 else s3))
+        s = d * _byte(word, S % 4, True).to(tl.float32)
+        return s * 64.0, s * 96.0
+    s = d * _byte(s0 if S < 4 else s1, S % 4, False).to(tl.float32)
+    m = dmin * _byte(s2 if S < 4 else s3, S % 4, False).to(tl.float32)
+    c = s * (32.0 if QT == 1 else 16.0)
+    return c, c + m
+
+
+@triton.jit
+def _halves(t):
+    """[BN, H, 4] -> its even and odd columns, [BN, H, 2] each."""
+    return tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+
+
+@triton.jit
+def _weights(a, b, c, k, S: tl.constexpr, QT: tl.constexpr, HALF: tl.constexpr):
+    """The weights of sub-block S (Q6_K: 8 * HALF + S) at the positions of code words a (high bits b)."""
+    if QT == 2:
+        bits = _bits_at(a, 4 * S, 17, 0x1E0000) | _bits_at(b, 2 * (8 * HALF + S), 21, 0x600000)
+    elif QT == 1:
+        bits = _bits_at(a, 4 * S, 18, 0x3C0000) | _bits_at(b, S, 22, 0x400000)
+    else:
+        bits = _bits_at(a, 4 * S, 19, 0x780000)
+    return _one_plus(bits) * c[:, None, None] - k[:, None, None]
+
+
+@triton.jit
+def _rows_half(even, odd, x_ptr, k0, lo_ptr, hi_ptr, row, mask, d, dmin, s0, s1, s2, s3, QT: tl.constexpr,
+               HALF: tl.constexpr, H: tl.constexpr):
+    """even, odd [BN, H, 2] += one super-block's products (Q6_K: its sub-blocks 8 * HALF..), four word positions
+    of each of the H parts of a row at a time (even and odd positions apart: x is read as int32 words of two bf16,
+    each half an fp32 by one operation). A row's sub-block scale is made by the H threads that share the row, not
+    once per lane group."""
+    c0, k0_ = _scale8(d, dmin, s0, s1, s2, s3, 0, QT, HALF)
+    c1, k1 = _scale8(d, dmin, s0, s1, s2, s3, 1, QT, HALF)
+    c2, k2 = _scale8(d, dmin, s0, s1, s2, s3, 2, QT, HALF)
+    c3, k3 = _scale8(d, dmin, s0, s1, s2, s3, 3, QT, HALF)
+    c4, k4 = _scale8(d, dmin, s0, s1, s2, s3, 4, QT, HALF)
+    c5, k5 = _scale8(d, dmin, s0, s1, s2, s3, 5, QT, HALF)
+    c6, k6 = _scale8(d, dmin, s0, s1, s2, s3, 6, QT, HALF)
+    c7, k7 = _scale8(d, dmin, s0, s1, s2, s3, 7, QT, HALF)
+    # a sub-block's positions (= the code words of a (half) super-block): 16 for Q6_K, else 32
+    j = tl.arange(0, 4)[None, None, :]
+    h = tl.arange(0, H)[None, :, None] * ((16 if QT == 2 else 32) // H)
+    xh = tl.arange(0, H)[None, :, None] * ((16 if QT == 2 else 32) // H // 2) + tl.arange(0, 2)[None, None, :]
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.int32))
+    r = row[:, None, None]
+    m = mask[:, None, None]
+    for g in tl.static_range((16 if QT == 2 else 32) // H // 4):  # positions h + 4g.. of each part
+        a_e, a_o = _halves(tl.load(lo_ptr + r * 32 + 16 * HALF + h + 4 * g + j, mask=m, other=0))
+        b_e = a_e
+        b_o = a_o
+        if QT == 1:
+            b_e, b_o = _halves(tl.load(hi_ptr + r * 32 + h + 4 * g + j, mask=m, other=0).to(tl.int32))
+        if QT == 2:
+            b_e, b_o = _halves(tl.load(hi_ptr + r * 16 + h + 4 * g + j, mask=m, other=0))
+        for S in tl.static_range(8):
+            c = _pick8(S, c0, c1, c2, c3, c4, c5, c6, c7)
+            k = _pick8(S, k0_, k1, k2, k3, k4, k5, k6, k7)
+            xw = tl.load(xw_ptr + (k0 + (8 * HALF + S) * (16 if QT == 2 else 32) + 4 * g) // 2 + xh)  # bf16 pairs
+            x_e = (xw << 16).to(tl.float32, bitcast=True)
+            x_o = (xw & -65536).to(tl.float32, bitcast=True)
+            even += _weights(a_e, b_e, c, k, S, QT, HALF) * x_e
+            odd += _weights(a_o, b_o, c, k, S, QT, HALF) * x_o
+    return even, odd
+
+
+@triton.jit
+def _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
+                  BN: tl.constexpr, H: tl.constexpr):
+    """row_dot with each row's super-block read by H threads ([BN, H, 4] tiles of four int32 words): the K-quant
+    types, bf16 x."""
+    even = tl.zeros([BN, H, 2], dtype=tl.float32)
+    odd = tl.zeros([BN, H, 2], dtype=tl.float32)
+    for sb in range(sb0, sb_end):
+        row = sb * N + offs_n
+        if QT == 2:
+            d = tl.load(d_ptr + row, mask=mask_n, other=0.0).to(tl.float32)
+            dmin = d
+        else:
+            dd = tl.load(d_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=mask_n[:, None], other=0.0)
+            d, dmin = tl.split(dd.to(tl.float32))
+        w = tl.load(sc_ptr + row[:, None] * 4 + tl.arange(0, 4)[None, :], mask=mask_n[:, None], other=0)
+        s0, s1, s2, s3 = _split4(w)
+        even, odd = _rows_half(even, odd, x_ptr, sb * 256, lo_ptr, hi_ptr, row, mask_n, d, dmin, s0, s1, s2, s3, QT,
+                               0, H)
+        if QT == 2:
+            even, odd = _rows_half(even, odd, x_ptr, sb * 256, lo_ptr, hi_ptr, row, mask_n, d, dmin, s0, s1, s2, s3,
+                                   QT, 1, H)
+    return tl.sum(tl.sum(even + odd, axis=2), axis=1)
+
+
+@triton.jit
 def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
-            BN: tl.constexpr):
+            BN: tl.constexpr, ROWS: tl.constexpr = 0):
     """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
-    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert)."""
+    lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert).
+    ROWS > 0: each row's super-block read by ROWS threads (_row_dot_rows; the K-quant types, bf16 x)."""
+    if ROWS > 0 and QT != 3:
+        return _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, ROWS)
     lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
     for sb in range(sb0, sb_end):
         if QT == 3:
@@ -158,7 +265,7 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
 @triton.jit(do_not_specialize=["b_lo", "b_hi", "b_d", "b_sc"])
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
                 TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr,
-                HAS_B: tl.constexpr = False):
+                HAS_B: tl.constexpr = False, ROWS: tl.constexpr = 0):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
@@ -182,7 +289,8 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     offs_n = tile * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
-    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN)
+    acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN,
+                  ROWS)
     if SPLIT == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
