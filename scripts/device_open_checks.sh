@@ -23,7 +23,8 @@
 #                                                environment, ~1.5 min;
 #                                                SKIP_SERVE=1 leaves the serve placement out)
 #   bash scripts/device_open_checks.sh serve     the serve rules' batch-1 decode, profiled, once per SERVE_AB
-#                                                environment (default: one host function a layer off, on); ~1.5 min
+#                                                environment (default: one host function a layer off, on; A=1+B=2:
+#                                                two variables in one run); ~1.5 min
 #                                                each; writes the file first when it is missing; TESTS="files":
 #                                                those GPU tests first, beside the writer
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
@@ -79,7 +80,8 @@ kernels)
   if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
     echo "== ktrans bench kernels --family quant --match '${MOE_MATCH:=moe}'"
     for u in ${MOE_ENV:-KTRANS_MOE_LANES=1}; do  # one run per environment named (VAR=value ...)
-      env "$u" timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
+      # shellcheck disable=SC2086  # A=1+B=2: two variables
+      env ${u//+/ } timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
         > "$OUT/moe_${u//[^A-Za-z0-9]/_}.jsonl" 2> "$OUT/moe_${u//[^A-Za-z0-9]/_}.err"
       python3 -c "import json,sys; [print(sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
         "$OUT/moe_${u//[^A-Za-z0-9]/_}.jsonl" "$u" || tail -5 "$OUT/moe_${u//[^A-Za-z0-9]/_}.err"
@@ -159,7 +161,8 @@ serve)
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
   for v in ${SERVE_AB:-KTRANS_STREAM_ONE_HOST_FN=0 KTRANS_STREAM_ONE_HOST_FN=1}; do
-    env "$v" E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+    # shellcheck disable=SC2086  # A=1+B=2: two variables
+    env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
       e2e serve_${v//[^A-Za-z0-9]/_} --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml --prompt_len 256 \
       --gen_len 48 --batch_sizes 1 --profile_steps 4 --use_cuda_graph"
   done
