@@ -21,7 +21,8 @@
 #                                                snapshots (GPU memory, TTFT at 32k), llama-bench -ngl 99; ~7 min
 #                                                (AB="VAR=value ...": also batch 1 (AB_BATCHES: these) under that
 #                                                environment, ~1.5 min;
-#                                                SKIP_SERVE=1 leaves the serve placement out)
+#                                                SKIP_SERVE=1 leaves the serve placement out; SKIP_BASE=1 the first
+#                                                run; GPU_AB="A=1 B=1+C=1": batch AB_BATCHES under each, ~1.2 min)
 #   bash scripts/device_open_checks.sh serve     the serve rules' batch-1 decode, profiled, once per SERVE_AB
 #                                                environment (default: one host function a layer off, on; A=1+B=2:
 #                                                two variables in one run); ~1.5 min
@@ -129,8 +130,15 @@ gpu)
   python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-serve.yaml /tmp/serve-quant.yaml quant
   echo "== rules show (all on the GPU, the file's types)"
   ktrans rules show --gguf_path "$F" --optimize_config_path /tmp/gpu-triton.yaml 2>&1 | tail -6
-  E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 \
-    --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 --use_cuda_graph
+  [ -n "${SKIP_BASE:-}" ] || E2E_TIMEOUT=${E2E_TIMEOUT:-300} e2e gpu_triton --optimize_config_path /tmp/gpu-triton.yaml \
+    --prompt_len 512 --gen_len 64 --batch_sizes 1,16 --prefill_lens 4096 --chunk_size 4096 --profile_steps 4 \
+    --use_cuda_graph
+  for v in ${GPU_AB:-}; do  # GPU_AB="A=1 B=1+C=1 ...": one decode run each (AB_BATCHES), A=1+B=2 two variables
+    # shellcheck disable=SC2086  # A=1+B=2: two variables
+    env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-300} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+      e2e gpu_${v//[^A-Za-z0-9]/_} --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 \
+      --batch_sizes ${AB_BATCHES:-1} --profile_steps 0 --use_cuda_graph"
+  done
   if [ -n "${AB:-}" ]; then  # batch 1 again under the environment AB names (e.g. AB=KTRANS_GEMV_FUSED_SUM=0)
     # shellcheck disable=SC2086
     env $AB E2E_TIMEOUT=${E2E_TIMEOUT:-300} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \

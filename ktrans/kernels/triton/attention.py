@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton import interpreting
 
 LOG2E = 1.4426950408889634
@@ -36,7 +37,9 @@ def _block_d(d: int) -> int:
 
 
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_cr, W: tl.constexpr, BLOCK: tl.constexpr):
+def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_vt, stride_cr, W: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    enter(PDL)
     t = tl.program_id(0)
     row = tl.load(SLOTS + t)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -61,7 +64,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
         v2 = v2.contiguous()
     block = min(1024, triton.next_power_of_2(w))
     _write_kv_kernel[(t, triton.cdiv(w, block))](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                                                  k_cache.stride(0), W=w, BLOCK=block)
+                                                  k_cache.stride(0), W=w, BLOCK=block, **launch())
 
 
 # ---- prefill -------------------------------------------------------------------------------------------------------
@@ -238,7 +241,8 @@ def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) ->
 def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
                          stride_bt, split_tokens, TUNE, PAGE: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -278,10 +282,11 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
 
 @triton.jit
 def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         D_CHUNK: tl.constexpr, S_STEP: tl.constexpr):
+                         D_CHUNK: tl.constexpr, S_STEP: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the splits of one (sequence, query head, chunk of D_CHUNK dims): chunks spread the partials' read
     over more programs when the batch is small. The splits are read S_STEP at a time whatever their number (which
     grows with the context): one compile serves every length."""
+    enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * tl.num_programs(1) + h) * n_splits
@@ -384,12 +389,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 PREC=_prec(q.dtype))
     grid = (bsz, hkv, plan.num_splits)
     if interpreting():
-        _decode_split_kernel[grid](*args, **meta, BLOCK_N=16)
+        _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
     else:
         _decode_tuned[grid](*args, **meta)
     chunk = min(block_d, 64)
     _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
-                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=MERGE_STEP)
+                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=MERGE_STEP, **launch())
     return o
 
 
@@ -397,7 +402,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 @triton.jit
-def _output_gate_kernel(O, QG, Y, n_cols, stride_o, stride_qg, stride_y, D: tl.constexpr, BLOCK: tl.constexpr):
+def _output_gate_kernel(O, QG, Y, n_cols, stride_o, stride_qg, stride_y, D: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -422,5 +429,5 @@ def output_gate(out: torch.Tensor, qg: torch.Tensor, head_dim: int) -> torch.Ten
     if t:
         block = min(1024, triton.next_power_of_2(n))
         _output_gate_kernel[(t, triton.cdiv(n, block))](out2, qg, y, n, out2.stride(0), qg.stride(0), y.stride(0),
-                                                        D=head_dim, BLOCK=block)
+                                                        D=head_dim, BLOCK=block, **launch())
     return y

@@ -12,13 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
+
 MAX_ROWS = 4  # activation rows this path takes (decode); more go to the caller's GEMM
 BN, BK = 4, 512
 
 
 @triton.jit
 def _dense_gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr):
+                       BK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     pid = tl.program_id(0)
     rows_m = tl.arange(0, BM)
     rows_n = pid * BN + tl.arange(0, BN)
@@ -45,5 +48,5 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w = w if w.stride(1) == 1 else w.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, BN),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                              BM=triton.next_power_of_2(m), BN=BN, BK=BK, num_warps=4)
+                                              BM=triton.next_power_of_2(m), BN=BN, BK=BK, num_warps=4, **launch())
     return y

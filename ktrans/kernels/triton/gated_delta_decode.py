@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
+
 
 @triton.jit
 def _conv_step(x_row, w_ptr, conv_slot, stride_cc, ch, cmask, K: tl.constexpr, KP: tl.constexpr):
@@ -96,7 +98,8 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
                    stride_xt, stride_at, stride_bt, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
                    HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   K: tl.constexpr, KP: tl.constexpr):
+                   K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     i = tl.program_id(0)
     kh = tl.program_id(1)
     row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
@@ -146,9 +149,11 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
 def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, slots_ptr,
                  q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_xt, stride_at, stride_bt, stride_cs, stride_cc,
                  HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, BK: tl.constexpr, BRV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
+                 DV: tl.constexpr, BK: tl.constexpr, BRV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Row i, key head kh: the conv of its q, k and R heads' v channels (windows shifted in place), q and k
     L2-normed (q also scaled by Dk^-1/2), the R heads' g and beta, into the scratch [i, ...]."""
+    enter(PDL)
     i = tl.program_id(0)
     kh = tl.program_id(1)
     row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
@@ -180,9 +185,10 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
 @triton.jit
 def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows_ptr, o_ptr, stride_ss, stride_ot,
                   stride_oh, HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                  DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
     """Row i, value head h, state columns [vb*BV, vb*BV + BV): the gated delta rule on that block, in place, and
     the output's columns."""
+    enter(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -261,14 +267,14 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
             mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
             HAS_ROWS=rows is not None, HK=hk, R=r, RP=triton.next_power_of_2(r), DK=dk, DV=dv,
             BK=triton.next_power_of_2(dk), BRV=triton.next_power_of_2(r * dv), K=width,
-            KP=triton.next_power_of_2(width), num_warps=4)
+            KP=triton.next_power_of_2(width), num_warps=4, **launch())
         block = bv
         while block > 16 and n * hv * triton.cdiv(dv, block) < SPLIT_V_PROGRAMS:
             block //= 2
         _state_kernel[(n, hv, triton.cdiv(dv, block))](
             q, k, v, g, beta, ssm_pool, slots, idx, out, ssm_pool.stride(0), out.stride(0), out.stride(1),
             HAS_ROWS=rows is not None, HK=hk, R=r, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block,
-            num_warps=4)
+            num_warps=4, **launch())
         return out
     rb = heads_per_tile or (r if n * hk < WIDE_TILE_PROGRAMS else 1)
     rb = triton.next_power_of_2(min(rb, r))
@@ -278,5 +284,5 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         out, mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
         ssm_pool.stride(0), out.stride(0), out.stride(1),
         HAS_ROWS=rows is not None, HK=hk, R=r, RB=rb, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        K=width, KP=triton.next_power_of_2(width), num_warps=max(4, min(16, tile // 2048)))
+        K=width, KP=triton.next_power_of_2(width), num_warps=max(4, min(16, tile // 2048)), **launch())
     return out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, QT_CODE, _scale_words, _sms, counters, gemv_rows,
                                          plane_args, plane_offsets, superblock_dot, tiles)
@@ -84,7 +85,7 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0):
+                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -95,6 +96,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     HAS_X: pairs whose id is E_X take an extra expert's planes (the shared expert), at element offsets x_lo, x_hi,
     x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come).
     ROWS: row_dot's (the row-owning form where > 0)."""
+    enter(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -196,7 +198,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
             SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j],
-            num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"])
+            num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"], **launch())
     return out
 
 

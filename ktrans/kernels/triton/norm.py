@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
+
 
 def _rows_and_block(d: int) -> tuple[int, int]:
     block_d = triton.next_power_of_2(d)
@@ -33,7 +35,8 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, O, RO, n_rows, stride_x, stride_r, stride_o, stride_ro, eps, D: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -62,7 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if n:
         _rms_norm_kernel[(triton.cdiv(n, rows),)](x2, r2, weight, out, res_out, n, x2.stride(0), r2.stride(0),
                                                   out.stride(0), res_out.stride(0), eps, D=d, BLOCK_D=block_d,
-                                                  ROWS=rows, HAS_RES=residual is not None)
+                                                  ROWS=rows, HAS_RES=residual is not None, **launch())
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
@@ -70,7 +73,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _rms_norm_gated_kernel(X, G, W, O, n_rows, stride_x, stride_g, stride_o, eps, D: tl.constexpr,
-                           BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                           BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -94,5 +98,5 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     rows, block_d = _rows_and_block(d)
     if n:
         _rms_norm_gated_kernel[(triton.cdiv(n, rows),)](x2, g2, weight, out, n, x2.stride(0), g2.stride(0),
-                                                        out.stride(0), eps, D=d, BLOCK_D=block_d, ROWS=rows)
+                                                        out.stride(0), eps, D=d, BLOCK_D=block_d, ROWS=rows, **launch())
     return out.view(shape)

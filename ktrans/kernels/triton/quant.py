@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant_gemv import gemv_kernel
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
@@ -140,7 +141,8 @@ def _qlinear_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, MN, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, SPLIT, MN, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -261,12 +263,12 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
-                                      num_warps=warps, **extra)
+                                      num_warps=warps, **extra, **launch())
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
     if split > 1 and not fused:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block, **launch())
     return out
 
 
@@ -314,7 +316,8 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
-                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, num_warps=warps, **extra)
+                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, num_warps=warps, **extra,
+                                            **launch())
     return out[:, : wa.n], out[:, wa.n:]
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
+
 ONE_F32 = tl.constexpr(0x3F800000)  # the bits of 1.0f
 
 
@@ -265,7 +267,7 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
 @triton.jit(do_not_specialize=["b_lo", "b_hi", "b_d", "b_sc"])
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
                 TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr,
-                HAS_B: tl.constexpr = False, ROWS: tl.constexpr = 0):
+                HAS_B: tl.constexpr = False, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
@@ -273,6 +275,7 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     HAS_B: a second matrix of the same type and width (N_B rows, its planes at element offsets b_* from the first's)
     in the same launch: row tiles TILES_A.. are its, its rows follow the first's in out_ptr and its partials theirs
     in part_ptr ([SPLIT, N] then [SPLIT, N_B])."""
+    enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     tile = pid_n

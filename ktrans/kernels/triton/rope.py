@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
+
 
 @triton.jit
 def _rotate(X, t, stride_t, stride_h, C, S, n_heads, HALF: tl.constexpr, H_PAD: tl.constexpr,
@@ -33,7 +35,9 @@ def _rotate(X, t, stride_t, stride_h, C, S, n_heads, HALF: tl.constexpr, H_PAD: 
 
 @triton.jit
 def _rope_qk_kernel(Q, K, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, stride_s, hq, hkv,
-                    HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                    HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    enter(PDL)
     t = tl.program_id(0)
     c, s = COS + t * stride_c, SIN + t * stride_s
     if tl.program_id(1) == 0:
@@ -53,5 +57,6 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     _rope_qk_kernel[(t, 2)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
                             sin.stride(0), q.shape[1], k.shape[1], HALF=half, HQ_PAD=triton.next_power_of_2(q.shape[1]),
                             HK_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half),
-                            num_warps=1 if q.shape[1] * half <= 1024 else 4)  # 16 heads x 32 pairs: one warp
+                            num_warps=1 if q.shape[1] * half <= 1024 else 4,  # 16 heads x 32 pairs: one warp
+                            **launch())
     return q, k

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
+
 
 @triton.jit
 def topk_softmax_row(row_ptr, n_experts, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -45,7 +47,9 @@ def topk_softmax_row(row_ptr, n_experts, K: tl.constexpr, E_PAD: tl.constexpr, K
 
 @triton.jit
 def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E_PAD: tl.constexpr,
-                         K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = False):
+                         K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     ks, ids, w = topk_softmax_row(LOGITS + row * stride_l, n_experts, K, E_PAD, K_PAD, RENORM)
     if SHARED:  # column n_experts is the shared expert's gate logit: slot K, expert id n_experts, sigmoid weight
@@ -71,7 +75,7 @@ def route_with_shared(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) ->
     if t:
         _topk_softmax_kernel[(t,)](logits, ids, weights, logits.stride(0), e1 - 1, K=top_k,
                                    E_PAD=triton.next_power_of_2(e1 - 1), K_PAD=triton.next_power_of_2(top_k + 1),
-                                   RENORM=norm_topk_prob, SHARED=True, num_warps=1 if e1 - 1 <= 1024 else 4)
+                                   RENORM=norm_topk_prob, SHARED=True, num_warps=1 if e1 - 1 <= 1024 else 4, **launch())
     return ids, weights
 
 
@@ -86,12 +90,13 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     if t:
         _topk_softmax_kernel[(t,)](router_logits, ids, weights, router_logits.stride(0), e, K=top_k,
                                    E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-                                   RENORM=norm_topk_prob, num_warps=1 if e <= 1024 else 4)
+                                   RENORM=norm_topk_prob, num_warps=1 if e <= 1024 else 4, **launch())
     return ids, weights
 
 
 @triton.jit
-def _gated_sum_kernel(R, S, G, O, n, H, stride_g, BLOCK: tl.constexpr):
+def _gated_sum_kernel(R, S, G, O, n, H, stride_g, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     r = tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
@@ -109,13 +114,14 @@ def gated_sum(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tens
     if n:
         block = 1024
         _gated_sum_kernel[(triton.cdiv(n, block),)](routed, shared, gate_logit, out, n, h, gate_logit.stride(0),
-                                                     BLOCK=block)
+                                                     BLOCK=block, **launch())
     return out
 
 
 @triton.jit
 def _gated_sum_dot_kernel(R, S, X, W, O, H, stride_r, stride_s, stride_x, BLOCK: tl.constexpr,
-                          STAGED: tl.constexpr = False, R_BF16: tl.constexpr = False):
+                          STAGED: tl.constexpr = False, R_BF16: tl.constexpr = False, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -162,5 +168,5 @@ def gated_sum_dot(routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor, g
         block = min(1024, triton.next_power_of_2(h))
         _gated_sum_dot_kernel[(t,)](routed, shared, x, gate_weight, out, h, routed.stride(0), shared.stride(0),
                                     x.stride(0), BLOCK=block, STAGED=staged_dtype is not None,
-                                    R_BF16=staged_dtype == torch.bfloat16, num_warps=4)
+                                    R_BF16=staged_dtype == torch.bfloat16, num_warps=4, **launch())
     return out

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.router import topk_softmax_row
 
 BLOCK = 1024  # elements of a row per program
@@ -38,7 +39,9 @@ BLOCK = 1024  # elements of a row per program
 
 @triton.jit
 def _stage_in_kernel(x_ptr, ids_ptr, w_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, K, stride_x, stride_ids, stride_w,
-                     ring_ptr, flags_ptr, BLOCK: tl.constexpr, BK: tl.constexpr, RING: tl.constexpr):
+                     ring_ptr, flags_ptr, BLOCK: tl.constexpr, BK: tl.constexpr, RING: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     live = _stage_x(x_ptr, sx_ptr, row, blk, T, H, stride_x, BLOCK)
@@ -80,8 +83,9 @@ def _ring(ring_ptr, flags_ptr):
 @triton.jit
 def _route_stage_kernel(x_ptr, l_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, n_experts, stride_x, stride_l, ring_ptr,
                         flags_ptr, BLOCK: tl.constexpr, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                        RENORM: tl.constexpr):
+                        RENORM: tl.constexpr, PDL: tl.constexpr = False):
     """stage_in with the router's top-k in its first program of each row (the flag path only: it rings)."""
+    enter(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     _stage_x(x_ptr, sx_ptr, row, blk, T, H, stride_x, BLOCK)
@@ -96,9 +100,10 @@ def _route_stage_kernel(x_ptr, l_ptr, sx_ptr, sids_ptr, sw_ptr, T, H, n_experts,
 
 
 @triton.jit
-def _cpu_wait_kernel(ring_ptr, flags_ptr, MAX_POLLS: tl.constexpr):
+def _cpu_wait_kernel(ring_ptr, flags_ptr, MAX_POLLS: tl.constexpr, PDL: tl.constexpr = False):
     """Poll done (flags[1]) until it holds this call's sequence number; past MAX_POLLS give up and say so in
     flags[2] (the host raises at its next check). One program: the stream's next kernels start when it ends."""
+    enter(PDL)
     seq = tl.load(ring_ptr + 1)
     done = tl.load(flags_ptr + 1, volatile=True)
     polls = 0
@@ -110,7 +115,9 @@ def _cpu_wait_kernel(ring_ptr, flags_ptr, MAX_POLLS: tl.constexpr):
 
 
 @triton.jit
-def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constexpr, VOLATILE: tl.constexpr):
+def _stage_out_kernel(src_ptr, dst_ptr, H, BLOCK: tl.constexpr, BF16: tl.constexpr, VOLATILE: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -158,7 +165,7 @@ def stage_in(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sx: torc
     _stage_in_kernel[(max(t, 1), triton.cdiv(h, BLOCK))](
         x, ids, weights, sx, sids, sw, t, h, k, x.stride(0), ids.stride(0), weights.stride(0),
         sx if ring is None else ring, sx if flags is None else flags, BLOCK=BLOCK, BK=triton.next_power_of_2(k),
-        RING=ring is not None)
+        RING=ring is not None, **launch())
 
 
 def route_stage_in(x: torch.Tensor, logits: torch.Tensor, top_k: int, renorm: bool, sx: torch.Tensor,
@@ -173,7 +180,7 @@ def route_stage_in(x: torch.Tensor, logits: torch.Tensor, top_k: int, renorm: bo
     x, logits = _rows_of(x), _rows_of(logits)
     _route_stage_kernel[(max(t, 1), triton.cdiv(h, BLOCK))](
         x, logits, sx, sids, sw, t, h, e, x.stride(0), logits.stride(0), ring, flags, BLOCK=BLOCK, K=top_k,
-        E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k), RENORM=renorm)
+        E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k), RENORM=renorm, **launch())
 
 
 MAX_POLLS = 1 << 26  # the wait's give-up: ~1 min of ~1 us reads over PCIe, far beyond any layer's CPU share
@@ -182,7 +189,7 @@ MAX_POLLS = 1 << 26  # the wait's give-up: ~1 min of ~1 us reads over PCIe, far 
 def cpu_wait(ring: torch.Tensor, flags: torch.Tensor) -> None:
     """On the current stream: wait until the relay has stored this call's sequence number (ring[1], set by the
     call's stage_in) into done (flags[1])."""
-    _cpu_wait_kernel[(1,)](ring, flags, MAX_POLLS=MAX_POLLS)
+    _cpu_wait_kernel[(1,)](ring, flags, MAX_POLLS=MAX_POLLS, **launch())
 
 
 def stage_out(src: torch.Tensor, rows: int, device: torch.device, dtype: torch.dtype,
@@ -193,5 +200,5 @@ def stage_out(src: torch.Tensor, rows: int, device: torch.device, dtype: torch.d
     out = torch.empty(rows, h, dtype=dtype, device=device)
     if rows:
         _stage_out_kernel[(rows, triton.cdiv(h, BLOCK))](src, out, h, BLOCK=BLOCK, BF16=dtype == torch.bfloat16,
-                                                         VOLATILE=flagged)
+                                                         VOLATILE=flagged, **launch())
     return out
