@@ -82,7 +82,7 @@ kernels)
     echo "== ktrans bench kernels --family quant --match '${MOE_MATCH:=moe}'"
     for u in ${MOE_ENV:-KTRANS_MOE_LANES=1}; do  # one run per environment named (VAR=value ...)
       # shellcheck disable=SC2086  # A=1+B=2: two variables
-      env ${u//+/ } timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
+      env ${u//+/ } PYTHONUNBUFFERED=1 timeout 240 ktrans bench kernels --json --reps 20 --family quant --match "$MOE_MATCH" \
         > "$OUT/moe_${u//[^A-Za-z0-9]/_}.jsonl" 2> "$OUT/moe_${u//[^A-Za-z0-9]/_}.err"
       python3 -c "import json,sys; [print(sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
         "$OUT/moe_${u//[^A-Za-z0-9]/_}.jsonl" "$u" || tail -5 "$OUT/moe_${u//[^A-Za-z0-9]/_}.err"

@@ -268,15 +268,25 @@ class _Bench:
             pass
         device_ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         # the flag path's poll for the CPU experts is the stream waiting, not the GPU working (see `cpu_wait` in
-        # the split: it is in the top kernels' list, out of the busy union)
-        spans = sorted((e.time_range.start, e.time_range.end) for e in device_ops
-                       if e.time_range.end > e.time_range.start and WAIT_KERNEL not in e.name)
-        busy_us, end = 0.0, float("-inf")
-        for a, b in spans:  # union of the kernel intervals, in us
-            busy_us += max(0.0, b - max(a, end))
-            end = max(end, b)
+        # the split: it is in the top kernels' list, out of the busy union). A kernel launched with programmatic
+        # dependent launch (KTRANS_PDL) starts before its predecessor ends and waits for it: only the part of its
+        # span after everything before it has ended counts, so the kernel after the poll is not counted as busy
+        # while the poll runs
+        busy_us = busy_union([(e.time_range.start, e.time_range.end, WAIT_KERNEL in e.name) for e in device_ops])
         launches = [e for e in prof.events() if e.name in _LAUNCH_CALLS]
         return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps, top_kernels(device_ops, steps)
+
+
+def busy_union(spans: list[tuple[float, float, bool]]) -> float:
+    """The time the device works, from its operations' (start, end, waiting) spans: the union of the spans, less the
+    waiting ones (the CPU experts' poll), where a span that starts before everything earlier has ended counts only
+    from that end (a kernel launched with programmatic dependent launch waits there for its predecessor)."""
+    busy, end = 0.0, float("-inf")
+    for a, b, waiting in sorted(s for s in spans if s[1] > s[0]):
+        if not waiting:
+            busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy
 
 
 def _rss() -> dict[str, float]:

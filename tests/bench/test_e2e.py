@@ -126,3 +126,14 @@ def test_top_kernels_rank_device_time_per_step():
     got = top_kernels(events, steps=2, n=2)
     assert got == {"_moe_lanes_kernel": (15.0, 0.5), "gemv_kernel": (10.0, 1.5)}
     assert list(top_kernels(events, steps=1))[-1] == "x" * 80
+
+
+def test_busy_union_counts_waiting_and_early_started_kernels_out():
+    """bench e2e's GPU share: overlapping kernels counted once, the CPU experts' poll not at all, and a kernel that
+    started while the poll ran (programmatic dependent launch) only from the poll's end."""
+    from ktrans.bench.e2e import busy_union
+
+    assert busy_union([(0, 10, False), (5, 12, False), (20, 25, False)]) == 17
+    # a poll 10..100, the kernel after it launched at 11 (waiting at its top until 100), busy 100..104
+    assert busy_union([(0, 10, False), (10, 100, True), (11, 104, False), (104, 106, False)]) == 10 + 4 + 2
+    assert busy_union([(3, 3, False), (5, 4, False)]) == 0

@@ -20,6 +20,7 @@ pytest.importorskip("gguf")
 from ktrans.config import RULES_DIR, ModelConfig  # noqa: E402
 from ktrans.inject import build_injected_model, parse_rules  # noqa: E402
 from ktrans.model.tiny import preset_config, random_state_dict  # noqa: E402
+from ktrans.operators.base import canonical_device  # noqa: E402
 from ktrans.operators.experts import EXPERT_OPS  # noqa: E402
 from ktrans.operators.linear import LINEAR_OPS  # noqa: E402
 from ktrans.weights.gguf_source import GGUFSource  # noqa: E402
@@ -183,8 +184,9 @@ def test_deltanet_projections_paired_in_one_launch(q4_k_m, triton_device):
     _, model = _models(config, source, triton_device.type, torch.float32)
     layers = [m for m in model.modules() if isinstance(m, KQwen3NextGatedDeltaNet)]
     x = (torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(6)) * 0.5).to(triton_device)
+    dev = torch.device(canonical_device(triton_device))  # the modules' own form of it ('cuda' is 'cuda:0')
     for gdn in layers:
-        pair = gdn._pair("generate", triton_device)
+        pair = gdn._pair("generate", dev)
         assert pair is not None, gdn.key
         mats, (i, j), rows = pair
         assert len(mats) == 3 and (i, j) == (1, 2) and mats[0].qtype != mats[2].qtype  # attn_gate with ssm_ba
@@ -208,8 +210,9 @@ def test_attention_projections_paired_in_one_launch(q4_k_m, triton_device):
     layers = [m for m in model.modules() if isinstance(m, KQwen3NextAttention)]
     x = (torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(8)) * 0.5).to(triton_device)
     assert layers
+    dev = torch.device(canonical_device(triton_device))  # the modules' own form of it ('cuda' is 'cuda:0')
     for att in layers:
-        plan = att._pair_plan("generate", triton_device)
+        plan = att._pair_plan("generate", dev)
         assert plan is not None and plan[1] == (1, 2), att.key
         got = run_pair_plan(x, plan)
         want = [lin(x) for lin in (att.q_proj, att.k_proj, att.v_proj)]
