@@ -21,18 +21,24 @@ BN, BK = 4, 512
 @triton.jit
 def _dense_gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
+    """Rows pid*BN.. of y = x W^T, K in steps of BK. The first step's weights (which no kernel writes) are loaded
+    before the PDL wait (ktrans.kernels.triton.pdl), x after it."""
     pid = tl.program_id(0)
     rows_m = tl.arange(0, BM)
     rows_n = pid * BN + tl.arange(0, BN)
     mask_m, mask_n = rows_m < M, rows_n < N
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    ks = tl.arange(0, BK)
+    w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :],
+                other=0.0)
+    enter(PDL)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         mask_k = ks < K
+        if k0 > 0:
+            w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(X + rows_m[:, None] * stride_x + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                    other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     tl.store(Y + rows_m[:, None] * stride_y + rows_n[None, :], acc.to(Y.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ktrans.kernels.triton.pdl import enter, launch
+from ktrans.kernels.triton.pdl import enter
 
 ONE_F32 = tl.constexpr(0x3F800000)  # the bits of 1.0f
 
@@ -248,14 +248,26 @@ def _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, 
 
 @triton.jit
 def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
-            BN: tl.constexpr, ROWS: tl.constexpr = 0):
+            BN: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
     lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert).
-    ROWS > 0: each row's super-block read by ROWS threads (_row_dot_rows; the K-quant types, bf16 x)."""
+    ROWS > 0: each row's super-block read by ROWS threads (_row_dot_rows; the K-quant types, bf16 x).
+    PDL: the kernel has not yet waited for its predecessor (ktrans.kernels.triton.pdl): the first super-block's
+    weights, which no kernel writes, are loaded before the wait, so their latency passes while the predecessor runs;
+    x and everything else after it."""
     if ROWS > 0 and QT != 3:
+        enter(PDL)
         return _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, ROWS)
     lanes = tl.zeros([BN, 16 if QT == 2 else 32], dtype=tl.float32)
-    for sb in range(sb0, sb_end):
+    first = sb0
+    if PDL and QT != 3:
+        a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb0, N, offs_n, mask_n, QT)
+        enter(PDL)
+        lanes = _sb_lanes(lanes, x_ptr, sb0 * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
+        first = sb0 + 1
+    else:
+        enter(PDL)
+    for sb in range(first, sb_end):
         if QT == 3:
             lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
         else:
@@ -274,8 +286,7 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     order into out_ptr, as the separate sum kernel does, and zeroes the count for the next call (a graph replay).
     HAS_B: a second matrix of the same type and width (N_B rows, its planes at element offsets b_* from the first's)
     in the same launch: row tiles TILES_A.. are its, its rows follow the first's in out_ptr and its partials theirs
-    in part_ptr ([SPLIT, N] then [SPLIT, N_B])."""
-    enter(PDL)
+    in part_ptr ([SPLIT, N] then [SPLIT, N_B]). PDL: row_dot waits for the predecessor, after its first weights."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     tile = pid_n
@@ -293,7 +304,7 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
     acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN,
-                  ROWS)
+                  ROWS, PDL)
     if SPLIT == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
