@@ -55,7 +55,8 @@ run_tests() {
        tests/operators/test_linear_marlin.py tests/operators/test_triton_ops.py tests/engine/test_no_host_sync.py \
        tests/engine/test_runner.py tests/engine/test_cache.py tests/engine/test_sampler.py \
        tests/engine/test_split_gpu.py tests/engine/test_grammar.py tests/bench/test_kernels_attention.py \
-       tests/bench/test_kernels_gdn.py"; do
+       tests/bench/test_kernels_gdn.py tests/kernels/test_gemv_rows.py tests/kernels/test_pdl_kernels.py \
+       tests/engine/test_pdl.py"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # a group may name two files
     (timeout -k 10 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -rf -p no:cacheprovider --tb="${TB:-short}" \

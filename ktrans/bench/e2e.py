@@ -280,7 +280,8 @@ class _Bench:
 def busy_union(spans: list[tuple[float, float, bool]]) -> float:
     """The time the device works, from its operations' (start, end, waiting) spans: the union of the spans, less the
     waiting ones (the CPU experts' poll), where a span that starts before everything earlier has ended counts only
-    from that end (a kernel launched with programmatic dependent launch waits there for its predecessor)."""
+    from that end (a kernel launched with programmatic dependent launch waits there for its predecessor). Meant for
+    one stream (a decode step's): work on another stream that overlaps a poll would be left out."""
     busy, end = 0.0, float("-inf")
     for a, b, waiting in sorted(s for s in spans if s[1] > s[0]):
         if not waiting:
@@ -324,6 +325,10 @@ def _summary(run: _Run, batch: int) -> dict:
                           "gpu_span": 1e3 * sum(s.gpu_span_s for s in dec) / len(dec)}
         # a step that compiled a kernel or captured a graph moves the mean, not the median
         out["step_ms_median"] = 1e3 * statistics.median(s.wall_s for s in dec)
+        # the CPU experts' time a step: min, median, max (a slow run slow in every step points at the memory or the
+        # clocks, a few slow steps at a thread preempted on a worker's core)
+        cpu = sorted(1e3 * s.cpu_busy_s for s in dec)
+        out["cpu_experts_step_ms"] = [cpu[0], statistics.median(cpu), cpu[-1]]
         out["per_token_ms"] = {k: v * len(dec) / n for k, v in out["step_ms"].items()}
     return out
 
@@ -413,7 +418,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         split = {"wall": wall, "gpu": gpu_ms, "cpu_experts": cpu_ms, "host": max(0.0, wall - gpu_ms - cpu_ms),
                  "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None,
                  "device_ops_per_token": device_ops, "host_launches_per_token": launches, "gpu_kernels_us": top,
-                 "cpu_wait": sum(us for k, (us, _) in (top or {}).items() if WAIT_KERNEL in k) / 1e3}
+                 "cpu_wait": sum(us for k, (us, _) in (top or {}).items() if WAIT_KERNEL in k) / 1e3,
+                 "cpu_experts_step_ms": one.get("cpu_experts_step_ms")}
         if top:
             log("  GPU time of a batch-1 decode step by kernel (us, calls): " +
                 "; ".join(f"{k} {us:.0f} ({n:g})" for k, (us, n) in list(top.items())[:6]))

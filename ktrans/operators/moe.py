@@ -312,6 +312,8 @@ class _SharedFused:
         if row is None or dense is None or dense.device != dev or dense.shape != (gate_up.experts, x.shape[1]):
             return None
         gate_w = torch.cat([dense.detach(), row.detach().to(dense.dtype)]).contiguous()  # [E + 1, H], ~2 MiB at bf16
+        if gate_w.is_cuda:  # resident before its GEMV reads it (under KTRANS_PDL, before waiting for the cat); once
+            torch.cuda.current_stream(gate_w.device).synchronize()
         return cls(gate_w, block.top_k, block.norm_topk_prob, gate_up, down, (mlp.gate_up, mlp.down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,15 @@ def rows(monkeypatch):
     return quant
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS)
-def test_rows_gemv_matches_reference(qtype, rows, triton_device):
+@pytest.mark.parametrize("qtype, h", [("Q4_K", 1), ("Q5_K", 1), ("Q6_K", 1), ("Q4_K", 2), ("Q6_K", 4),
+                                      ("Q5_K", 8)])
+def test_rows_gemv_matches_reference(qtype, h, rows, triton_device, monkeypatch):
+    """H threads a row (the largest H each type takes: 8, Q6_K's half super-blocks 4)."""
+    monkeypatch.setitem(rows.GEMV, "rows", h)
     n, k = 200, 768
     w = _weight(qtype, n, k, triton_device, seed=5)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(triton_device)
-    assert rows.gemv_rows(x, qtype) == 1
+    assert rows.gemv_rows(x, qtype) == h
     ref = quant_linear(x, w)
     for split in (None, 1, 2, 3):
         y = rows.qlinear(x, w, split=split)
@@ -69,10 +72,17 @@ def test_rows_form_only_where_it_applies(rows, triton_device):
     assert rows.gemv_rows(x[:, :k].float(), "Q4_K") == 0 and rows.gemv_rows(x[:, :k], "Q4_K") == 1
     w = _weight("Q4_K", 72, k, triton_device, seed=6)
     assert _close(rows.qlinear(odd, w), quant_linear(odd, w))
+    # an H the type's super-block cannot give four code words a thread, or not a power of two: the lane groups
+    for h, qtype in ((8, "Q6_K"), (16, "Q4_K"), (3, "Q4_K")):
+        rows.GEMV["rows"] = h
+        assert rows.gemv_rows(x[:, :k], qtype) == 0, (h, qtype)
+    rows.GEMV["rows"] = 1
+    rows.GEMV["rows_bn"] = 96
+    assert rows.gemv_rows(x[:, :k], "Q4_K") == 0
 
 
 @pytest.mark.parametrize("t, down_type", [(1, "Q6_K"), (3, "Q4_K"), (2, "Q8_0")])
-def test_rows_moe_lanes_path(t, down_type, rows, triton_device):
+def test_rows_moe_lanes_path(t, down_type, rows, triton_device, monkeypatch):
     """The MoE's few-token path with the row-owning row_dot (gate and up split over K, down on the bf16 h; a Q8_0
     down keeps the lane-group form): bf16 x and output, a skipped slot, within the bf16 output's rounding of the
     float64 reference (relative Frobenius 1e-2) and of the lane-group form's output."""
@@ -80,6 +90,7 @@ def test_rows_moe_lanes_path(t, down_type, rows, triton_device):
     from tests.kernels.test_moe_quant import _err, _layer, _routing
     from ktrans.kernels.torch.moe import moe_experts
 
+    monkeypatch.setitem(mq.LANES, "on", True)  # the few-token path, whatever KTRANS_MOE_LANES says
     gate_up, down, (g, u, d) = _layer(triton_device, down_type, h=3 * 256)
     ids, weights = _routing(t, triton_device, seed=20 + t)
     ids[0, 1] = -1

@@ -391,7 +391,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if interpreting():
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
     else:
-        _decode_tuned[grid](*args, **meta)
+        _decode_tuned[grid](*args, **meta, **launch())
     chunk = min(block_d, 64)
     _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
                                                        BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=MERGE_STEP, **launch())

@@ -21,23 +21,24 @@ BN, BK = 4, 512
 @triton.jit
 def _dense_gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, PDL: tl.constexpr = False):
-    """Rows pid*BN.. of y = x W^T, K in steps of BK. The first step's weights (which no kernel writes) are loaded
-    before the PDL wait (ktrans.kernels.triton.pdl), x after it."""
+    """Rows pid*BN.. of y = x W^T, K in steps of BK. The first step's weights (resident: written before the last
+    sync, never by a kernel of the step) are loaded before the PDL wait (ktrans.kernels.triton.pdl), x after it."""
     pid = tl.program_id(0)
     rows_m = tl.arange(0, BM)
     rows_n = pid * BN + tl.arange(0, BN)
     mask_m, mask_n = rows_m < M, rows_n < N
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
     ks = tl.arange(0, BK)
-    w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :], mask=mask_n[:, None] & (ks < K)[None, :],
+    mask_k = ks < K
+    w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :], mask=mask_n[:, None] & mask_k[None, :],
                 other=0.0)
     enter(PDL)
-    for k0 in range(0, K, BK):
+    x = tl.load(X + rows_m[:, None] * stride_x + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    acc = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    for k0 in range(BK, K, BK):
         ks = k0 + tl.arange(0, BK)
         mask_k = ks < K
-        if k0 > 0:
-            w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :],
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(W + rows_n[:, None].to(tl.int64) * stride_w + ks[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0)
         x = tl.load(X + rows_m[:, None] * stride_x + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     tl.store(Y + rows_m[:, None] * stride_y + rows_n[None, :], acc.to(Y.dtype.element_ty),
@@ -51,8 +52,10 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not 0 < m <= MAX_ROWS or w.shape[1] != k:
         raise ValueError(f"dense_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (1-{MAX_ROWS} rows)")
     x = x if x.stride(1) == 1 else x.contiguous()
+    # a copy made here is written by the kernel just before ours: no PDL (it reads weights before its wait)
+    pdl = launch() if w.stride(1) == 1 else {"PDL": False}
     w = w if w.stride(1) == 1 else w.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, BN),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                              BM=triton.next_power_of_2(m), BN=BN, BK=BK, num_warps=4, **launch())
+                                              BM=triton.next_power_of_2(m), BN=BN, BK=BK, num_warps=4, **pdl)
     return y

@@ -5,10 +5,15 @@ A decode step is ~900 small dependent kernels in one CUDA graph; between two of 
 kernel's launch (~1-2 us on an H200: the all-GPU batch-1 token's ~1.4 ms "host" share, doc/benchmarks.md). With PDL a
 kernel is launched with programmatic stream serialization: its programs may start while its predecessor's last ones
 still run, and wait for the predecessor's completion (and its memory) at their top (`griddepcontrol.wait`); each
-kernel also lets its successor launch as soon as all its own programs have started (`launch_dependents`). Nothing is
-read or written before the wait, so the order of every memory access is the plain stream order's; only the launch
-work overlaps. (A wait also covers the kernels before the predecessor: the predecessor finished only after its own
-wait.) A kernel launched without PDL (a torch op) simply runs after its predecessor, as before.
+kernel also lets its successor launch as soon as all its own programs have started (`launch_dependents`). Nothing a
+kernel of the step writes is read, and nothing is written, before the wait, so the order of every such access is
+the plain stream order's; only the launch work overlaps. (A wait also covers the kernels before the predecessor: the
+predecessor finished only after its own wait.) A kernel launched without PDL (a torch op) simply runs after its
+predecessor, as before. The one exception is deliberate: the GEMVs (`quant_gemv.row_dot`, `dense_gemv`) load their
+first weights before the wait, so that their latency passes while the predecessor runs. Their weights must be
+resident: written before the last synchronisation, never by a kernel just before (`dense_gemv` launches a copy it
+makes without PDL; `_SharedFused` synchronises after stacking its gate). The MoE kernels wait first: the experts'
+planes are written by kernels when they are streamed.
 
 Each kernel of the decode path takes `PDL: tl.constexpr` and calls `enter(PDL)` first; its launch passes
 `**launch()`: `PDL=True, launch_pdl=True` where PDL is on and the current CUDA device supports it (compute capability

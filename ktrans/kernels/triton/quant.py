@@ -185,9 +185,12 @@ def _sms(device: torch.device) -> int:
 # rows: each row's super-block read by that many threads (quant_gemv._row_dot_rows: a sub-block's scale made once a
 # row, x read as bf16 pairs; bf16 x only), with rows_bn rows and rows_warps warps a program; 0: the lane-group kernel.
 # KTRANS_GEMV_ROWS=H or H,BN,WARPS sets them (also for the MoE's few-token path).
-_ROWS_ENV = [int(v) for v in (os.environ.get("KTRANS_GEMV_ROWS", "0").split(",") + ["128", "4"])[:3]]
+_ROWS_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS", "0").split(",") if v.strip()]
+_ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
+# maxnreg: a register cap for the launch (None: the compiler's choice; the lane-group kernel takes ~125 on sm_90, so
+# four 4-warp programs fit an SM; a cap trades spills for more programs in flight), swept by gemv_sweep --maxnreg.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
-        "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2]}
+        "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2], "maxnreg": None}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -203,11 +206,20 @@ def counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
+def _gemv_options() -> dict:
+    """The one-row GEMV's launch options from GEMV (stages, maxnreg) where set."""
+    extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
+    return extra if GEMV["maxnreg"] is None else {**extra, "maxnreg": GEMV["maxnreg"]}
+
+
 def gemv_rows(x: torch.Tensor, qtype: str) -> int:
     """The GEMV's ROWS argument for activation row x: GEMV["rows"] where the row-owning kernel applies (a K-quant
-    type, bf16 x whose row start is int32-aligned), else 0."""
-    ok = x.dtype == torch.bfloat16 and qtype != "Q8_0" and x.data_ptr() % 4 == 0
-    return GEMV["rows"] if ok else 0
+    type, bf16 x whose row start is int32-aligned, H a power of two with four code words a thread at least: H <= 8,
+    Q6_K's half super-blocks H <= 4; rows_bn a power of two), else 0."""
+    h, words = GEMV["rows"], 16 if qtype == "Q6_K" else 32
+    ok = x.dtype == torch.bfloat16 and qtype != "Q8_0" and x.data_ptr() % 4 == 0 and h > 0 and \
+        h & (h - 1) == 0 and 4 * h <= words and GEMV["rows_bn"] & (GEMV["rows_bn"] - 1) == 0
+    return h if ok else 0
 
 
 def tiles(m: int, rows: int = 0) -> tuple[int, int, int, int]:
@@ -260,7 +272,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         tiles_n = triton.cdiv(n, bn)
         fused = split > 1 and GEMV["fused_sum"] and tiles_n <= _MAX_TILES
         cnt = counters(x.device) if fused else dst
-        extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
+        extra = _gemv_options()
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
                                       num_warps=warps, **extra, **launch())
@@ -313,7 +325,7 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     planes = (lo, hi, d, _scale_words(wa))
     blo, bhi, bd, _ = plane_args(wb)
     offs = plane_offsets(planes, (blo, bhi, bd, _scale_words(wb)))
-    extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
+    extra = _gemv_options()
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
                                             FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, num_warps=warps, **extra,
