@@ -80,6 +80,8 @@ for _group, _shapes in (("deltanet", DELTANET), ("attention", ATTENTION), ("shar
         case("quant", f"gemv q4_k {_group}.{_one[0]} [{_one[1]}x{_one[2]}] M=1", ("decode",))(_gemv_case((_one,), 1))
     case("quant", f"gemv q4_k {_group} layer projections M=1", ("decode",))(_gemv_case(_shapes, 1))
 case("quant", "gemv q6_k deltanet.in_proj_qkvz [12288x2048] M=1", ("decode",))(_gemv_case(DELTANET[:1], 1, "Q6_K"))
+# the output projection, Q6_K in a Q4_K_M file: the largest single read of a decode token (255 MB at the 80B's vocab)
+case("quant", "gemv q6_k lm_head [151936x2048] M=1", ("decode",))(_gemv_case((("lm_head", 151936, 2048),), 1, "Q6_K"))
 case("quant", "gemv q4_k deltanet.in_proj_qkvz [12288x2048] M=16", ("decode",))(_gemv_case(DELTANET[:1], 16))
 for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
     case("quant", f"gemm q4_k {_one[0]} [{_one[1]}x{_one[2]}] M=4096", ("prefill",))(_gemv_case((_one,), 4096))
