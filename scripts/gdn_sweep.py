@@ -5,6 +5,10 @@ per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_de
 imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
+                                 [--split 0,1]
+
+--split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
+sequential launch and the output launch together.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--prep_warps", default="4,8")
     ap.add_argument("--scan_warps", default="2,4,8")
     ap.add_argument("--block_v", default="16,32,64")
+    ap.add_argument("--split", default="0,1")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -47,30 +52,34 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        for prep_w, scan_w, bv in itertools.product(ints(args.prep_warps), ints(args.scan_warps),
-                                                    ints(args.block_v)):
+        for prep_w, scan_w, bv, split in itertools.product(ints(args.prep_warps), ints(args.scan_warps),
+                                                           ints(args.block_v), ints(args.split)):
             gd.PREP_WARPS, gd.SCAN_WARPS = prep_w, scan_w
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
-                                                            out=out, block_v=bv)
-            key = (prep_w, scan_w, bv)
+                                                            out=out, block_v=bv, split=bool(split))
+            key = (prep_w, scan_w, bv, split)
             try:
                 whole = median(call)
-                scan = gd._scan_kernel
-                gd._scan_kernel = _Skipped()
+                later = {name: getattr(gd, name) for name in ("_scan_kernel", "_states_kernel", "_output_kernel")}
+                for name in later:
+                    setattr(gd, name, _Skipped())
                 try:
                     prep = median(call)
                 finally:
-                    gd._scan_kernel = scan
+                    for name, kernel in later.items():
+                        setattr(gd, name, kernel)
             except Exception as e:  # a shape that does not compile (registers, shared memory) is reported
-                print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv}: FAIL {type(e).__name__}: "
+                print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split}: FAIL "
+                      f"{type(e).__name__}: "
                       f"{str(e)[:120]}", flush=True)
                 continue
-            print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv}: {whole:.1f} us (prep {prep:.1f}, "
+            print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split}: {whole:.1f} us "
+                  f"(prep {prep:.1f}, "
                   f"scan {whole - prep:.1f})", flush=True)
             if t not in best or whole < best[t][0]:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
-        print(f"best T={t}: prep_warps, scan_warps, block_v = {key}, {us:.1f} us")
+        print(f"best T={t}: prep_warps, scan_warps, block_v, split = {key}, {us:.1f} us")
 
 
 if __name__ == "__main__":

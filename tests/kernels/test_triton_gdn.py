@@ -292,3 +292,23 @@ def test_bf16_inputs(triton_device):
     assert o.dtype == torch.bfloat16
     assert (o.float() - ref_o).abs().max() <= 2e-2 * ref_o.abs().max()
     assert (pool[1] - ref_state).abs().max() <= 2e-2 * ref_state.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_output_launch_equals_the_scan(triton_device, dtype):
+    """KTRANS_GDN_SPLIT: the outputs by a launch parallel over chunks from the states and v_new the sequential
+    launch stores give bitwise the one scan's outputs, final states and emitted states (varlen, a continued slot,
+    partial chunks, emits at two boundaries)."""
+    hk, hv, dk, dv = SHAPES[0]
+    lens, starts = [150, 40, 128], [30, 0, 0]
+    q, k, v, a, b, A_log, dt_bias, pool = rule_inputs(sum(lens), hk, hv, dk, dv, triton_device, slots=9)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    seqs = segments(lens, [0, 1, 2], [False, True, True])
+    plan = plan_chunks(seqs, triton_device, starts, emit=[[5, 3], [], [6, 7]])
+    got = {}
+    for split in (False, True):
+        p = pool.clone()
+        o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, p, plan, split=split)
+        got[split] = (o, p)
+    assert torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1], got[True][1])
+    assert not torch.equal(got[True][1][5], pool[5])  # the emits were written
