@@ -60,7 +60,7 @@ def main() -> None:
             key = (prep_w, scan_w, bv, split)
             try:
                 whole = median(call)
-                later = {name: getattr(gd, name) for name in ("_scan_kernel", "_states_kernel", "_output_kernel")}
+                later = {name: getattr(gd, name) for name in ("_scan_kernel", "_output_kernel")}
                 for name in later:
                     setattr(gd, name, _Skipped())
                 try:

@@ -37,7 +37,7 @@ CHUNK = 64
 # Launch shapes, not yet tuned on the H200 (the lead's bench run is where to tune them): warps of the two kernels
 # and the value columns one scan program carries (32: 128 programs for one sequence at HV=32, Dv=128).
 PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 8, 4, 32
-# KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_states_kernel + _output_kernel),
+# KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
 # as FLA splits its chunk_fwd_h and chunk_fwd_o; off until the H200 has timed it against the one scan
 SPLIT = os.environ.get("KTRANS_GDN_SPLIT", "0") == "1"
 _TORCH_DTYPES = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
@@ -277,11 +277,15 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 
 @triton.jit
-def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr,
+def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr, vnew_ptr, hs_ptr,
                  chunk_start, chunk_len, first_chunk, seq_slot, seq_fresh, emit_slot,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_ss, stride_sh,
                  HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                 BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                 SPLIT: tl.constexpr = False):
+    """SPLIT (KTRANS_GDN_SPLIT): no outputs here; each chunk's entering state (as the dots read it, in DT) goes to
+    hs [NC, HV, Dk, Dv] and its v_new to vnew [T, HV, Dv] for _output_kernel, parallel over chunks: two dots a chunk
+    on the sequential path instead of four."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -301,63 +305,24 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
         n = tl.load(chunk_len + c)
         valid = rc < n
         rows = (row0 + rc).to(tl.int64)
-        q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
-        k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
-        w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK, False)
-        u = _load_rows(u_ptr + h * DV, row0, n, HV * DV, vb * BV, DV - vb * BV, 0, C, BV)
-        cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
-        cum_last = tl.load(cum_ptr + (row0 + n - 1).to(tl.int64) * HV + h)
-        attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
-        sd = state.to(DT)
-        v_new = u - tl.dot(w.to(DT), sd, input_precision=PREC)
-        o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
-             + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
-        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (rv[None, :] < DV))
-        k_end = k * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
-        state = state * tl.exp(cum_last) + tl.dot(tl.trans(k_end.to(DT)), v_new.to(DT), input_precision=PREC)
-        e = tl.load(emit_slot + c)
-        tl.store(state_ptr + tl.maximum(e, 0) * stride_ss + soff, state, mask=smask & (tl.zeros_like(soff) + e >= 0))
-    tl.store(state_ptr + slot * stride_ss + soff, state, mask=smask)
-
-
-@triton.jit
-def _states_kernel(k_ptr, w_ptr, u_ptr, cum_ptr, vnew_ptr, hs_ptr, state_ptr,
-                   chunk_start, chunk_len, first_chunk, seq_slot, seq_fresh, emit_slot,
-                   stride_kt, stride_kh, stride_ss, stride_sh,
-                   HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """_scan_kernel's sequential part alone (KTRANS_GDN_SPLIT): per chunk, the state entering it (as the dots read
-    it, in DT) into hs [NC, HV, Dk, Dv] and v_new into vnew [T, HV, Dv], then the state update; the outputs are left
-    to _output_kernel, parallel over chunks. Two dots a chunk on the sequential path instead of four."""
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = h // R
-    C: tl.constexpr = 64
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    rc = tl.arange(0, C)
-    smask = (rk[:, None] < DK) & (rv[None, :] < DV)
-    soff = h * stride_sh + rk[:, None] * DV + rv[None, :]
-    slot = tl.load(seq_slot + s)
-    fresh = tl.load(seq_fresh + s)
-    state = tl.load(state_ptr + slot * stride_ss + soff, mask=smask & (tl.zeros_like(soff) + fresh == 0), other=0.0)
-    for c in range(tl.load(first_chunk + s), tl.load(first_chunk + s + 1)):
-        row0 = tl.load(chunk_start + c)
-        n = tl.load(chunk_len + c)
-        valid = rc < n
-        rows = (row0 + rc).to(tl.int64)
         k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
         w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK, False)
         u = _load_rows(u_ptr + h * DV, row0, n, HV * DV, vb * BV, DV - vb * BV, 0, C, BV)
         cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
         cum_last = tl.load(cum_ptr + (row0 + n - 1).to(tl.int64) * HV + h)
         sd = state.to(DT)
-        tl.store(hs_ptr + (c * HV + h).to(tl.int64) * DK * DV + rk[:, None] * DV + rv[None, :], sd, mask=smask)
         v_new = u - tl.dot(w.to(DT), sd, input_precision=PREC)
-        tl.store(vnew_ptr + rows[:, None] * (HV * DV) + h * DV + rv[None, :], v_new.to(DT),
-                 mask=valid[:, None] & (rv[None, :] < DV))
+        if SPLIT:
+            tl.store(hs_ptr + (c * HV + h).to(tl.int64) * DK * DV + rk[:, None] * DV + rv[None, :], sd, mask=smask)
+            tl.store(vnew_ptr + rows[:, None] * (HV * DV) + h * DV + rv[None, :], v_new.to(DT),
+                     mask=valid[:, None] & (rv[None, :] < DV))
+        else:
+            q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+            attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
+            o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
+                 + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+            tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=valid[:, None] & (rv[None, :] < DV))
         k_end = k * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
         state = state * tl.exp(cum_last) + tl.dot(tl.trans(k_end.to(DT)), v_new.to(DT), input_precision=PREC)
         e = tl.load(emit_slot + c)
@@ -370,8 +335,8 @@ def _output_kernel(q_ptr, cum_ptr, attn_ptr, vnew_ptr, hs_ptr, o_ptr, chunk_star
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """One chunk's outputs from its entering state and v_new (_states_kernel's): o = (q exp(cum)) S + attn v_new,
-    the same products as _scan_kernel's, one program per (chunk, value head, block of value columns)."""
+    """One chunk's outputs from its entering state and v_new (stored by _scan_kernel with SPLIT): o = (q exp(cum)) S
+    + attn v_new, the same products as the unsplit scan's, one program per (chunk, value head, value columns)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -448,20 +413,17 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         HV=hv, R=r, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=PREP_WARPS)
-    if not (SPLIT if split is None else split):
-        _scan_kernel[(plan.num_seqs, hv, triton.cdiv(dv, bv))](
-            q, k, w, u, cum, attn, out, state_pool, plan.chunk_start, plan.chunk_len, plan.first_chunk,
-            plan.seq_slot, plan.seq_fresh, plan.emit_slot, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1),
-            HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=SCAN_WARPS)
-        return out
+    split = SPLIT if split is None else split
     buf = _TORCH_DTYPES[dt]
-    vnew = torch.empty(t, hv, dv, dtype=buf, device=v.device)
-    hs = torch.empty(plan.num_chunks, hv, dk, dv, dtype=buf, device=v.device)
-    _states_kernel[(plan.num_seqs, hv, triton.cdiv(dv, bv))](
-        k, w, u, cum, vnew, hs, state_pool, plan.chunk_start, plan.chunk_len, plan.first_chunk, plan.seq_slot,
-        plan.seq_fresh, plan.emit_slot, k.stride(0), k.stride(1), state_pool.stride(0), state_pool.stride(1),
-        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=SCAN_WARPS)
+    vnew = torch.empty(t, hv, dv, dtype=buf, device=v.device) if split else u  # (u: an unread stand-in)
+    hs = torch.empty(plan.num_chunks, hv, dk, dv, dtype=buf, device=v.device) if split else u
+    _scan_kernel[(plan.num_seqs, hv, triton.cdiv(dv, bv))](
+        q, k, w, u, cum, attn, out, state_pool, vnew, hs, plan.chunk_start, plan.chunk_len, plan.first_chunk,
+        plan.seq_slot, plan.seq_fresh, plan.emit_slot, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1),
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, SPLIT=split, num_warps=SCAN_WARPS)
+    if not split:
+        return out
     _output_kernel[(plan.num_chunks, hv, triton.cdiv(dv, bv))](
         q, cum, attn, vnew, hs, out, plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=SCAN_WARPS)
