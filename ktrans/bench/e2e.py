@@ -453,6 +453,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
                         {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),
         "batches": results,
         **_rss(),
+        "numa_nodes": len(cpu.numa_nodes()),  # two or more: the CPU experts' workers may read remote memory
         "gpu_memory": _gpu_memory(devices),
     }
 

@@ -28,7 +28,7 @@ from ktrans.kernels.cpu_pool import (DEFAULT_SPIN_US, STREAM_SPIN_US, best_path,
                                      core_siblings, default_threads, get_pool, isa_info, make_pool, read_bandwidth,
                                      spin_us, stream_bandwidth, stream_spin_us)
 from ktrans.kernels.host_memory import (_HUGEPAGE_MIN_BYTES, host_hugepages, host_rss,  # noqa: F401 (re-exported)
-                                        hugepage_buffer, in_hugepages, release_file_pages, thp_mode)
+                                        hugepage_buffer, in_hugepages, numa_nodes, release_file_pages, thp_mode)
 
 # ggml type ids of the formats the kernels read (ktrans.weights.quants has the full table).
 GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
@@ -191,6 +191,8 @@ def isa_report() -> dict:
             # what a CPUMoE made now runs with unless given a config (the KTRANS_* tuning variables apply)
             "prefetch_bytes": {"row_kernels": defaults.prefetch_bytes, "q4_k_x16": defaults.x16_prefetch_bytes},
             "moe_config_defaults": dataclasses.asdict(defaults),
+            # two or more: the pool's workers span nodes and read the experts from wherever their pages landed
+            "numa_nodes": numa_nodes(),
             "features": info}
 
 

@@ -14,6 +14,7 @@ is undone when the tensor is freed, before its pages can go to another buffer.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import torch
@@ -161,3 +162,34 @@ def _unregister(ptr: int) -> None:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         except Exception:  # interpreter shutdown: the driver lets go of the process's pages anyway
             pass
+
+
+def numa_nodes(root: str = "/sys/devices/system/node") -> list[dict]:
+    """The host's NUMA nodes: each one's id, CPUs (those this process may use among them) and memory in GiB, from
+    sysfs; [] where sysfs has no node directory. Where there are two or more, the CPU experts' pinned workers span
+    nodes and read the weights from whichever node the loader's pages landed on."""
+    import glob
+    import re
+
+    allowed = os.sched_getaffinity(0)
+    out = []
+    for d in sorted(glob.glob(os.path.join(root, "node[0-9]*")), key=lambda p: int(os.path.basename(p)[4:])):
+        try:
+            cpus = _cpulist(open(os.path.join(d, "cpulist")).read())
+            mem = re.search(r"MemTotal:\s+(\d+) kB", open(os.path.join(d, "meminfo")).read())
+        except OSError:
+            continue
+        out.append({"node": int(os.path.basename(d)[4:]), "cpus": sorted(cpus & allowed),
+                    "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None})
+    return out
+
+
+def _cpulist(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+

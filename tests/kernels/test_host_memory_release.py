@@ -42,3 +42,23 @@ def test_anonymous_memory_is_left_alone():
     assert release_file_pages(t) == 0
     assert torch.equal(t, want)
     assert release_file_pages(torch.zeros(1000)) == 0  # small tensors are not worth a walk of the maps
+
+
+def test_numa_nodes_from_sysfs(tmp_path):
+    """`ktrans doctor`'s NUMA nodes: each node's CPUs (those this process may use) and memory, from a sysfs tree;
+    none where the tree has no node directory."""
+    import os
+
+    from ktrans.kernels.host_memory import _cpulist, numa_nodes
+
+    assert _cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and _cpulist("") == set()
+    allowed = sorted(os.sched_getaffinity(0))
+    for node, cpus in ((0, f"{allowed[0]}"), (10, "100000-100003")):
+        d = tmp_path / f"node{node}"
+        d.mkdir()
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "meminfo").write_text(f"Node {node} MemTotal:       16777216 kB\nNode {node} MemFree: 1 kB\n")
+    (tmp_path / "node2").mkdir()  # no files: skipped
+    assert numa_nodes(str(tmp_path)) == [{"node": 0, "cpus": [allowed[0]], "memory_gib": 16.0},
+                                         {"node": 10, "cpus": [], "memory_gib": 16.0}]
+    assert numa_nodes(str(tmp_path / "absent")) == []
