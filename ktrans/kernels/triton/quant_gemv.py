@@ -21,6 +21,13 @@ iterations) made it slower; at one layer's shapes every call sits near a fixed ~
 among them) plus ~1.5 TB/s. Loading two super-blocks per iteration before either's arithmetic was slower at every
 layer shape too (session 16's sweep, doc/benchmarks.md).
 
+A second body, `_row_dot_rows` (GEMV["rows"], opt-in), has each row's super-block read by H threads, so a
+sub-block's scale is made once a row rather than once per lane group, and reads x as int32 words of two bf16: ~16%
+fewer instructions a weight on sm_90, and no faster on the H200 (session 18): what holds the GEMV is its chain of
+latencies (the weights' first bytes, the split partials' store, the counter's release, the last program's reload).
+Under programmatic dependent launch (ktrans.kernels.triton.pdl) `row_dot` loads the first super-block's weights
+before waiting for the predecessor, so the first of those latencies passes while the predecessor runs.
+
 K is split across programs when the row tiles alone would not fill the GPU. The fp32 partials are summed in split
 order, deterministically: by a second kernel (ktrans.kernels.triton.quant.qlinear), or, with GEMV["fused_sum"], by
 the last program of each row tile to finish, found through a per-tile counter (one launch instead of two; the
