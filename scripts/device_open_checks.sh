@@ -99,7 +99,9 @@ kernels)
     done
     if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
       echo "== gdn sweep"
-      timeout 240 python3 scripts/gdn_sweep.py > "$OUT/gdn_sweep.txt" 2>&1
+      # shellcheck disable=SC2086
+      timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---prep_warps 4,8 --scan_warps 4 --block_v 32,64 --split 0,1} \
+        > "$OUT/gdn_sweep.txt" 2>&1
       grep -E "fla-core|best|FAIL" "$OUT/gdn_sweep.txt"
     fi
     if [ -n "${SWEEP:-}" ]; then
