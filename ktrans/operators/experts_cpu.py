@@ -53,6 +53,17 @@ class KExpertsCPU(ExpertsOp):
             self.cpu_config = cpu.CPUMoEConfig.from_dict(getattr(operator, "options", {}).get("cpu_config") or {})
         except ValueError as e:
             raise ValueError(f"{self.key}: KExpertsCPU cpu_config: {e}") from None
+        # gpu_experts: N: experts 0..N-1 of the layer also resident on a GPU (`gpu_device`, default cuda), where the
+        # step's pairs routed to them run (the Triton MoE, launched beside the CPU's share), the CPU taking the rest:
+        # SGLang + kt-kernel's --kt-num-gpu-experts; with uniform routing the CPU's work shrinks by N / E
+        opts = getattr(operator, "options", {})
+        self.gpu_experts = int(opts.get("gpu_experts") or 0)
+        if not 0 <= self.gpu_experts <= self.num_experts:
+            raise ValueError(f"{self.key}: KExpertsCPU gpu_experts must be 0..{self.num_experts}, got "
+                             f"{self.gpu_experts}")
+        self.gpu_device = torch.device(str(opts.get("gpu_device") or "cuda"))
+        self.resident: tuple | None = None  # (gate_up, down) PackedWeights of experts 0..N-1 on gpu_device
+        self._resident_out: torch.Tensor | None = None
         self.moe: cpu.CPUMoE | None = None
         self.source: WeightSource | None = None  # set by the injector for a streaming op
         self.dtype = torch.float32
@@ -66,6 +77,41 @@ class KExpertsCPU(ExpertsOp):
     # ---- loading --------------------------------------------------------------------------------------------------
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         self.moe = self._build(source, dtype)
+        if self.gpu_experts and not self.streaming:
+            self._load_resident(source)
+
+    def _load_resident(self, source: WeightSource) -> None:
+        """Experts 0..gpu_experts-1 packed on gpu_device as the GPU MoE reads them (a second copy of those only)."""
+        from ktrans.operators.experts_marlin import pack_stacks, raw_stacks
+        from ktrans.operators.linear_marlin import keep_buffers
+
+        if self.gpu_device.type == "cuda" and not torch.cuda.is_available():
+            log.warning("%s: gpu_experts: %d asked for, but there is no CUDA device; all experts stay on the CPU",
+                        self.key, self.gpu_experts)
+            return
+        raws = raw_stacks(source, self.layer, self.key, self.num_experts, self.hidden_size, self.intermediate_size)
+        if raws is None:
+            log.warning("%s: gpu_experts: the GPU MoE does not read these experts' types; all stay on the CPU",
+                        self.key)
+            return
+        self.resident = pack_stacks(raws, self.gpu_device, torch.arange(self.gpu_experts))
+        for name, w in zip(("resident_gate_up", "resident_down"), self.resident):
+            keep_buffers(self, name, w)
+        self.load_report["gpu_experts"] = self.gpu_experts
+        self.load_report["gpu_bytes"] = sum(w.nbytes for w in self.resident)
+
+    def _split_resident(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Launch the resident experts' pairs on the GPU (ids past them masked to -1) and return the ids the CPU
+        keeps (the resident ones masked to -1): the C++ and the Triton MoE both skip negative ids, and the shapes
+        stay those of the step, so a CUDA graph captures both halves."""
+        from ktrans.kernels.triton.moe_quant import moe_quant
+
+        resident = ids < self.gpu_experts
+        self._resident_out = moe_quant(x, torch.where(resident, ids, -1), weights, *self.resident)
+        return torch.where(resident, -1, ids)
+
+    def _uses_resident(self, x: torch.Tensor) -> bool:
+        return self.resident is not None and x.device == self.resident[0].device
 
     def _build(self, source: WeightSource, dtype: torch.dtype) -> cpu.CPUMoE:
         t0 = time.perf_counter()
@@ -161,6 +207,8 @@ class KExpertsCPU(ExpertsOp):
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         self._begin(x)
+        if self._uses_resident(x):
+            topk_ids = self._split_resident(x, topk_ids, topk_weights)
         if x.is_cuda:
             call, live = self._on_stream_call(x, topk_ids.shape[1])
             call.submit(x, topk_ids, topk_weights, live=live)
@@ -175,7 +223,8 @@ class KExpertsCPU(ExpertsOp):
 
     def takes_logits(self, x: torch.Tensor, k: int) -> bool:
         """Whether submit_logits can run for x: on a GPU, on the stream's flag path."""
-        if not (x.is_cuda and not self.streaming and self.moe is not None and cpu_stream.available()[0]):
+        if not (x.is_cuda and not self.streaming and self.moe is not None and cpu_stream.available()[0]) or \
+                self._uses_resident(x):  # the resident experts need the ids before the stage-in
             return False
         return self.stream_call(k).flagged
 
@@ -196,13 +245,16 @@ class KExpertsCPU(ExpertsOp):
         return self._stream.sync_staged(), self._out_dtype
 
     def sync(self) -> torch.Tensor:
+        extra, self._resident_out = self._resident_out, None
         if self._on_stream is not None:
             device, self._on_stream = self._on_stream, None
-            return self._stream.sync(device, self._out_dtype)
-        if self._pending is None:
-            raise RuntimeError(f"{self.key}: sync() without submit()")
-        pending, self._pending = self._pending, None
-        return pending.wait().to(self._out_dtype)
+            out = self._stream.sync(device, self._out_dtype)
+        else:
+            if self._pending is None:
+                raise RuntimeError(f"{self.key}: sync() without submit()")
+            pending, self._pending = self._pending, None
+            out = pending.wait().to(self._out_dtype)
+        return out if extra is None else out + extra
 
     def check(self) -> None:
         """Raise a failure the stream path reported since the last check (the engine calls this after a step)."""

@@ -48,32 +48,12 @@ class KExpertsMarlin(KExpertsTorch):
 
     # ---- loading --------------------------------------------------------------------------------------------------
     def _raw(self, source: WeightSource) -> list[RawExperts] | None:
-        """The layer's three stacks as stored, or None when the packed kernels cannot read them (why: logged)."""
-        h, i = self.hidden_size, self.intermediate_size
-        raws = []
-        for kind, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-            raw = source.get_raw_experts(self.layer, kind)
-            if tuple(raw.shape) != (self.num_experts, *shape):
-                raise ValueError(f"{self.key}: {raw.name} has shape {tuple(raw.shape)}, expected "
-                                 f"{(self.num_experts, *shape)}")
-            raws.append(raw)
-        bad = [r for r, cols in zip(raws, (h, h, i)) if not packable(r.type_name, cols)]
-        if bad or raws[0].type_name != raws[1].type_name:
-            if any(r.type_name not in _FLOATS for r in raws):
-                why = (f"{bad[0].name} is {bad[0].type_name} with rows of {bad[0].shape[-1]}" if bad else
-                       f"gate ({raws[0].type_name}) and up ({raws[1].type_name}) differ in type")
-                log.warning("%s: %s, which the quantized GPU experts do not read; dequantizing the layer to the model "
-                            "dtype", self.key, why)
-            return None
-        return raws
+        return raw_stacks(source, self.layer, self.key, self.num_experts, self.hidden_size, self.intermediate_size)
+
     def _pack(self, raws: list[RawExperts], experts: torch.Tensor | None = None
               ) -> tuple[PackedWeight, PackedWeight]:
         """(gate_up, down) of all experts, or of `experts` (host indices) only."""
-        packed = []
-        for raw in raws:
-            data = raw.data if experts is None else raw.data[experts]
-            packed.append(repack(data, raw.type_name, (data.shape[0], *raw.shape[1:]), self.device))
-        return concat_rows(packed[:2]), packed[2]
+        return pack_stacks(raws, self.device, experts)
 
     def load(self, source: WeightSource, dtype: torch.dtype) -> None:
         t0 = time.perf_counter()
@@ -128,3 +108,35 @@ class KExpertsMarlin(KExpertsTorch):
             return "streaming" if self.streaming else "not loaded"
         r = self.load_report
         return f"{'/'.join(r['types'])}, {r['bytes'] / 2**20:.1f} MiB, loaded in {r['load_s']:.2f} s"
+
+
+def raw_stacks(source: WeightSource, layer: int, key: str, num_experts: int, hidden: int, inter: int
+               ) -> list[RawExperts] | None:
+    """A layer's gate, up and down expert stacks as stored, or None when the packed GPU kernels cannot read them
+    (why: logged)."""
+    h, i = hidden, inter
+    raws = []
+    for kind, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+        raw = source.get_raw_experts(layer, kind)
+        if tuple(raw.shape) != (num_experts, *shape):
+            raise ValueError(f"{key}: {raw.name} has shape {tuple(raw.shape)}, expected {(num_experts, *shape)}")
+        raws.append(raw)
+    bad = [r for r, cols in zip(raws, (h, h, i)) if not packable(r.type_name, cols)]
+    if bad or raws[0].type_name != raws[1].type_name:
+        if any(r.type_name not in _FLOATS for r in raws):
+            why = (f"{bad[0].name} is {bad[0].type_name} with rows of {bad[0].shape[-1]}" if bad else
+                   f"gate ({raws[0].type_name}) and up ({raws[1].type_name}) differ in type")
+            log.warning("%s: %s, which the quantized GPU experts do not read; dequantizing the layer to the model "
+                        "dtype", key, why)
+        return None
+    return raws
+
+
+def pack_stacks(raws: list[RawExperts], device: torch.device, experts: torch.Tensor | None = None
+                ) -> tuple[PackedWeight, PackedWeight]:
+    """(gate_up, down) packed on `device`, of all experts or of `experts` (host indices) only."""
+    packed = []
+    for raw in raws:
+        data = raw.data if experts is None else raw.data[experts]
+        packed.append(repack(data, raw.type_name, (data.shape[0], *raw.shape[1:]), device))
+    return concat_rows(packed[:2]), packed[2]

@@ -201,3 +201,45 @@ def test_repack_rule_kwarg(tiny256):
     bad = CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      repack: 1')
     with pytest.raises(Exception, match="repack.*must be a bool"):
         parse_rules(bad, "bad.yaml")
+
+
+@pytest.mark.triton
+def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, triton_device):
+    """`gpu_experts: N`: experts 0..N-1 also packed on `gpu_device` (the GPU; interpreted, the CPU), the pairs routed
+    to them computed there by the Triton MoE and the rest by the C++ experts (their ids masked to -1 on each side;
+    on a GPU the CPU's share runs on the stream): within the int8 activations' tolerance of the torch experts, like
+    the CPU alone; a step routed only to resident experts gives the Triton MoE's output exactly. Without CUDA the
+    default device keeps every expert on the CPU (a warning); N past the layer's experts is refused."""
+    import logging
+
+    from ktrans.kernels.triton.moe_quant import moe_quant
+
+    config, state = tiny256
+    source = GGUFSource(write_gguf(tmp_path / "t.gguf", config, state, "q4_k_m"))
+    e, k = config.num_experts, config.num_experts_per_tok
+
+    def rules(kwargs):
+        return CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"' + kwargs)
+
+    hybrid = build(config, source, rules(f'\n      gpu_experts: 3\n      gpu_device: "{triton_device}"'))
+    op = hybrid.model.layers[0].mlp.experts.op
+    plain = build(config, source, CPU_RULES).model.layers[0].mlp.experts.op
+    ref = build(config, source, TORCH_RULES).model.layers[0].mlp.experts.op
+    assert op.resident is not None and op.resident[0].experts == 3 and op.load_report["gpu_experts"] == 3
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(6)])
+    w = torch.rand(6, k, generator=g)
+    assert (ids < 3).any() and (ids >= 3).any()
+    want = ref.forward(x, ids, w)
+    dx, dids, dw = x.to(triton_device), ids.to(triton_device), w.to(triton_device)
+    got, cpu_only = op.forward(dx, dids, dw).cpu(), plain.forward(x, ids, w)
+    assert rel(got, want) < OP_TOL and rel(cpu_only, want) < OP_TOL and not torch.equal(got, cpu_only)
+    resident_ids = dids % 3
+    assert torch.equal(op.forward(dx, resident_ids, dw), moe_quant(dx, resident_ids, dw, *op.resident))
+    with caplog.at_level(logging.WARNING):
+        op = build(config, source, rules("\n      gpu_experts: 2")).model.layers[0].mlp.experts.op
+    if not torch.cuda.is_available():
+        assert op.resident is None and "no CUDA device" in caplog.text
+    with pytest.raises(ValueError, match="gpu_experts must be 0.."):
+        build(config, source, rules(f"\n      gpu_experts: {e + 1}"))
