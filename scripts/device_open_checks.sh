@@ -27,7 +27,8 @@
 #                                                environment (default: one host function a layer off, on; A=1+B=2:
 #                                                two variables in one run); ~1.5 min
 #                                                each; writes the file first when it is missing; TESTS="files":
-#                                                those GPU tests first, beside the writer
+#                                                those GPU tests first, beside the writer; SERVE_RULES=FILE: other
+#                                                rules (GPU_EXPERTS=N: the shipped ones with `gpu_experts: N`)
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -56,7 +57,7 @@ run_tests() {
        tests/engine/test_runner.py tests/engine/test_cache.py tests/engine/test_sampler.py \
        tests/engine/test_split_gpu.py tests/engine/test_grammar.py tests/bench/test_kernels_attention.py \
        tests/bench/test_kernels_gdn.py tests/kernels/test_gemv_rows.py tests/kernels/test_pdl_kernels.py \
-       tests/engine/test_pdl.py"; do
+       tests/engine/test_pdl.py tests/kernels/test_cpu_experts_op.py"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # a group may name two files
     (timeout -k 10 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -rf -p no:cacheprovider --tb="${TB:-short}" \
@@ -171,10 +172,16 @@ serve)
   [ -z "${TESTS:-}" ] || run_tests
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
+  if [ -n "${GPU_EXPERTS:-}" ]; then  # the shipped serve rules with experts 0..N-1 of each layer also on the GPU
+    sed "s/      generate_op: \"KExpertsCPU\"/      generate_op: \"KExpertsCPU\"\n      gpu_experts: $GPU_EXPERTS/" \
+      ktrans/optimize_rules/Qwen3Next-serve.yaml > /tmp/serve-gpu-experts.yaml
+    SERVE_RULES=/tmp/serve-gpu-experts.yaml
+    grep -c "gpu_experts: $GPU_EXPERTS" "$SERVE_RULES"
+  fi
   for v in ${SERVE_AB:-KTRANS_STREAM_ONE_HOST_FN=0 KTRANS_STREAM_ONE_HOST_FN=1}; do
     # shellcheck disable=SC2086  # A=1+B=2: two variables
     env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
-      e2e serve_${v//[^A-Za-z0-9]/_} --optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml --prompt_len 256 \
+      e2e serve_${v//[^A-Za-z0-9]/_} --optimize_config_path ${SERVE_RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml} --prompt_len 256 \
       --gen_len 48 --batch_sizes 1 --profile_steps 4 --use_cuda_graph"
   done
   ;;
