@@ -22,7 +22,7 @@ from ktrans.inject.injector import Injection, Placed, inject, plain_specs
 from ktrans.inject.rules import RuleSet
 from ktrans.model.qwen3_next import Qwen3NextAttention, Qwen3NextGatedDeltaNet
 from ktrans.operators.attention import KQwen3NextAttention
-from ktrans.operators.base import ParamSpec
+from ktrans.operators.base import ParamSpec, canonical_device
 from ktrans.operators.gdn import KQwen3NextGatedDeltaNet
 from ktrans.runtime.batch import GENERATE, PREFILL
 
@@ -249,6 +249,12 @@ def placement_report(config: ModelConfig, rules: RuleSet, config_name: str = "",
             row = groups[key] = Row(pattern, [], kind, key[2], key[3], key[4], out)
         row.indices.append(idx)
         row.bytes += sum(per_dev)
+        gpu_n = int(p.rule.kwargs.get("gpu_experts") or 0) if p.rule is not None and op is not None else 0
+        if gpu_n and op.op_names.get(GENERATE) == "KExpertsCPU" and getattr(op, "num_experts", 0):
+            # KExpertsCPU's `gpu_experts`: those experts a second time, on the GPU (the file's bytes of them: the
+            # packed planes differ by a few percent, e.g. 4.625 bits a Q4_K weight against 4.5)
+            gpu_dev = canonical_device(p.rule.kwargs.get("gpu_device") or "cuda")
+            add(gpu_dev, "weights", sum(per_dev) * min(gpu_n, op.num_experts) // op.num_experts)
         if op is not None and op.op_names.get(PREFILL) == "KExpertsSplit":
             dev = str(op.devices[PREFILL])
             staged[dev] = max(staged.get(dev, 0), sum(per_dev))

@@ -211,3 +211,17 @@ def test_memory_follows_the_serve_flags(capsys):
     assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-cpu.yaml"),
                  "--page_size", "0"]) == 2
     assert "--page_size" in capsys.readouterr().err
+
+
+def test_gpu_experts_counted_on_the_gpu(tmp_path):
+    """The serve rules with `gpu_experts: 64`: the experts stay in CPU RAM whole, and 64 of each layer's 512 come on
+    top of the GPU's weights."""
+    from ktrans.inject import parse_rules
+
+    text = (RULES_DIR / "Qwen3Next-serve.yaml").read_text()
+    hybrid = text.replace('      generate_op: "KExpertsCPU"', '      generate_op: "KExpertsCPU"\n      gpu_experts: 64')
+    assert hybrid != text
+    base = placement_report(CFG80B, parse_rules(text, "serve.yaml")).memory
+    mem = placement_report(CFG80B, parse_rules(hybrid, "hybrid.yaml")).memory
+    assert mem["cpu"]["weights"] == base["cpu"]["weights"] == EXPERT_BYTES
+    assert mem["cuda:0"]["weights"] - base["cuda:0"]["weights"] == EXPERT_BYTES // 8
