@@ -128,6 +128,10 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=10021)
     s.add_argument("--served_model_name", help="the model id clients send (default: the model directory's name)")
+    s.add_argument("--num_gpu_experts", type=int, default=None,
+                   help="experts 0..N-1 of each layer also on the GPU, where the pairs routed to them run beside the "
+                        "CPU experts (`gpu_experts: N` on the rules' KExpertsCPU; SGLang + kt-kernel's "
+                        "--kt-num-gpu-experts); default: as the rules say")
     s.add_argument("--api_key", help="require `Authorization: Bearer KEY` on /v1 requests")
     s.add_argument("--max_new_tokens", type=int, default=1024, help="default max_tokens of a request")
     s.add_argument("--cache_lens", type=int, default=32768, help="KV cache size in tokens, over all requests")
@@ -197,13 +201,18 @@ def _rules_config(args: argparse.Namespace):
 
 def cmd_rules_show(args: argparse.Namespace) -> int:
     from ktrans.inject.report import FROM_FILE, placement_report
-    from ktrans.inject.rules import check_devices, load_rules
+    from ktrans.inject.rules import check_devices, load_rules, with_gpu_experts
 
     if args.cache_lens < 0 or args.max_batch_size < 1:
         raise CliError("--cache_lens must be >= 0 and --max_batch_size >= 1")
     if args.page_size < 1 or args.prefix_cache_max_snapshots < 0:
         raise CliError("--page_size must be >= 1 and --prefix_cache_max_snapshots >= 0")
     rules = load_rules(args.optimize_config_path)
+    if args.num_gpu_experts is not None:
+        try:
+            rules = with_gpu_experts(rules, args.num_gpu_experts)
+        except ValueError as e:
+            raise CliError(str(e)) from None
     if args.check_devices:
         check_devices(rules)
     config, config_name, tensor_type = _rules_config(args)
@@ -245,6 +254,7 @@ def _add_rules_parser(sub) -> None:
     s.add_argument("--max_batch_size", type=int, default=16,
                    help="DeltaNet state slots (running requests; ktrans serve's default)")
     s.add_argument("--page_size", type=int, default=16, help="tokens per KV page (as ktrans serve)")
+    s.add_argument("--num_gpu_experts", type=int, default=None, help="as ktrans serve's")
     s.add_argument("--enable_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
                    help="count the prefix cache's snapshot slots (as ktrans serve, on by default)")
     s.add_argument("--prefix_cache_max_snapshots", type=int, default=32,

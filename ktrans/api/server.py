@@ -51,6 +51,7 @@ class ServeOptions:
     prefix_cache_snapshot_interval: int = 0
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
     device: str = "cpu"
+    num_gpu_experts: int | None = None  # None: as the rules say; N: `gpu_experts: N` on their KExpertsCPU rules
 
 
 def load(opts: ServeOptions, show_progress: bool = True):
@@ -62,7 +63,7 @@ def load(opts: ServeOptions, show_progress: bool = True):
     """
     from ktrans.config import RULES_DIR
     from ktrans.inject import load_model
-    from ktrans.inject.rules import load_rules
+    from ktrans.inject.rules import load_rules, with_gpu_experts
     from ktrans.model.source import ModelSource, parse_dtype
 
     if opts.backend_type != "balance_serve":
@@ -81,6 +82,8 @@ def load(opts: ServeOptions, show_progress: bool = True):
     rules_path = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
     if rules_path:
         rules = load_rules(rules_path)
+        if opts.num_gpu_experts is not None:
+            rules = with_gpu_experts(rules, opts.num_gpu_experts)
         model, injection = load_model(opened, parse_dtype(opts.dtype, rules.uses_cuda), rules=rules,
                                       show_progress=show_progress)
     else:  # the default rules on --device

@@ -63,6 +63,7 @@ class E2EOptions:
     max_batch_size: int | None = None
     cache_lens: int | None = None
     prefix_cache_max_snapshots: int | None = None
+    num_gpu_experts: int | None = None  # as ktrans serve's --num_gpu_experts
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -340,7 +341,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
 
     t0 = time.perf_counter()
     serve = ServeOptions(model_path=opts.model_path, gguf_path=opts.gguf_path,
-                         optimize_config_path=opts.optimize_config_path, cpu_infer=opts.cpu_infer, dtype=opts.dtype)
+                         optimize_config_path=opts.optimize_config_path, cpu_infer=opts.cpu_infer, dtype=opts.dtype,
+                         num_gpu_experts=opts.num_gpu_experts)
     model, tokenizer, name, injection = load(serve, show_progress=show_progress)
     load_s = time.perf_counter() - t0
     devices = _cuda_devices(model)
@@ -475,7 +477,7 @@ def main(args) -> int:
                       use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens),
                       itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes, warmup=args.warmup,
                       max_batch_size=args.max_batch_size, cache_lens=args.cache_lens,
-                      prefix_cache_max_snapshots=args.prefix_cache_max_snapshots)
+                      prefix_cache_max_snapshots=args.prefix_cache_max_snapshots, num_gpu_experts=args.num_gpu_experts)
     quiet = args.json
     # with --json stdout is the JSON alone; the progress lines go to stderr as they come
     out = run(opts, show_progress=not quiet,

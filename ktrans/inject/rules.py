@@ -138,6 +138,24 @@ class RuleSet:
 # ---- parsing -------------------------------------------------------------------------------------------------------
 
 
+def with_gpu_experts(rules: RuleSet, n: int, flag: str = "--num_gpu_experts") -> RuleSet:
+    """`rules` with `gpu_experts: n` on every rule whose decode op is KExpertsCPU (experts 0..n-1 of each such
+    layer also on the GPU; 0: none); ValueError naming `flag` when n is negative or no rule decodes on KExpertsCPU."""
+    import dataclasses
+
+    if n < 0:
+        raise ValueError(f"{flag} must be >= 0, got {n}")
+    out, hit = [], False
+    for rule in rules.rules:
+        if rule.kwargs.get("generate_op") == "KExpertsCPU":
+            rule = dataclasses.replace(rule, kwargs={**rule.kwargs, "gpu_experts": n})
+            hit = True
+        out.append(rule)
+    if not hit:
+        raise ValueError(f"{flag}: no rule of {rules.source} decodes the experts on KExpertsCPU")
+    return dataclasses.replace(rules, rules=out)
+
+
 def load_rules(path: str | Path, check: bool = False) -> RuleSet:
     """Read and validate a rule file; with check=True also require its devices to exist on this machine."""
     path = Path(path)

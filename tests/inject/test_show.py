@@ -225,3 +225,22 @@ def test_gpu_experts_counted_on_the_gpu(tmp_path):
     mem = placement_report(CFG80B, parse_rules(hybrid, "hybrid.yaml")).memory
     assert mem["cpu"]["weights"] == base["cpu"]["weights"] == EXPERT_BYTES
     assert mem["cuda:0"]["weights"] - base["cuda:0"]["weights"] == EXPERT_BYTES // 8
+
+
+def test_num_gpu_experts_flag(capsys):
+    """--num_gpu_experts sets `gpu_experts` on the rules' KExpertsCPU (rules show counts them on the GPU); rules
+    with no KExpertsCPU decode, or a negative count, are refused naming the flag."""
+    from ktrans.inject.rules import load_rules, with_gpu_experts
+
+    base = show(capsys, "Qwen3Next-serve.yaml")["memory"]
+    mem = show(capsys, "Qwen3Next-serve.yaml", "--num_gpu_experts", "128")["memory"]
+    assert mem["cuda:0"]["weights"] - base["cuda:0"]["weights"] == EXPERT_BYTES // 4
+    rules = with_gpu_experts(load_rules(RULES_DIR / "Qwen3Next-serve.yaml"), 7)
+    assert [r.kwargs["gpu_experts"] for r in rules if r.kwargs.get("generate_op") == "KExpertsCPU"] == [7]
+    with pytest.raises(ValueError, match="--num_gpu_experts: no rule of .* decodes the experts on KExpertsCPU"):
+        with_gpu_experts(load_rules(RULES_DIR / "Qwen3Next-gpu.yaml"), 4)
+    with pytest.raises(ValueError, match="--num_gpu_experts must be >= 0"):
+        with_gpu_experts(load_rules(RULES_DIR / "Qwen3Next-serve.yaml"), -1)
+    assert main(["rules", "show", "--optimize_config_path", str(RULES_DIR / "Qwen3Next-gpu.yaml"),
+                 "--num_gpu_experts", "4"]) == 2
+    assert "--num_gpu_experts" in capsys.readouterr().err
