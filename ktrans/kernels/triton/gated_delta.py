@@ -277,6 +277,22 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 
 @triton.jit
+def _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_new, stride_qt, stride_qh,
+                  stride_ot, stride_oh, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                  DT: tl.constexpr, PREC: tl.constexpr):
+    """Chunk c's outputs of value head h, columns rv: o = (q exp(cum)) S + attn v_new, S the state entering the
+    chunk (in DT); the scan's (unsplit) and _output_kernel's (split) one body."""
+    C: tl.constexpr = 64
+    rows = (row0 + rc).to(tl.int64)
+    q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+    attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
+    o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
+         + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(rc < n)[:, None] & (rv[None, :] < DV))
+
+
+@triton.jit
 def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr, vnew_ptr, hs_ptr,
                  chunk_start, chunk_len, first_chunk, seq_slot, seq_fresh, emit_slot,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_ss, stride_sh,
@@ -317,12 +333,8 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
             tl.store(vnew_ptr + rows[:, None] * (HV * DV) + h * DV + rv[None, :], v_new.to(DT),
                      mask=valid[:, None] & (rv[None, :] < DV))
         else:
-            q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
-            attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
-            o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
-                 + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
-            tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=valid[:, None] & (rv[None, :] < DV))
+            _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_new, stride_qt, stride_qh,
+                          stride_ot, stride_oh, HV, DK, DV, BK, DT, PREC)
         k_end = k * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
         state = state * tl.exp(cum_last) + tl.dot(tl.trans(k_end.to(DT)), v_new.to(DT), input_precision=PREC)
         e = tl.load(emit_slot + c)
@@ -349,17 +361,13 @@ def _output_kernel(q_ptr, cum_ptr, attn_ptr, vnew_ptr, hs_ptr, o_ptr, chunk_star
     n = tl.load(chunk_len + c)
     valid = rc < n
     rows = (row0 + rc).to(tl.int64)
-    q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
     cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
-    attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
     sd = tl.load(hs_ptr + (c * HV + h).to(tl.int64) * DK * DV + rk[:, None] * DV + rv[None, :],
                  mask=(rk[:, None] < DK) & (rv[None, :] < DV), other=0.0)
     v_new = tl.load(vnew_ptr + rows[:, None] * (HV * DV) + h * DV + rv[None, :],
                     mask=valid[:, None] & (rv[None, :] < DV), other=0.0)
-    o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
-         + tl.dot(attn.to(DT), v_new, input_precision=PREC))
-    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=valid[:, None] & (rv[None, :] < DV))
+    _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_new, stride_qt, stride_qh,
+                  stride_ot, stride_oh, HV, DK, DV, BK, DT, PREC)
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------------
