@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.pdl import enter, launch
 
 LOG2E = 1.4426950408889634
 

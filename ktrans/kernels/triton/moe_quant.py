@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, QT_CODE, _scale_words, _sms, counters, gemv_rows,
                                          plane_args, plane_offsets, superblock_dot, tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
@@ -170,8 +170,9 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     p, inter, hidden = t * k, gate_up.n // 2, down.n
     ids = ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
+    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     # per launch: the lane-group row_dot (rows 0) or the row-owning one (GEMV["rows"]; bf16 x, K-quant types)
-    rows = [gemv_rows(x, gate_up.qtype) if x.stride(0) % 2 == 0 else 0, gemv_rows(x, down.qtype)]
+    rows = [gemv_rows(x, gate_up.qtype), gemv_rows(h, down.qtype)]
     bns = [GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1) for r in rows]
     tiles_i, tiles_h = triton.cdiv(inter, bns[0]), triton.cdiv(hidden, bns[1])
     nsb = gate_up.k // QK
@@ -181,7 +182,6 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     if max(p * tiles_i, t * tiles_h) > _MAX_TILES:
         raise ValueError(f"moe_quant: {p} pairs are too many for the few-token path")
     cnt = counters(x.device)
-    h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     part = torch.empty(max(split * p * 2 * inter if split > 1 else 0, p * hidden), dtype=torch.float32,
                        device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)

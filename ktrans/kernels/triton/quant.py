@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.quant_gemv import gemv_kernel
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
@@ -213,11 +213,12 @@ def _gemv_options() -> dict:
 
 
 def gemv_rows(x: torch.Tensor, qtype: str) -> int:
-    """The GEMV's ROWS argument for activation row x: GEMV["rows"] where the row-owning kernel applies (a K-quant
-    type, bf16 x whose row start is int32-aligned, H a power of two with four code words a thread at least: H <= 8,
-    Q6_K's half super-blocks H <= 4; rows_bn a power of two), else 0."""
+    """The ROWS argument of the one-row GEMV body for activation rows x: GEMV["rows"] where the row-owning form
+    applies (a K-quant type, bf16 x whose every row starts int32-aligned, H a power of two with four code words a
+    thread at least: H <= 8, Q6_K's half super-blocks H <= 4; rows_bn a power of two), else 0."""
     h, words = GEMV["rows"], 16 if qtype == "Q6_K" else 32
-    ok = x.dtype == torch.bfloat16 and qtype != "Q8_0" and x.data_ptr() % 4 == 0 and h > 0 and \
+    aligned = x.data_ptr() % 4 == 0 and (x.shape[0] <= 1 or x.stride(0) % 2 == 0)
+    ok = x.dtype == torch.bfloat16 and qtype != "Q8_0" and aligned and h > 0 and \
         h & (h - 1) == 0 and 4 * h <= words and GEMV["rows_bn"] & (GEMV["rows_bn"] - 1) == 0
     return h if ok else 0
 
