@@ -18,6 +18,8 @@ spends on them, so each bucket's step is captured once and replayed: one launch 
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -107,8 +109,18 @@ class DecodeGraphs:
         # thread_local: only this thread's calls are checked during the capture (another thread of the process, an
         # API server or a finalizer, may use CUDA meanwhile without invalidating it; the engine's CUDA work is all
         # on this thread, and the CPU experts' threads make no CUDA calls).
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            runner.plan(batch)
-            logits = runner.model(batch)
+        # No garbage collection while capturing: a collection may run on this thread at any allocation and free an
+        # object whose release is illegal during a capture (a dropped engine's pinned or registered host memory:
+        # cudaFreeHost, cudaHostUnregister), which invalidates the capture silently; the next launch then fails with
+        # "operation failed due to a previous error during capture". torch.cuda.graph collects once on entry.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                runner.plan(batch)
+                logits = runner.model(batch)
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[key] = (graph, logits)
         self.num_captures += 1

@@ -46,13 +46,14 @@ def test_quantized_chain_same_with_pdl(monkeypatch):
     from tests.kernels.test_moe_quant import _stack
 
     dev = torch.device("cuda")
-    ws = {"norm": torch.rand(H, device=dev, dtype=torch.bfloat16) + 0.5,
+    gen = torch.Generator().manual_seed(7)  # on the host: the inputs are the same in every run, whatever ran before
+    ws = {"norm": (torch.rand(H, generator=gen) + 0.5).to(dev, torch.bfloat16),
           "q4": _weight("Q4_K", H, H, dev, seed=1), "q6": _weight("Q6_K", H, H, dev, seed=2),
           "q4b": _weight("Q4_K", 40, H, dev, seed=3),
           "gate_up": concat_rows([_stack("Q4_K", 256, H, 10, dev), _stack("Q4_K", 256, H, 20, dev)]),
           "down": _stack("Q6_K", H, 256, 30, dev),
           "ids": torch.tensor([[0, 3, 5]], device=dev), "rw": torch.tensor([[0.5, 0.3, 0.2]], device=dev),
-          "dense": torch.randn(96, H, device=dev, dtype=torch.bfloat16) * 0.03}
+          "dense": (torch.randn(96, H, generator=gen) * 0.03).to(dev, torch.bfloat16)}
     x = (torch.randn(1, H, generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16).to(dev)
     results = {}
     for on in (False, True):

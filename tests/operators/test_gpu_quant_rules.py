@@ -191,7 +191,7 @@ def test_deltanet_projections_paired_in_one_launch(q4_k_m, triton_device):
         mats, (i, j), rows = pair
         assert len(mats) == 3 and (i, j) == (1, 2) and mats[0].qtype != mats[2].qtype  # attn_gate with ssm_ba
         got = gdn._paired_projections(x, pair)
-        mixed, z = gdn._stored_qkvz(x, "generate", triton_device)
+        mixed, z = gdn._stored_qkvz(x, "generate", dev)
         want = (mixed, z.view(1, gdn.num_v_heads, gdn.head_v_dim), *gdn.split_ba(gdn.in_proj_ba(x)))
         for g, w in zip(got, want):
             assert g.shape == w.shape and rel(g, w) < 1e-5, gdn.key
