@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (PDL) for the decode step's kernels (Hopper and newer; opt-in, `KTRANS_PDL=1`, until
-the H200 has measured it).
+"""Programmatic dependent launch (PDL) for the decode step's kernels (Hopper and newer; on by default, `KTRANS_PDL=0`
+opts out). Measured on the H200 (doc/benchmarks.md, sessions 18 and 19): all on the GPU, batch 1, 194.4 and 198.5
+against 189.8 and 188.8 tok/s; under the serve rules the GPU's share of a token 3.19-3.23 against 3.53 ms.
 
 A decode step is ~900 small dependent kernels in one CUDA graph; between two of them the GPU idles for the next
 kernel's launch (~1-2 us on an H200: the all-GPU batch-1 token's ~1.4 ms "host" share, doc/benchmarks.md). With PDL a
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
 
-PDL = {"on": os.environ.get("KTRANS_PDL", "0") == "1"}
+PDL = {"on": os.environ.get("KTRANS_PDL", "1") == "1"}
 
 
 @triton.jit
