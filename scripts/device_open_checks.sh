@@ -46,7 +46,7 @@ run_tests() {
   fi
   echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
   local i=0 group f
-  for group in tests/operators/test_gdn_triton.py tests/operators/test_gdn_fla.py \
+  for group in tests/operators/test_gdn_triton.py "tests/operators/test_gdn_fla.py tests/kernels/test_gdn_prep.py" \
       tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py" \
       "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
       "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py" \
@@ -101,7 +101,7 @@ kernels)
     if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
       echo "== gdn sweep"
       # shellcheck disable=SC2086
-      timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---prep_warps 4,8 --scan_warps 4 --block_v 32,64 --split 0,1} \
+      timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep group,head --prep_cols 32,64} \
         > "$OUT/gdn_sweep.txt" 2>&1
       grep -E "fla-core|best|FAIL" "$OUT/gdn_sweep.txt"
     fi
@@ -115,6 +115,8 @@ kernels)
   fi
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
+  # the benches' stderr in one file: the device tool returns a limited number of files (session 19 lost tests.txt)
+  for f in "$OUT"/*.err; do [ -f "$f" ] && { echo "== $f"; cat "$f"; } >> "$OUT/bench_errs.txt" && rm -f "$f"; done
   ;;
 e2e)
   [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }

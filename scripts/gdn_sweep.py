@@ -1,14 +1,15 @@
 """The chunked gated delta rule's launch shapes (ktrans.kernels.triton.gated_delta: PREP_WARPS, SCAN_WARPS,
-SCAN_BLOCK_V) under a grid, on the GPU at Qwen3-Next's shapes (HK 16, HV 32, d 128, one sequence): device time by
+SCAN_BLOCK_V; gated_delta_prep: the prep's form PREP and the head form's PREP_COLS) under a grid, on the GPU at Qwen3-Next's shapes (HK 16, HV 32, d 128, one sequence): device time by
 CUDA-graph replay with a cold L2 (ktrans.bench.kernels.time_cuda), the whole call and its first launch alone (the
 per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_delta_rule on the same inputs where it
 imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
-                                 [--split 0,1]
+                                 [--split 0,1] [--prep group,head] [--prep_cols 32,64]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
-sequential launch and the output launch together.
+sequential launch and the output launch together. --prep head: a prep program per (chunk, value head), w and u by
+column blocks of --prep_cols (KTRANS_GDN_PREP; the columns do not apply to the group form).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from ktrans.bench.kernels import _l2_bytes, time_cuda
 from ktrans.bench.kernels_gdn import _fla_peer, _prefill_inputs, _shape
 from ktrans.kernels.triton import gated_delta as gd
+from ktrans.kernels.triton import gated_delta_prep as gdp
 
 
 class _Skipped:
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--scan_warps", default="2,4,8")
     ap.add_argument("--block_v", default="16,32,64")
     ap.add_argument("--split", default="0,1")
+    ap.add_argument("--prep", default="group", help="prep forms: group, head")
+    ap.add_argument("--prep_cols", default="64", help="the head form's column blocks")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -52,12 +56,16 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        for prep_w, scan_w, bv, split in itertools.product(ints(args.prep_warps), ints(args.scan_warps),
-                                                           ints(args.block_v), ints(args.split)):
+        forms = [(f, c) for f in args.prep.split(",") for c in (ints(args.prep_cols) if f == "head" else [0])]
+        for prep_w, scan_w, bv, split, (form, cols) in itertools.product(
+                ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split), forms):
             gd.PREP_WARPS, gd.SCAN_WARPS = prep_w, scan_w
+            gdp.PREP, gdp.PREP_COLS = form, cols or gdp.PREP_COLS
+            name = f"T={t} prep={form}{f'/{cols}' if cols else ''} prep_warps={prep_w} scan_warps={scan_w} " \
+                   f"block_v={bv} split={split}"
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split))
-            key = (prep_w, scan_w, bv, split)
+            key = (form, cols, prep_w, scan_w, bv, split)
             try:
                 whole = median(call)
                 later = {name: getattr(gd, name) for name in ("_scan_kernel", "_output_kernel")}
@@ -69,17 +77,13 @@ def main() -> None:
                     for name, kernel in later.items():
                         setattr(gd, name, kernel)
             except Exception as e:  # a shape that does not compile (registers, shared memory) is reported
-                print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split}: FAIL "
-                      f"{type(e).__name__}: "
-                      f"{str(e)[:120]}", flush=True)
+                print(f"{name}: FAIL {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            print(f"T={t} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split}: {whole:.1f} us "
-                  f"(prep {prep:.1f}, "
-                  f"scan {whole - prep:.1f})", flush=True)
+            print(f"{name}: {whole:.1f} us (prep {prep:.1f}, scan {whole - prep:.1f})", flush=True)
             if t not in best or whole < best[t][0]:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
-        print(f"best T={t}: prep_warps, scan_warps, block_v, split = {key}, {us:.1f} us")
+        print(f"best T={t}: prep, prep_cols, prep_warps, scan_warps, block_v, split = {key}, {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ def rule_inputs(t, hk, hv, dk, dv, device, slots=4):
     return q, k, v, a, b, A_log, dt_bias, pool
 
 
+def check_against_reference(o, pool, before, seqs, q, k, v, a, b, A_log, dt_bias):
+    """Each sequence's outputs and final state against the torch oracle run on it alone, within TOL."""
+    g, beta = gates(a, b, A_log, dt_bias)
+    for s, e, slot, f in seqs:
+        ref_o, ref_state = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                                  None if f else before[slot])
+        torch.testing.assert_close(o[s:e], ref_o, **TOL, msg=f"output of the {e - s}-token sequence")
+        torch.testing.assert_close(pool[slot], ref_state, **TOL, msg=f"state of the {e - s}-token sequence")
+
+
 def segments(lens, slots, fresh):
     out, s = [], 0
     for n, slot, f in zip(lens, slots, fresh):
@@ -80,12 +90,7 @@ def test_chunked_rule_matches_reference(triton_device, shape, lens, slots, fresh
     before = pool.clone()
     seqs = segments(lens, slots, fresh)
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, triton_device))
-    g, beta = gates(a, b, A_log, dt_bias)
-    for s, e, slot, f in seqs:
-        ref_o, ref_state = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
-                                                  None if f else before[slot])
-        torch.testing.assert_close(o[s:e], ref_o, **TOL, msg=f"output of the {e - s}-token sequence")
-        torch.testing.assert_close(pool[slot], ref_state, **TOL, msg=f"state of the {e - s}-token sequence")
+    check_against_reference(o, pool, before, seqs, q, k, v, a, b, A_log, dt_bias)
     untouched = [i for i in range(pool.shape[0]) if i not in slots]
     assert torch.equal(pool[untouched], before[untouched])
 

@@ -7,9 +7,9 @@ every chunk does its solve in parallel and only a small matmul per chunk remains
 
 Two launches (FLA uses about eight for the same work):
 
-1. `_prep_kernel`, one program per (chunk, key head): L2-normalises q and k, computes the gates
+1. the prep (`gated_delta_prep`), parallel over chunks: L2-normalises q and k, computes the gates
    g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) and their in-chunk cumulative log-decay, then per
-   value head of the group (HV = R * HK) builds A = strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)), solves
+   value head (HV = R * HK) builds A = strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)), solves
    (I + A) X = [beta k exp(cum) | beta v] by block forward substitution on 16-row blocks (each diagonal 16x16 block
    inverted by substitution, the rest matmuls), and stores w, u, cum and the chunk's causal q.k decay matrix.
 2. `_scan_kernel`, one program per (sequence, value head, block of value columns): carries the fp32 state
@@ -32,11 +32,13 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.gated_delta_prep import _l2norm_rows, _load_rows, launch_prep
 
 CHUNK = 64
-# Launch shapes, not yet tuned on the H200 (the lead's bench run is where to tune them): warps of the two kernels
-# and the value columns one scan program carries (32: 128 programs for one sequence at HV=32, Dv=128).
-PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 8, 4, 32
+# Launch shapes, from scripts/gdn_sweep.py on the H200 (doc/benchmarks.md, session 19, T=8192: the prep 661 us at 4
+# warps against 990 at 8; block_v 32 against 64: 490 against 777 us): warps of the prep and the scan, and the value
+# columns one scan program carries (32: 128 programs for one sequence at HV=32, Dv=128).
+PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 4, 4, 32
 # KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
 # as FLA splits its chunk_fwd_h and chunk_fwd_o; off until the H200 has timed it against the one scan
 SPLIT = os.environ.get("KTRANS_GDN_SPLIT", "0") == "1"
@@ -111,169 +113,6 @@ def aligned_table(parts: list[list[int]], device: torch.device) -> list[torch.Te
 
 
 # ---- kernels ------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-               F32: tl.constexpr = True):
-    """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid); zeros past them. In
-    fp32, or as stored (F32=False: operands that go straight into a tl.dot)."""
-    r = R0 + tl.arange(0, ROWS)
-    c = tl.arange(0, COLS)
-    mask = (r[:, None] < n) & (c[None, :] < ncols)
-    x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
-    if F32:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _l2norm_rows(x):
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-
-
-@triton.jit
-def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, R0: tl.constexpr, ROWS: tl.constexpr):
-    """g and beta of value head h for rows R0 .. R0+ROWS of a chunk; 0 for rows past its end (they then write and
-    decay nothing)."""
-    r = R0 + tl.arange(0, ROWS)
-    valid = r < n
-    rows = (row0 + r).to(tl.int64)
-    a = tl.load(a_ptr + rows * stride_at + h, mask=valid, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + rows * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
-    x = a + tl.load(dtb_ptr + h).to(tl.float32)
-    # softplus as torch computes it (threshold 20: linear above), so the gates match F.softplus.
-    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
-    beta = 1.0 / (1.0 + tl.exp(-b))
-    return tl.where(valid, g, 0.0), tl.where(valid, beta, 0.0)
-
-
-@triton.jit
-def _kkt(ki, kj, beta_i, ci, cj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """A block of A: beta_i (k_i . k_j) exp(cum_i - cum_j), strictly lower inside a diagonal block."""
-    kk = tl.dot(ki.to(DT), tl.trans(kj.to(DT)), input_precision=PREC)
-    d = ci[:, None] - cj[None, :]
-    if DIAG:
-        r = tl.arange(0, ki.shape[0])
-        # Masked before exp: the upper half's exponents are positive and never become numbers.
-        d = tl.where(r[:, None] > r[None, :], d, float("-inf"))
-    return kk * beta_i[:, None] * tl.exp(d)
-
-
-@triton.jit
-def _inv_unit_lower4(a0, a1, a2, a3):
-    """(I + a_b)^-1 for four strictly lower-triangular 16x16 blocks, by forward substitution row by row, the four
-    side by side as one [4, 16, 16] tensor (one chain of 15 steps, not four)."""
-    r = tl.arange(0, a0.shape[0])
-    blk = tl.arange(0, 4)[:, None, None]
-    a = tl.where(blk == 0, a0[None, :, :], tl.where(blk == 1, a1[None, :, :],
-                                                    tl.where(blk == 2, a2[None, :, :], a3[None, :, :])))
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    t = eye + tl.zeros_like(a)
-    for i in tl.static_range(1, a0.shape[0]):
-        # Row i of each inverse: e_i - sum_{j<i} a_ij t_j, where rows j < i of t are already final.
-        is_i = (r == i)[None, :, None]
-        a_i = tl.sum(tl.where(is_i, a, 0.0), axis=1)
-        t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
-    return (tl.sum(tl.where(blk == 0, t, 0.0), axis=0), tl.sum(tl.where(blk == 1, t, 0.0), axis=0),
-            tl.sum(tl.where(blk == 2, t, 0.0), axis=0), tl.sum(tl.where(blk == 3, t, 0.0), axis=0))
-
-
-@triton.jit
-def _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, b0, b1, b2, b3, DT: tl.constexpr, PREC: tl.constexpr):
-    """X with (I + A) X = B for a 64-row chunk, by blocks: X_i = T_ii (B_i - sum_{j<i} A_ij X_j)."""
-    x0 = tl.dot(t0.to(DT), b0.to(DT), input_precision=PREC)
-    x1 = tl.dot(t1.to(DT), (b1 - tl.dot(a10.to(DT), x0.to(DT), input_precision=PREC)).to(DT), input_precision=PREC)
-    y2 = b2 - tl.dot(a20.to(DT), x0.to(DT), input_precision=PREC) - tl.dot(a21.to(DT), x1.to(DT), input_precision=PREC)
-    x2 = tl.dot(t2.to(DT), y2.to(DT), input_precision=PREC)
-    y3 = (b3 - tl.dot(a30.to(DT), x0.to(DT), input_precision=PREC) - tl.dot(a31.to(DT), x1.to(DT), input_precision=PREC)
-          - tl.dot(a32.to(DT), x2.to(DT), input_precision=PREC))
-    x3 = tl.dot(t3.to(DT), y3.to(DT), input_precision=PREC)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
-    r = R0 + tl.arange(0, x.shape[0])
-    c = tl.arange(0, x.shape[1])
-    mask = (r[:, None] < n) & (c[None, :] < ncols)
-    tl.store(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], x.to(ptr.dtype.element_ty),
-             mask=mask)
-
-
-@triton.jit
-def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
-                 chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_at, stride_bt,
-                 HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 BK: tl.constexpr, BVF: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    c = tl.program_id(0)
-    kh = tl.program_id(1)
-    row0 = tl.load(chunk_start + c)
-    n = tl.load(chunk_len + c)
-    S: tl.constexpr = 16
-    C: tl.constexpr = 64
-    kp = k_ptr + kh * stride_kh
-    k0 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK))
-    k1 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK))
-    k2 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK))
-    k3 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK))
-    kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
-    qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
-    qk = tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC)  # shared by the group's value heads
-    rc = tl.arange(0, C)
-    for j in tl.static_range(R):
-        h = kh * R + j
-        g0, be0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, S)
-        g1, be1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, S, S)
-        g2, be2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 2 * S, S)
-        g3, be3 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 3 * S, S)
-        gf, _ = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
-        # Log-decay from the chunk's start through each token; all <= 0, so every exp below is of a non-positive
-        # number for j <= i.
-        c0 = tl.cumsum(g0, axis=0)
-        c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
-        c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
-        c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
-        cf = tl.cumsum(gf, axis=0)
-        tl.store(cum_ptr + (row0 + rc).to(tl.int64) * HV + h, cf, mask=rc < n)
-        dec = tl.where(rc[:, None] >= rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
-        attn = qk * tl.exp(dec)
-        tl.store(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :],
-                 attn.to(attn_ptr.dtype.element_ty))
-
-        a10 = _kkt(k1, k0, be1, c1, c0, False, DT, PREC)
-        a20 = _kkt(k2, k0, be2, c2, c0, False, DT, PREC)
-        a21 = _kkt(k2, k1, be2, c2, c1, False, DT, PREC)
-        a30 = _kkt(k3, k0, be3, c3, c0, False, DT, PREC)
-        a31 = _kkt(k3, k1, be3, c3, c1, False, DT, PREC)
-        a32 = _kkt(k3, k2, be3, c3, c2, False, DT, PREC)
-        t0, t1, t2, t3 = _inv_unit_lower4(_kkt(k0, k0, be0, c0, c0, True, DT, PREC),
-                                          _kkt(k1, k1, be1, c1, c1, True, DT, PREC),
-                                          _kkt(k2, k2, be2, c2, c2, True, DT, PREC),
-                                          _kkt(k3, k3, be3, c3, c3, True, DT, PREC))
-
-        w0, w1, w2, w3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
-                                k0 * (be0 * tl.exp(c0))[:, None], k1 * (be1 * tl.exp(c1))[:, None],
-                                k2 * (be2 * tl.exp(c2))[:, None], k3 * (be3 * tl.exp(c3))[:, None], DT, PREC)
-        wp = w_ptr + h * DK
-        _store_rows(wp, w0, row0, n, HV * DK, 0, DK, 0)
-        _store_rows(wp, w1, row0, n, HV * DK, 0, DK, S)
-        _store_rows(wp, w2, row0, n, HV * DK, 0, DK, 2 * S)
-        _store_rows(wp, w3, row0, n, HV * DK, 0, DK, 3 * S)
-
-        vp = v_ptr + h * stride_vh
-        v0 = _load_rows(vp, row0, n, stride_vt, 0, DV, 0, S, BVF) * be0[:, None]
-        v1 = _load_rows(vp, row0, n, stride_vt, 0, DV, S, S, BVF) * be1[:, None]
-        v2 = _load_rows(vp, row0, n, stride_vt, 0, DV, 2 * S, S, BVF) * be2[:, None]
-        v3 = _load_rows(vp, row0, n, stride_vt, 0, DV, 3 * S, S, BVF) * be3[:, None]
-        u0, u1, u2, u3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, v0, v1, v2, v3, DT, PREC)
-        up = u_ptr + h * DV
-        _store_rows(up, u0, row0, n, HV * DV, 0, DV, 0)
-        _store_rows(up, u1, row0, n, HV * DV, 0, DV, S)
-        _store_rows(up, u2, row0, n, HV * DV, 0, DV, 2 * S)
-        _store_rows(up, u3, row0, n, HV * DV, 0, DV, 3 * S)
 
 
 @triton.jit
@@ -417,10 +256,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     cum = torch.empty(t, hv, dtype=torch.float32, device=v.device)
     attn = torch.empty(plan.num_chunks, hv, CHUNK, CHUNK, dtype=v.dtype, device=v.device)
     r = hv // hk
-    _prep_kernel[(plan.num_chunks, hk)](
-        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=PREP_WARPS)
+    launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk, bvf, dt, prec, PREP_WARPS)
     split = SPLIT if split is None else split
     buf = _TORCH_DTYPES[dt]
     vnew = torch.empty(t, hv, dv, dtype=buf, device=v.device) if split else u  # (u: an unread stand-in)

@@ -1,0 +1,308 @@
+"""The chunked gated delta rule's first launch: each chunk's gates, WY factors and causal q.k decay matrix, in
+parallel over chunks (ktrans.kernels.triton.gated_delta runs the sequential scan after it).
+
+For a chunk of 64 tokens and a value head h: L2-normalised q and k, the gates g = -exp(A_log) softplus(a + dt_bias)
+and beta = sigmoid(b), their in-chunk cumulative log-decay cum, A = strict_lower(beta_i k_i.k_j exp(cum_i - cum_j)),
+and the solve of (I + A) X = [beta k exp(cum) | beta v] by block forward substitution on 16-row blocks (each
+diagonal 16x16 block inverted by substitution, the rest matmuls), stored as w and u; also cum and
+attn = (q k^T) exp(cum_i - cum_j) (causal). The design is FLA's chunked WY form (fla-org/flash-linear-attention,
+fla/ops/gated_delta_rule/wy_fast.py, fla/ops/common/chunk_scaled_dot_kkt.py, fla/ops/utils/solve_tril.py), there
+spread over several launches.
+
+Two forms of the same arithmetic (`KTRANS_GDN_PREP`):
+
+- `group` (default): one program per (chunk, key head) for the R value heads that share its q and k; q.k and the
+  normalised k are made once for the group. Everything of the chunk sits in registers at once (q, k, the two
+  heads' solves at full width): at Qwen3-Next's shapes ptxas spills (255 registers and a 920-byte stack at 8
+  warps, sm_90), and it was 661 us of fla-core's whole 521 at T=8192 (doc/benchmarks.md, session 19).
+- `head`: one program per (chunk, value head), twice the programs; q.k and the normalised k are made once a head.
+  Phases in order so that each one's values die before the next: the attention matrix (q, k, q.k), then the A
+  blocks and inverses from the normalised k (full width), then w and u by column blocks of PREP_COLS (k and v
+  reloaded from L2 a block at a time, scaled by the rows' norms kept from the previous phase).
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+PREP = os.environ.get("KTRANS_GDN_PREP", "group")  # group | head, see the module's docstring
+PREP_COLS = 64  # the head form's column block for w and u
+
+
+@triton.jit
+def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+               F32: tl.constexpr = True):
+    """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid); zeros past them. In
+    fp32, or as stored (F32=False: operands that go straight into a tl.dot)."""
+    r = R0 + tl.arange(0, ROWS)
+    c = tl.arange(0, COLS)
+    mask = (r[:, None] < n) & (c[None, :] < ncols)
+    x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
+    if F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rnorm(x):
+    """1 / the L2 norm of each row (the eps inside the root, as the torch oracle)."""
+    return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
+
+
+@triton.jit
+def _l2norm_rows(x):
+    return x * _rnorm(x)[:, None]
+
+
+@triton.jit
+def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, R0: tl.constexpr, ROWS: tl.constexpr):
+    """g and beta of value head h for rows R0 .. R0+ROWS of a chunk; 0 for rows past its end (they then write and
+    decay nothing)."""
+    r = R0 + tl.arange(0, ROWS)
+    valid = r < n
+    rows = (row0 + r).to(tl.int64)
+    a = tl.load(a_ptr + rows * stride_at + h, mask=valid, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
+    x = a + tl.load(dtb_ptr + h).to(tl.float32)
+    # softplus as torch computes it (threshold 20: linear above), so the gates match F.softplus.
+    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    return tl.where(valid, g, 0.0), tl.where(valid, beta, 0.0)
+
+
+@triton.jit
+def _kkt(ki, kj, beta_i, ci, cj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """A block of A: beta_i (k_i . k_j) exp(cum_i - cum_j), strictly lower inside a diagonal block."""
+    kk = tl.dot(ki.to(DT), tl.trans(kj.to(DT)), input_precision=PREC)
+    d = ci[:, None] - cj[None, :]
+    if DIAG:
+        r = tl.arange(0, ki.shape[0])
+        # Masked before exp: the upper half's exponents are positive and never become numbers.
+        d = tl.where(r[:, None] > r[None, :], d, float("-inf"))
+    return kk * beta_i[:, None] * tl.exp(d)
+
+
+@triton.jit
+def _inv_unit_lower4(a0, a1, a2, a3):
+    """(I + a_b)^-1 for four strictly lower-triangular 16x16 blocks, by forward substitution row by row, the four
+    side by side as one [4, 16, 16] tensor (one chain of 15 steps, not four)."""
+    r = tl.arange(0, a0.shape[0])
+    blk = tl.arange(0, 4)[:, None, None]
+    a = tl.where(blk == 0, a0[None, :, :], tl.where(blk == 1, a1[None, :, :],
+                                                    tl.where(blk == 2, a2[None, :, :], a3[None, :, :])))
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    t = eye + tl.zeros_like(a)
+    for i in tl.static_range(1, a0.shape[0]):
+        # Row i of each inverse: e_i - sum_{j<i} a_ij t_j, where rows j < i of t are already final.
+        is_i = (r == i)[None, :, None]
+        a_i = tl.sum(tl.where(is_i, a, 0.0), axis=1)
+        t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
+    return (tl.sum(tl.where(blk == 0, t, 0.0), axis=0), tl.sum(tl.where(blk == 1, t, 0.0), axis=0),
+            tl.sum(tl.where(blk == 2, t, 0.0), axis=0), tl.sum(tl.where(blk == 3, t, 0.0), axis=0))
+
+
+@triton.jit
+def _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, b0, b1, b2, b3, DT: tl.constexpr, PREC: tl.constexpr):
+    """X with (I + A) X = B for a 64-row chunk, by blocks: X_i = T_ii (B_i - sum_{j<i} A_ij X_j)."""
+    x0 = tl.dot(t0.to(DT), b0.to(DT), input_precision=PREC)
+    x1 = tl.dot(t1.to(DT), (b1 - tl.dot(a10.to(DT), x0.to(DT), input_precision=PREC)).to(DT), input_precision=PREC)
+    y2 = b2 - tl.dot(a20.to(DT), x0.to(DT), input_precision=PREC) - tl.dot(a21.to(DT), x1.to(DT), input_precision=PREC)
+    x2 = tl.dot(t2.to(DT), y2.to(DT), input_precision=PREC)
+    y3 = (b3 - tl.dot(a30.to(DT), x0.to(DT), input_precision=PREC) - tl.dot(a31.to(DT), x1.to(DT), input_precision=PREC)
+          - tl.dot(a32.to(DT), x2.to(DT), input_precision=PREC))
+    x3 = tl.dot(t3.to(DT), y3.to(DT), input_precision=PREC)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
+    r = R0 + tl.arange(0, x.shape[0])
+    c = tl.arange(0, x.shape[1])
+    mask = (r[:, None] < n) & (c[None, :] < ncols)
+    tl.store(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], x.to(ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h, stride_at, stride_bt, HV: tl.constexpr):
+    """Value head h's gates over a chunk: the cumulative log-decay of each 16-row block (c0..c3) and of the whole
+    chunk (cf, stored to cum), and beta by block."""
+    S: tl.constexpr = 16
+    C: tl.constexpr = 64
+    g0, be0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, S)
+    g1, be1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, S, S)
+    g2, be2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 2 * S, S)
+    g3, be3 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 3 * S, S)
+    gf, _ = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
+    # Log-decay from the chunk's start through each token; all <= 0, so every exp below is of a non-positive number
+    # for j <= i.
+    c0 = tl.cumsum(g0, axis=0)
+    c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+    c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+    c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+    cf = tl.cumsum(gf, axis=0)
+    rc = tl.arange(0, C)
+    tl.store(cum_ptr + (row0 + rc).to(tl.int64) * HV + h, cf, mask=rc < n)
+    return c0, c1, c2, c3, be0, be1, be2, be3, cf
+
+
+@triton.jit
+def _store_attn(attn_ptr, qk, cf, c, h, HV: tl.constexpr):
+    """Chunk c's causal q.k decay matrix of value head h: qk exp(cf_i - cf_j) for j <= i, else 0."""
+    C: tl.constexpr = 64
+    rc = tl.arange(0, C)
+    dec = tl.where(rc[:, None] >= rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
+    tl.store(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :],
+             (qk * tl.exp(dec)).to(attn_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3, DT: tl.constexpr, PREC: tl.constexpr):
+    """A's six off-diagonal 16x16 blocks and the inverses of (I + its diagonal blocks), from the normalised k."""
+    a10 = _kkt(k1, k0, be1, c1, c0, False, DT, PREC)
+    a20 = _kkt(k2, k0, be2, c2, c0, False, DT, PREC)
+    a21 = _kkt(k2, k1, be2, c2, c1, False, DT, PREC)
+    a30 = _kkt(k3, k0, be3, c3, c0, False, DT, PREC)
+    a31 = _kkt(k3, k1, be3, c3, c1, False, DT, PREC)
+    a32 = _kkt(k3, k2, be3, c3, c2, False, DT, PREC)
+    t0, t1, t2, t3 = _inv_unit_lower4(_kkt(k0, k0, be0, c0, c0, True, DT, PREC),
+                                      _kkt(k1, k1, be1, c1, c1, True, DT, PREC),
+                                      _kkt(k2, k2, be2, c2, c2, True, DT, PREC),
+                                      _kkt(k3, k3, be3, c3, c3, True, DT, PREC))
+    return a10, a20, a21, a30, a31, a32, t0, t1, t2, t3
+
+
+@triton.jit
+def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
+                 chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                 stride_at, stride_bt,
+                 HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BVF: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    kh = tl.program_id(1)
+    row0 = tl.load(chunk_start + c)
+    n = tl.load(chunk_len + c)
+    S: tl.constexpr = 16
+    C: tl.constexpr = 64
+    kp = k_ptr + kh * stride_kh
+    k0 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK))
+    k1 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK))
+    k2 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK))
+    k3 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK))
+    kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
+    qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+    qk = tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC)  # shared by the group's value heads
+    for j in tl.static_range(R):
+        h = kh * R + j
+        c0, c1, c2, c3, be0, be1, be2, be3, cf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
+                                                              stride_at, stride_bt, HV)
+        _store_attn(attn_ptr, qk, cf, c, h, HV)
+        a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3,
+                                                                   DT, PREC)
+
+        w0, w1, w2, w3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
+                                k0 * (be0 * tl.exp(c0))[:, None], k1 * (be1 * tl.exp(c1))[:, None],
+                                k2 * (be2 * tl.exp(c2))[:, None], k3 * (be3 * tl.exp(c3))[:, None], DT, PREC)
+        wp = w_ptr + h * DK
+        _store_rows(wp, w0, row0, n, HV * DK, 0, DK, 0)
+        _store_rows(wp, w1, row0, n, HV * DK, 0, DK, S)
+        _store_rows(wp, w2, row0, n, HV * DK, 0, DK, 2 * S)
+        _store_rows(wp, w3, row0, n, HV * DK, 0, DK, 3 * S)
+
+        vp = v_ptr + h * stride_vh
+        v0 = _load_rows(vp, row0, n, stride_vt, 0, DV, 0, S, BVF) * be0[:, None]
+        v1 = _load_rows(vp, row0, n, stride_vt, 0, DV, S, S, BVF) * be1[:, None]
+        v2 = _load_rows(vp, row0, n, stride_vt, 0, DV, 2 * S, S, BVF) * be2[:, None]
+        v3 = _load_rows(vp, row0, n, stride_vt, 0, DV, 3 * S, S, BVF) * be3[:, None]
+        u0, u1, u2, u3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, v0, v1, v2, v3, DT, PREC)
+        up = u_ptr + h * DV
+        _store_rows(up, u0, row0, n, HV * DV, 0, DV, 0)
+        _store_rows(up, u1, row0, n, HV * DV, 0, DV, S)
+        _store_rows(up, u2, row0, n, HV * DV, 0, DV, 2 * S)
+        _store_rows(up, u3, row0, n, HV * DV, 0, DV, 3 * S)
+
+
+@triton.jit
+def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3, s3, t0, t1, t2, t3,
+                a10, a20, a21, a30, a31, a32, out_ptr, out_stride_t, COLS: tl.constexpr, DT: tl.constexpr,
+                PREC: tl.constexpr):
+    """Columns col0 .. col0+COLS of X with (I + A) X = B, B's row blocks x_i loaded from ptr and scaled by a norm,
+    then a coefficient: B_i = (x_i f_i) s_i; stored to out_ptr."""
+    S: tl.constexpr = 16
+    b0 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 0, S, COLS)
+    b1 = _load_rows(ptr, row0, n, stride_t, col0, ncols, S, S, COLS)
+    b2 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 2 * S, S, COLS)
+    b3 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 3 * S, S, COLS)
+    x0, x1, x2, x3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, (b0 * f0[:, None]) * s0[:, None],
+                            (b1 * f1[:, None]) * s1[:, None], (b2 * f2[:, None]) * s2[:, None],
+                            (b3 * f3[:, None]) * s3[:, None], DT, PREC)
+    _store_rows(out_ptr, x0, row0, n, out_stride_t, col0, ncols, 0)
+    _store_rows(out_ptr, x1, row0, n, out_stride_t, col0, ncols, S)
+    _store_rows(out_ptr, x2, row0, n, out_stride_t, col0, ncols, 2 * S)
+    _store_rows(out_ptr, x3, row0, n, out_stride_t, col0, ncols, 3 * S)
+
+
+@triton.jit
+def _prep_head_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
+                      chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_at, stride_bt,
+                      HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """The `head` form (see the module's docstring): one program per (chunk, value head)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // R
+    row0 = tl.load(chunk_start + c)
+    n = tl.load(chunk_len + c)
+    S: tl.constexpr = 16
+    C: tl.constexpr = 64
+    c0, c1, c2, c3, be0, be1, be2, be3, cf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
+                                                          stride_at, stride_bt, HV)
+
+    # the attention matrix: q and the whole chunk's k die here
+    kp = k_ptr + kh * stride_kh
+    kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
+    qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+    _store_attn(attn_ptr, tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC), cf, c, h, HV)
+
+    # A's blocks and the diagonal inverses from the normalised k at full width; only the rows' norms go on
+    x0 = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK)
+    x1 = _load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK)
+    x2 = _load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK)
+    x3 = _load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK)
+    f0, f1, f2, f3 = _rnorm(x0), _rnorm(x1), _rnorm(x2), _rnorm(x3)
+    k0, k1, k2, k3 = x0 * f0[:, None], x1 * f1[:, None], x2 * f2[:, None], x3 * f3[:, None]
+    a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3,
+                                                               DT, PREC)
+
+    # w = (I + A)^-1 (beta k exp(cum)) and u = (I + A)^-1 (beta v), a column block at a time
+    one = tl.full((S,), 1.0, tl.float32)
+    for col in tl.static_range(0, BK, BC):
+        _solve_cols(kp, stride_kt, col, DK - col, row0, n, f0, be0 * tl.exp(c0), f1, be1 * tl.exp(c1),
+                    f2, be2 * tl.exp(c2), f3, be3 * tl.exp(c3), t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
+                    w_ptr + h * DK, HV * DK, BC, DT, PREC)
+    vp = v_ptr + h * stride_vh
+    for col in tl.static_range(0, BVF, BC):
+        _solve_cols(vp, stride_vt, col, DV - col, row0, n, one, be0, one, be1, one, be2, one, be3,
+                    t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, u_ptr + h * DV, HV * DV, BC, DT, PREC)
+
+
+def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
+                warps: int, form: str | None = None, cols: int | None = None) -> None:
+    """The prep launch in `form` (default PREP) with `warps`; `cols` the head form's column block (PREP_COLS)."""
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    form = form or PREP
+    args = (q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0))
+    shapes = dict(HV=hv, R=hv // hk, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=warps)
+    if form == "group":
+        _prep_kernel[(plan.num_chunks, hk)](*args, **shapes)
+    elif form == "head":
+        bc = min(cols or PREP_COLS, bk, bvf)
+        _prep_head_kernel[(plan.num_chunks, hv)](*args, BC=bc, **shapes)
+    else:
+        raise ValueError(f"KTRANS_GDN_PREP: {form!r} is neither 'group' nor 'head'")
