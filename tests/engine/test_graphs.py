@@ -161,3 +161,28 @@ def test_cpu_experts_on_the_stream_equal_the_blocking_path(monkeypatch):
         logits.append(runner.step([SeqChunk([9], 35, 0, [0, 1])]))
         outs.append(torch.cat(logits))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_no_garbage_collection_inside_a_capture(model, monkeypatch):
+    """A collection inside a capture may free a dropped engine's pinned or registered host memory, which is illegal
+    while capturing and invalidates the capture (session 19: the prefix cache's reference engine under the serve
+    rules). DecodeGraphs turns the collector off for the capture and back on after it: an engine dropped in a cycle
+    with pinned memory before another one captures leaves that capture valid."""
+    import gc
+
+    seen = []
+    forward = type(model).forward
+
+    def watched(self, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", watched)
+    dropped = _serve(model, 1, capture=True)[0]
+    cycle = {"pinned": torch.empty(1 << 20, dtype=torch.uint8).pin_memory()}
+    cycle["self"] = cycle  # garbage only the collector frees
+    del cycle
+    again, replays = _serve(model, 1, capture=True)
+    assert seen and not any(seen) and gc.isenabled()
+    assert replays > 0 and again == dropped
