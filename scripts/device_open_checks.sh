@@ -101,7 +101,7 @@ kernels)
     if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
       echo "== gdn sweep"
       # shellcheck disable=SC2086
-      timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep group,head --prep_cols 32,64} \
+      timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep group,head,ai --prep_cols 32,64} \
         > "$OUT/gdn_sweep.txt" 2>&1
       grep -E "fla-core|best|FAIL" "$OUT/gdn_sweep.txt"
     fi
@@ -116,7 +116,10 @@ kernels)
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
   # the benches' stderr in one file: the device tool returns a limited number of files (session 19 lost tests.txt)
-  for f in "$OUT"/*.err; do [ -f "$f" ] && { echo "== $f"; cat "$f"; } >> "$OUT/bench_errs.txt" && rm -f "$f"; done
+  for f in "$OUT"/*.err; do
+    [ -f "$f" ] || continue
+    { echo "== $f"; cat "$f"; } >> "$OUT/bench_errs.txt" && rm -f "$f"
+  done
   ;;
 e2e)
   [ -f "$F" ] || { echo "no $F: run '$0 kernels' first, in the same machine"; exit 2; }

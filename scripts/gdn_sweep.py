@@ -9,7 +9,8 @@ imports. Prints one line per (shape, T) and, last, the best per T: what to write
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep head: a prep program per (chunk, value head), w and u by
-column blocks of --prep_cols (KTRANS_GDN_PREP; the columns do not apply to the group form).
+column blocks of --prep_cols; ai: the inverse stored, then w and u by a launch per column block (KTRANS_GDN_PREP;
+the columns do not apply to the group form). "prep" times every launch before the scan.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("--scan_warps", default="2,4,8")
     ap.add_argument("--block_v", default="16,32,64")
     ap.add_argument("--split", default="0,1")
-    ap.add_argument("--prep", default="group", help="prep forms: group, head")
+    ap.add_argument("--prep", default="group", help="prep forms: group, head, ai")
     ap.add_argument("--prep_cols", default="64", help="the head form's column blocks")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
@@ -56,7 +57,7 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        forms = [(f, c) for f in args.prep.split(",") for c in (ints(args.prep_cols) if f == "head" else [0])]
+        forms = [(f, c) for f in args.prep.split(",") for c in (ints(args.prep_cols) if f != "group" else [0])]
         for prep_w, scan_w, bv, split, (form, cols) in itertools.product(
                 ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split), forms):
             gd.PREP_WARPS, gd.SCAN_WARPS = prep_w, scan_w
@@ -68,14 +69,14 @@ def main() -> None:
             key = (form, cols, prep_w, scan_w, bv, split)
             try:
                 whole = median(call)
-                later = {name: getattr(gd, name) for name in ("_scan_kernel", "_output_kernel")}
-                for name in later:
-                    setattr(gd, name, _Skipped())
+                later = {k_: getattr(gd, k_) for k_ in ("_scan_kernel", "_output_kernel")}  # the prep's stay
+                for k_ in later:
+                    setattr(gd, k_, _Skipped())
                 try:
                     prep = median(call)
                 finally:
-                    for name, kernel in later.items():
-                        setattr(gd, name, kernel)
+                    for k_, kernel in later.items():
+                        setattr(gd, k_, kernel)
             except Exception as e:  # a shape that does not compile (registers, shared memory) is reported
                 print(f"{name}: FAIL {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue

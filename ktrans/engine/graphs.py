@@ -112,7 +112,7 @@ class DecodeGraphs:
         # No garbage collection while capturing: a collection may run on this thread at any allocation and free an
         # object whose release is illegal during a capture (a dropped engine's pinned or registered host memory:
         # cudaFreeHost, cudaHostUnregister), which invalidates the capture silently; the next launch then fails with
-        # "operation failed due to a previous error during capture". torch.cuda.graph collects once on entry.
+        # "operation failed due to a previous error during capture". What a capture leaves is collected after it.
         collecting = gc.isenabled()
         gc.disable()
         try:
