@@ -132,6 +132,12 @@ def _add_serve_parser(sub) -> None:
                    help="experts 0..N-1 of each layer also on the GPU, where the pairs routed to them run beside the "
                         "CPU experts (`gpu_experts: N` on the rules' KExpertsCPU; SGLang + kt-kernel's "
                         "--kt-num-gpu-experts); default: as the rules say")
+    s.add_argument("--gpu_experts_from", metavar="PATH",
+                   help="with --num_gpu_experts N: each layer's N most-routed experts in this routing statistics "
+                        "file (from --routing_stats_out) go on the GPU, not experts 0..N-1")
+    s.add_argument("--routing_stats_out", metavar="PATH",
+                   help="count how often each layer routes to each expert while serving (after the warm-up) and "
+                        "write it to PATH at exit, for --gpu_experts_from")
     s.add_argument("--api_key", help="require `Authorization: Bearer KEY` on /v1 requests")
     s.add_argument("--max_new_tokens", type=int, default=1024, help="default max_tokens of a request")
     s.add_argument("--cache_lens", type=int, default=32768, help="KV cache size in tokens, over all requests")
@@ -208,9 +214,9 @@ def cmd_rules_show(args: argparse.Namespace) -> int:
     if args.page_size < 1 or args.prefix_cache_max_snapshots < 0:
         raise CliError("--page_size must be >= 1 and --prefix_cache_max_snapshots >= 0")
     rules = load_rules(args.optimize_config_path)
-    if args.num_gpu_experts is not None:
+    if args.num_gpu_experts is not None or args.gpu_experts_from:
         try:
-            rules = with_gpu_experts(rules, args.num_gpu_experts)
+            rules = with_gpu_experts(rules, args.num_gpu_experts, stats=args.gpu_experts_from)
         except ValueError as e:
             raise CliError(str(e)) from None
     if args.check_devices:
@@ -255,6 +261,7 @@ def _add_rules_parser(sub) -> None:
                    help="DeltaNet state slots (running requests; ktrans serve's default)")
     s.add_argument("--page_size", type=int, default=16, help="tokens per KV page (as ktrans serve)")
     s.add_argument("--num_gpu_experts", type=int, default=None, help="as ktrans serve's")
+    s.add_argument("--gpu_experts_from", metavar="PATH", help="as ktrans serve's")
     s.add_argument("--enable_prefix_cache", action=argparse.BooleanOptionalAction, default=True,
                    help="count the prefix cache's snapshot slots (as ktrans serve, on by default)")
     s.add_argument("--prefix_cache_max_snapshots", type=int, default=32,

@@ -52,6 +52,8 @@ class ServeOptions:
     dtype: str | None = None  # None: bfloat16 where the rules (or --device) use CUDA, else float32
     device: str = "cpu"
     num_gpu_experts: int | None = None  # None: as the rules say; N: `gpu_experts: N` on their KExpertsCPU rules
+    gpu_experts_from: str | None = None  # routing statistics: each layer's N hottest experts on the GPU
+    routing_stats_out: str | None = None  # record the routing statistics of what is served, written at exit
 
 
 def load(opts: ServeOptions, show_progress: bool = True):
@@ -82,8 +84,8 @@ def load(opts: ServeOptions, show_progress: bool = True):
     rules_path = opts.optimize_config_path or (RULES_DIR / "Qwen3Next-cpu.yaml" if opts.device == "cpu" else None)
     if rules_path:
         rules = load_rules(rules_path)
-        if opts.num_gpu_experts is not None:
-            rules = with_gpu_experts(rules, opts.num_gpu_experts)
+        if opts.num_gpu_experts is not None or opts.gpu_experts_from:
+            rules = with_gpu_experts(rules, opts.num_gpu_experts, stats=opts.gpu_experts_from)
         model, injection = load_model(opened, parse_dtype(opts.dtype, rules.uses_cuda), rules=rules,
                                       show_progress=show_progress)
     else:  # the default rules on --device
@@ -225,6 +227,8 @@ def run(opts: ServeOptions) -> None:
     """Load, print the summary and the URL, serve until Ctrl-C."""
     import uvicorn
 
+    from ktrans.operators.routing_stats import ROUTING
+
     t0 = time.perf_counter()
     if opts.max_request_body_bytes <= 0:
         raise ValueError(f"--max_request_body_bytes must be positive, got {opts.max_request_body_bytes}")
@@ -252,6 +256,8 @@ def run(opts: ServeOptions) -> None:
           f"  try: curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}], \"stream\": true}}'",
           file=sys.stderr, flush=True)
+    if opts.routing_stats_out:  # after the warm-up: its throw-away steps are not users' routing
+        ROUTING.start()
     engine.start()
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
@@ -259,6 +265,18 @@ def run(opts: ServeOptions) -> None:
     finally:
         engine.stop()
         sock.close()
+        if opts.routing_stats_out:
+            save_routing_stats(opts.routing_stats_out)
+
+
+def save_routing_stats(path: str) -> None:
+    """Write what ROUTING recorded to `path` (--routing_stats_out), saying how much it holds."""
+    from ktrans.operators.routing_stats import ROUTING
+
+    ROUTING.save(path)
+    tokens = max(ROUTING.tokens.values(), default=0)
+    print(f"ktrans: routing statistics of {tokens} tokens over {len(ROUTING.counts)} MoE layers written to {path} "
+          f"(use them with --num_gpu_experts N --gpu_experts_from {path})", file=sys.stderr, flush=True)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -66,6 +66,8 @@ def _add_bench_e2e_parser(bench_sub) -> None:
                                          "size, TTFT/TPOT, one decode token split into GPU / CPU experts / host")
     _add_engine_bench_flags(b)
     b.add_argument("--num_gpu_experts", type=int, default=None, help="as ktrans serve's")
+    b.add_argument("--gpu_experts_from", metavar="PATH", help="as ktrans serve's")
+    b.add_argument("--routing_stats_out", metavar="PATH", help="as ktrans serve's (the measured runs' routing)")
     b.add_argument("--prompt_len", type=int, default=512, help="prompt tokens per request (random ids)")
     b.add_argument("--gen_len", type=int, default=64, help="new tokens per request (greedy, EOS ignored)")
     b.add_argument("--batch_sizes", default="1,4,16", help="comma-separated numbers of requests run together")

@@ -64,6 +64,8 @@ class E2EOptions:
     cache_lens: int | None = None
     prefix_cache_max_snapshots: int | None = None
     num_gpu_experts: int | None = None  # as ktrans serve's --num_gpu_experts
+    gpu_experts_from: str | None = None  # as ktrans serve's
+    routing_stats_out: str | None = None  # as ktrans serve's: the measured runs' routing (after the warm-up)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
@@ -337,12 +339,13 @@ def _summary(run: _Run, batch: int) -> dict:
 def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     from ktrans.operators.experts_cpu import KExpertsCPU
     from ktrans.engine.engine import Engine, EngineConfig, default_chunk_size
-    from ktrans.api.server import ServeOptions, load
+    from ktrans.api.server import ServeOptions, load, save_routing_stats
+    from ktrans.operators.routing_stats import ROUTING
 
     t0 = time.perf_counter()
     serve = ServeOptions(model_path=opts.model_path, gguf_path=opts.gguf_path,
                          optimize_config_path=opts.optimize_config_path, cpu_infer=opts.cpu_infer, dtype=opts.dtype,
-                         num_gpu_experts=opts.num_gpu_experts)
+                         num_gpu_experts=opts.num_gpu_experts, gpu_experts_from=opts.gpu_experts_from)
     model, tokenizer, name, injection = load(serve, show_progress=show_progress)
     load_s = time.perf_counter() - t0
     devices = _cuda_devices(model)
@@ -372,6 +375,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     for n in sorted({min(n, chunk) for n in (opts.prompt_len, *opts.prefill_lens)}):
         if n > 16:
             bench.run(1, n, 2)
+    if opts.routing_stats_out:
+        ROUTING.start()
 
     results = []
     prefill_tok_s = None
@@ -426,7 +431,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
             log("  GPU time of a batch-1 decode step by kernel (us, calls): " +
                 "; ".join(f"{k} {us:.0f} ({n:g})" for k, (us, n) in list(top.items())[:6]))
 
-    return {
+    result = {
         "model": name,
         "gguf_path": opts.gguf_path,
         "rules": str(opts.optimize_config_path) if opts.optimize_config_path else None,
@@ -458,6 +463,9 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "numa_nodes": len(cpu.numa_nodes()),  # two or more: the CPU experts' workers may read remote memory
         "gpu_memory": _gpu_memory(devices),
     }
+    if opts.routing_stats_out:
+        save_routing_stats(opts.routing_stats_out)
+    return result
 
 
 def _split_prefill(model) -> dict | None:
@@ -470,14 +478,8 @@ def _split_prefill(model) -> dict | None:
 
 
 def main(args) -> int:
-    opts = E2EOptions(gguf_path=args.gguf_path, model_path=args.model_path,
-                      optimize_config_path=args.optimize_config_path, prompt_len=args.prompt_len,
-                      gen_len=args.gen_len, batch_sizes=tuple(args.batch_sizes), chunk_size=args.chunk_size,
-                      cpu_infer=args.cpu_infer, dtype=args.dtype, seed=args.seed, profile_steps=args.profile_steps,
-                      use_cuda_graph=args.use_cuda_graph, prefill_lens=tuple(args.prefill_lens),
-                      itl_prefill_len=args.itl_prefill_len, itl_decodes=args.itl_decodes, warmup=args.warmup,
-                      max_batch_size=args.max_batch_size, cache_lens=args.cache_lens,
-                      prefix_cache_max_snapshots=args.prefix_cache_max_snapshots, num_gpu_experts=args.num_gpu_experts)
+    fields = {k: v for k, v in vars(args).items() if k in E2EOptions.__dataclass_fields__}
+    opts = E2EOptions(**{**fields, "batch_sizes": tuple(args.batch_sizes), "prefill_lens": tuple(args.prefill_lens)})
     quiet = args.json
     # with --json stdout is the JSON alone; the progress lines go to stderr as they come
     out = run(opts, show_progress=not quiet,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ktrans.operators.routing_stats import ROUTING
 from ktrans.runtime.batch import GENERATE, ForwardBatch
 
 _NEEDS = {"norm": "KRMSNormCPU", "gdn": "KGatedDeltaNetCPU", "attn": "KAttentionCPU", "router": "KRouterCPU",
@@ -173,6 +174,7 @@ class _Layer:
             if experts.moe is None:
                 raise Unsupported(f"{experts.key}: streamed experts (no CPUMoE at build time)")
             self.experts = _MoE(experts.moe)
+            self.layer, self.num_experts = mlp.layer, experts.num_experts  # the routing statistics' key
             self.shared = _Mlp(mlp.shared_expert)
             g = mlp.shared_expert_gate
             if isinstance(g, torch.nn.Linear) and g.weight.device.type == "cpu" and g.weight.dtype == torch.float32:
@@ -212,6 +214,8 @@ class _Layer:
 
     def _moe(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router.route(self.route_gate.done(self.route_gate.submit(x)))
+        if ROUTING.on:
+            ROUTING.record(self.layer, ids, self.num_experts)
         routed = self.experts.submit(x, ids, weights)
         shared = self.shared.submit(x)
         if isinstance(self.shared_gate, _Linear):

@@ -138,17 +138,25 @@ class RuleSet:
 # ---- parsing -------------------------------------------------------------------------------------------------------
 
 
-def with_gpu_experts(rules: RuleSet, n: int, flag: str = "--num_gpu_experts") -> RuleSet:
+def with_gpu_experts(rules: RuleSet, n: int | None, flag: str = "--num_gpu_experts",
+                     stats: str | None = None) -> RuleSet:
     """`rules` with `gpu_experts: n` on every rule whose decode op is KExpertsCPU (experts 0..n-1 of each such
-    layer also on the GPU; 0: none); ValueError naming `flag` when n is negative or no rule decodes on KExpertsCPU."""
+    layer also on the GPU; 0: none; None: as the rules say) and, with `stats` (--gpu_experts_from), each layer's n
+    most-routed experts in that routing statistics file instead; ValueError naming the flag when n is negative, a
+    stats file is given without n > 0, or no rule decodes on KExpertsCPU."""
     import dataclasses
 
-    if n < 0:
+    if n is not None and n < 0:
         raise ValueError(f"{flag} must be >= 0, got {n}")
+    if stats is not None and not n:
+        raise ValueError(f"--gpu_experts_from needs {flag} N > 0 (how many of each layer's hottest experts)")
+    if stats is not None and not Path(stats).is_file():
+        raise ValueError(f"--gpu_experts_from: no such file: {stats}")
+    extra = ({} if n is None else {"gpu_experts": n}) | ({} if stats is None else {"gpu_experts_from": str(stats)})
     out, hit = [], False
     for rule in rules.rules:
         if rule.kwargs.get("generate_op") == "KExpertsCPU":
-            rule = dataclasses.replace(rule, kwargs={**rule.kwargs, "gpu_experts": n})
+            rule = dataclasses.replace(rule, kwargs={**rule.kwargs, **extra})
             hit = True
         out.append(rule)
     if not hit:

@@ -169,10 +169,11 @@ class KTransformersExperts(BaseOperator):
     # `cpu_on_stream` (default false): the CPU's share enqueued on the CUDA stream as decode's is, not yet measured
     # at full size (see ktrans.operators.experts_split).
     # Read by KExpertsCPU: `gpu_experts` (default 0): experts 0..N-1 of each layer also resident on `gpu_device`
-    # (default "cuda"), where the pairs routed to them run beside the CPU's share (opt-in, not yet timed at full size).
+    # (default "cuda"), where the pairs routed to them run beside the CPU's share (opt-in, not yet timed at full size);
+    # `gpu_experts_from` (a routing statistics file, --routing_stats_out): each layer's N most-routed experts instead.
     EXTRA_KWARGS = {"quant": str, "hugepages": bool, "repack": bool, "cpu_config": dict,
                     "gpu_prefill_min_tokens": int, "cpu_share": (int, float), "cpu_on_stream": bool,
-                    "gpu_experts": int, "gpu_device": str}
+                    "gpu_experts": int, "gpu_device": str, "gpu_experts_from": str}
 
     def __init__(self, key, orig: Qwen3NextExperts, config, **kwargs):
         super().__init__(key, orig, config, **kwargs)

@@ -27,6 +27,7 @@ import torch
 
 from ktrans.kernels import cpu, cpu_stream
 from ktrans.operators.experts import EXPERT_OPS, ExpertsOp, layer_index
+from ktrans.operators.routing_stats import hot_experts
 from ktrans.runtime.batch import current_batch
 from ktrans.weights import quants as Q
 from ktrans.weights.source import WeightSource
@@ -62,7 +63,14 @@ class KExpertsCPU(ExpertsOp):
             raise ValueError(f"{self.key}: KExpertsCPU gpu_experts must be 0..{self.num_experts}, got "
                              f"{self.gpu_experts}")
         self.gpu_device = torch.device(str(opts.get("gpu_device") or "cuda"))
-        self.resident: tuple | None = None  # (gate_up, down) PackedWeights of experts 0..N-1 on gpu_device
+        # gpu_experts_from: PATH (routing statistics, ktrans.operators.routing_stats): the layer's N most-routed
+        # experts resident instead of 0..N-1
+        self.gpu_experts_from = opts.get("gpu_experts_from") or None
+        if self.gpu_experts_from and not self.gpu_experts:
+            raise ValueError(f"{self.key}: KExpertsCPU gpu_experts_from needs gpu_experts: N > 0 (--num_gpu_experts)")
+        self.resident: tuple | None = None  # (gate_up, down) PackedWeights of the resident experts on gpu_device
+        self.resident_ids: list[int] = []   # the experts they hold, in their order
+        self._slot_of: torch.Tensor | None = None  # [E] on gpu_device: an expert's resident slot, or -1
         self._resident_out: torch.Tensor | None = None
         self.moe: cpu.CPUMoE | None = None
         self.source: WeightSource | None = None  # set by the injector for a streaming op
@@ -81,7 +89,8 @@ class KExpertsCPU(ExpertsOp):
             self._load_resident(source)
 
     def _load_resident(self, source: WeightSource) -> None:
-        """Experts 0..gpu_experts-1 packed on gpu_device as the GPU MoE reads them (a second copy of those only)."""
+        """The resident experts (0..gpu_experts-1, or the layer's hottest from gpu_experts_from) packed on
+        gpu_device as the GPU MoE reads them (a second copy of those only)."""
         from ktrans.operators.experts_marlin import pack_stacks, raw_stacks
         from ktrans.operators.linear_marlin import keep_buffers
 
@@ -94,20 +103,28 @@ class KExpertsCPU(ExpertsOp):
             log.warning("%s: gpu_experts: the GPU MoE does not read these experts' types; all stay on the CPU",
                         self.key)
             return
-        self.resident = pack_stacks(raws, self.gpu_device, torch.arange(self.gpu_experts))
+        ids = hot_experts(self.gpu_experts_from, self.layer, self.gpu_experts, self.num_experts) \
+            if self.gpu_experts_from else list(range(self.gpu_experts))
+        self.resident = pack_stacks(raws, self.gpu_device, torch.tensor(ids))
+        self.resident_ids = ids
+        slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        slot_of[ids] = torch.arange(len(ids))
+        self._slot_of = slot_of.to(self.gpu_device)
+        self.register_buffer("resident_slot_of", self._slot_of, persistent=False)
         for name, w in zip(("resident_gate_up", "resident_down"), self.resident):
             keep_buffers(self, name, w)
         self.load_report["gpu_experts"] = self.gpu_experts
         self.load_report["gpu_bytes"] = sum(w.nbytes for w in self.resident)
 
     def _split_resident(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Launch the resident experts' pairs on the GPU (ids past them masked to -1) and return the ids the CPU
+        """Launch the resident experts' pairs on the GPU (other ids masked to -1) and return the ids the CPU
         keeps (the resident ones masked to -1): the C++ and the Triton MoE both skip negative ids, and the shapes
         stay those of the step, so a CUDA graph captures both halves."""
         from ktrans.kernels.triton.moe_quant import moe_quant
 
-        resident = ids < self.gpu_experts
-        self._resident_out = moe_quant(x, torch.where(resident, ids, -1), weights, *self.resident)
+        slots = self._slot_of[ids]  # the resident stacks' own numbering
+        resident = slots >= 0
+        self._resident_out = moe_quant(x, torch.where(resident, slots, -1), weights, *self.resident)
         return torch.where(resident, -1, ids)
 
     def _uses_resident(self, x: torch.Tensor) -> bool:

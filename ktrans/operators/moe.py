@@ -9,6 +9,7 @@ submitted before the shared expert runs and synced after, so a CPU expert op ove
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
 from ktrans.operators.linear import project
+from ktrans.operators.routing_stats import ROUTING
+from ktrans.runtime.batch import current_batch
 
 # The shared expert as one more pair a token of the routed GPU MoE (`_SharedFused`): off until measured on a GPU
 # (KTRANS_MOE_FUSED_SHARED=1 turns it on).
@@ -79,6 +82,8 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         self.top_k = orig.top_k
         self.norm_topk_prob = orig.norm_topk_prob
         self._shared_fused: dict[str, "_SharedFused | None"] = {}  # per phase, built at its first call
+        m = re.search(r"layers\.(\d+)\.", key)
+        self.layer = int(m.group(1)) if m else -1  # the routing statistics' key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
@@ -99,6 +104,9 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
             self.experts.submit_logits(x, logits, self.top_k, self.norm_topk_prob)
         else:
             ids, weights = router.route(logits)
+            if ROUTING.on:  # --routing_stats_out: eager steps' live rows
+                batch = current_batch()
+                ROUTING.record(self.layer, ids, logits.shape[-1], batch.num_live if batch is not None else None)
             if asynchronous:
                 self.experts.submit(x, ids, weights)
             else:

@@ -17,13 +17,29 @@ FIELDS = {"model", "gguf_path", "rules", "options", "layers", "threads", "machin
 
 
 @pytest.fixture(scope="module")
-def report():
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def report(run_dir):
     out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--optimize_config_path",
                           str(RULES_DIR / "Qwen3Next-cpu.yaml"), "--prompt_len", "40", "--gen_len", "6",
-                          "--batch_sizes", "1,3", "--chunk_size", "32", "--json"],
+                          "--batch_sizes", "1,3", "--chunk_size", "32", "--json", "--routing_stats_out",
+                          str(run_dir / "routing.json")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "routing statistics of" in out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_routing_statistics_of_the_measured_runs(report, run_dir):
+    """--routing_stats_out: every MoE layer's counts over the measured runs (after the warm-up): batch 1 and 3 of
+    40-token prompts, each fed 40 + 5 tokens, k experts each."""
+    stats = json.loads((run_dir / "routing.json").read_text())
+    k, fed = 4, (1 + 3) * (40 + 5)  # the embedded tiny model routes to 4 of 16 experts
+    assert stats["num_experts"] == 16 and len(stats["layers"]) == report["layers"]
+    assert all(sum(c) == fed * k for c in stats["layers"].values()), {n: sum(c) for n, c in stats["layers"].items()}
 
 
 def test_every_field(report):

@@ -243,3 +243,54 @@ def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, triton_device):
         assert op.resident is None and "no CUDA device" in caplog.text
     with pytest.raises(ValueError, match="gpu_experts must be 0.."):
         build(config, source, rules(f"\n      gpu_experts: {e + 1}"))
+
+
+@pytest.mark.triton
+def test_gpu_experts_from_routing_statistics(tiny256, tmp_path, triton_device):
+    """`gpu_experts_from`: the layer's N most-routed experts in a routing statistics file (ties: the lower id) are
+    the resident ones, in that order; a step's pairs routed to them run on the resident stacks under their slots
+    (exactly the Triton MoE on the slot ids), the rest on the C++ experts, within the int8 tolerance of the torch
+    experts. Without gpu_experts, or for a layer the file lacks, it is refused naming the kwarg."""
+    import json
+
+    from ktrans.kernels.triton.moe_quant import moe_quant
+    from ktrans.operators.routing_stats import FORMAT, _read
+
+    config, state = tiny256
+    source = GGUFSource(write_gguf(tmp_path / "t.gguf", config, state, "q4_k_m"))
+    e, k = config.num_experts, config.num_experts_per_tok
+    counts = [0] * e
+    counts[e - 1], counts[2], counts[e - 3], counts[0] = 9, 7, 7, 3  # the hottest three: e-1, then 2 and e-3 tied
+    stats = tmp_path / "routing.json"
+    layers = range(config.num_hidden_layers)
+    stats.write_text(json.dumps({"format": FORMAT, "num_experts": e, "layers": {str(i): counts for i in layers},
+                                 "tokens": {str(i): 13 for i in layers}}))
+
+    def rules(kwargs):
+        return CPU_RULES.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"' + kwargs)
+
+    hybrid = build(config, source, rules(f'\n      gpu_experts: 3\n      gpu_device: "{triton_device}"'
+                                         f'\n      gpu_experts_from: "{stats}"'))
+    op = hybrid.model.layers[0].mlp.experts.op
+    assert op.resident_ids == [e - 1, 2, e - 3] and op.resident[0].experts == 3
+    ref = build(config, source, TORCH_RULES).model.layers[0].mlp.experts.op
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, config.hidden_size, generator=g)
+    assert (e, k) == (16, 4)
+    ids = torch.tensor([[15, 1, 5, 6], [2, 0, 7, 8], [13, 3, 9, 10], [1, 13, 11, 4], [15, 4, 12, 14]])  # each row:
+    w = torch.rand(5, k, generator=g)  # resident (15, 2, 13) and CPU experts
+    dx, dids, dw = x.to(triton_device), ids.to(triton_device), w.to(triton_device)
+    assert rel(op.forward(dx, dids, dw).cpu(), ref.forward(x, ids, w)) < OP_TOL
+    hot = torch.tensor([e - 1, 2, e - 3], device=triton_device)
+    pick = torch.stack([torch.randperm(3, generator=g)[:min(k, 3)] for _ in range(5)]).to(triton_device)
+    only_hot = hot[pick]
+    assert torch.equal(op.forward(dx, only_hot, dw[:, :only_hot.shape[1]]),
+                       moe_quant(dx, pick, dw[:, :only_hot.shape[1]], *op.resident))
+    with pytest.raises(ValueError, match="gpu_experts_from needs gpu_experts"):
+        build(config, source, rules(f'\n      gpu_experts_from: "{stats}"'))
+    stats.write_text(json.dumps({"format": FORMAT, "num_experts": e, "layers": {str(i): counts for i in layers[1:]},
+                                 "tokens": {str(i): 13 for i in layers[1:]}}))
+    _read.cache_clear()
+    with pytest.raises(ValueError, match="no counts for layer 0"):
+        build(config, source, rules(f'\n      gpu_experts: 3\n      gpu_device: "{triton_device}"'
+                                    f'\n      gpu_experts_from: "{stats}"'))
