@@ -29,6 +29,9 @@
 #                                                each; writes the file first when it is missing; TESTS="files":
 #                                                those GPU tests first, beside the writer; SERVE_RULES=FILE: other
 #                                                rules (GPU_EXPERTS=N: the shipped ones with `gpu_experts: N`)
+#   bash scripts/device_open_checks.sh hot       the skewed-router file (written first, ~50 s): serve batch 1 recording
+#                                                routing statistics, then GPU_EXPERTS (64) of each layer's experts on
+#                                                the GPU, 0..N-1 and the N most-routed; ~6 min
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -191,6 +194,30 @@ serve)
       --gen_len 48 --batch_sizes 1 --profile_steps 4 --use_cuda_graph"
   done
   ;;
+hot)
+  # issue 14's better split on the skewed router (a few hot experts a layer, `make-tiny --router skewed`): the serve
+  # rules' batch 1 recording routing statistics, then with N of each layer's experts also on the GPU: 0..N-1, and
+  # the N most-routed (--gpu_experts_from); one 48 GB file in the shm mount at a time (the uniform one is removed)
+  F=${F_SKEWED:-/dev/shm/qwen3next-80b-q4km-s0-skewed.gguf}
+  rm -f /dev/shm/qwen3next-80b-q4km-s0.gguf
+  [ -f "$F" ] || ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --router skewed \
+    --out "$F" > "$OUT/mk.log" 2>&1 || { tail -5 "$OUT/mk.log"; exit 2; }
+  n=${GPU_EXPERTS:-64}
+  args=(--optimize_config_path ktrans/optimize_rules/Qwen3Next-serve.yaml --prompt_len 256 --gen_len 48
+        --batch_sizes 1 --profile_steps 4 --use_cuda_graph)
+  E2E_TIMEOUT=${E2E_TIMEOUT:-150} e2e hot_none "${args[@]}" --routing_stats_out "$OUT/routing.json"
+  python3 - "$OUT/routing.json" "$n" <<'EOF'
+import json, sys
+d, n = json.load(open(sys.argv[1])), int(sys.argv[2])
+shares = [sum(sorted(c, reverse=True)[:n]) / max(1, sum(c)) for c in d["layers"].values()]
+first = [sum(c[:n]) / max(1, sum(c)) for c in d["layers"].values()]
+print(f"routed pairs on the {n} hottest experts a layer: mean {sum(shares) / len(shares):.3f} (min {min(shares):.3f}); "
+      f"on experts 0..{n - 1}: {sum(first) / len(first):.3f}")
+EOF
+  E2E_TIMEOUT=${E2E_TIMEOUT:-150} e2e "hot_first$n" "${args[@]}" --num_gpu_experts "$n"
+  E2E_TIMEOUT=${E2E_TIMEOUT:-150} e2e "hot_hottest$n" "${args[@]}" --num_gpu_experts "$n" \
+    --gpu_experts_from "$OUT/routing.json"
+  ;;
 long)
   # issue 17: a 131,072-token prompt prefilled in chunks, then decoded, under the shipped serve rules; its KV and
   # DeltaNet memory beside what `rules show` predicts for the same cache
@@ -202,7 +229,7 @@ long)
     --use_cuda_graph
   ;;
 *)
-  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|serve|long" >&2
+  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|serve|hot|long" >&2
   exit 2
   ;;
 esac
