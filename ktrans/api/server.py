@@ -199,11 +199,28 @@ def summary(engine: Engine, name: str, opts: ServeOptions, injection=None, rules
         f"  batching   --chunk_size {engine.config.chunk_size} tokens/step, max_model_len {engine.max_model_len}, "
         f"default max_tokens {engine.config.max_new_tokens}",
     ]
+    resident = gpu_experts_line(model)
+    if resident:
+        lines.append(resident)
     graphs = engine.runner.graphs
     lines.append(f"  decode     CUDA graphs for batch buckets {graphs.buckets} (captured on first use)" if graphs
                  else "  decode     eager (no CUDA graphs: --no-use_cuda_graph, the batches are not on a GPU, CPU "
                       "modules in decode, or the model spans several GPUs; the log says which)")
     return "\n".join(lines)
+
+
+def gpu_experts_line(model) -> str | None:
+    """The CPU experts' resident GPU copies (`gpu_experts`), or None where no layer has them."""
+    from ktrans.operators.experts_cpu import KExpertsCPU
+
+    ops = [m for m in model.modules() if isinstance(m, KExpertsCPU) and m.resident is not None]
+    if not ops:
+        return None
+    n = sorted({len(op.resident_ids) for op in ops})
+    which = f"each layer's most-routed in {ops[0].gpu_experts_from}" if ops[0].gpu_experts_from else "experts 0..N-1"
+    size = sum(w.nbytes for op in ops for w in op.resident)
+    return (f"  experts    {'/'.join(map(str, n))} of {ops[0].num_experts} a layer also on {ops[0].gpu_device} in "
+            f"{len(ops)} layers ({which}; {_mib(size)}), the rest on the CPU (--num_gpu_experts)")
 
 
 def _rss_text() -> str:

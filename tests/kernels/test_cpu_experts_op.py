@@ -226,6 +226,9 @@ def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, triton_device):
     plain = build(config, source, CPU_RULES).model.layers[0].mlp.experts.op
     ref = build(config, source, TORCH_RULES).model.layers[0].mlp.experts.op
     assert op.resident is not None and op.resident[0].experts == 3 and op.load_report["gpu_experts"] == 3
+    from ktrans.api.server import gpu_experts_line
+
+    assert "experts 0..N-1" in gpu_experts_line(hybrid) and gpu_experts_line(build(config, source, CPU_RULES)) is None
     g = torch.Generator().manual_seed(9)
     x = torch.randn(6, config.hidden_size, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(6)])
@@ -273,6 +276,11 @@ def test_gpu_experts_from_routing_statistics(tiny256, tmp_path, triton_device):
                                          f'\n      gpu_experts_from: "{stats}"'))
     op = hybrid.model.layers[0].mlp.experts.op
     assert op.resident_ids == [e - 1, 2, e - 3] and op.resident[0].experts == 3
+    from ktrans.api.server import gpu_experts_line  # the startup summary's line
+
+    line = gpu_experts_line(hybrid)
+    assert f"3 of {e} a layer also on" in line and f"most-routed in {stats}" in line
+    assert f"in {config.num_hidden_layers} layers" in line
     ref = build(config, source, TORCH_RULES).model.layers[0].mlp.experts.op
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, config.hidden_size, generator=g)
