@@ -9,7 +9,8 @@
 #                                                file writer and the llama-bench build, `bench kernels --family quant`
 #                                                (MoE B=1 with and without lanes, the layer GEMVs with the fused sum
 #                                                off/on; SWEEP=1: the GEMV sweep too; GDN_SWEEP=1: the chunked
-#                                                DeltaNet's launch shapes; NO_BENCH=1: none); ~9 min
+#                                                DeltaNet's launch shapes and prep forms, before the benches;
+#                                                NO_BENCH=1: no quantized benches); ~9 min
 #   bash scripts/device_open_checks.sh e2e       once the file is there: bench e2e under the serve rules with the ITL
 #                                                run (per-step tokens, compiles and their specializations), then the
 #                                                CPU-only flat and module steps alternating in one process, with
@@ -84,7 +85,22 @@ kernels)
     start_writer "$OUT/mk.log"
     start_llama /tmp/llb 8
   fi
-  if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: the tests and the file only
+  # the sweeps first (GDN_SWEEP=1, SWEEP=1), then the quantized kernels' benches (NO_BENCH=1: not those)
+  if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
+    echo "== gdn sweep"
+    # shellcheck disable=SC2086
+    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep group,head,ai --prep_cols 32,64} \
+      > "$OUT/gdn_sweep.txt" 2>&1
+    grep -E "T=|best" "$OUT/gdn_sweep.txt"
+  fi
+  if [ -n "${SWEEP:-}" ]; then
+    echo "== gemv sweep (fused sum 0/1)"
+    # shellcheck disable=SC2086
+    timeout 200 python3 scripts/gemv_sweep.py --reps 10 ${SWEEP_ARGS:---bn 32,64 --warps 4,8 --per_sm 4,8} \
+      > "$OUT/sweep.txt" 2>&1
+    grep -E "HBM|best" "$OUT/sweep.txt"
+  fi
+  if [ -z "${NO_BENCH:-}" ]; then  # NO_BENCH=1: no quantized kernel benches
     echo "== ktrans bench kernels --family quant --match '${MOE_MATCH:=moe}'"
     for u in ${MOE_ENV:-KTRANS_MOE_LANES=1}; do  # one run per environment named (VAR=value ...)
       # shellcheck disable=SC2086  # A=1+B=2: two variables
@@ -102,20 +118,6 @@ kernels)
       python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
         "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
     done
-    if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
-      echo "== gdn sweep"
-      # shellcheck disable=SC2086
-      timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep group,head,ai --prep_cols 32,64} \
-        > "$OUT/gdn_sweep.txt" 2>&1
-      grep -E "fla-core|best|FAIL" "$OUT/gdn_sweep.txt"
-    fi
-    if [ -n "${SWEEP:-}" ]; then
-      echo "== gemv sweep (fused sum 0/1)"
-      # shellcheck disable=SC2086
-      timeout 200 python3 scripts/gemv_sweep.py --reps 10 ${SWEEP_ARGS:---bn 32,64 --warps 4,8 --per_sm 4,8} \
-        > "$OUT/sweep.txt" 2>&1
-      grep -E "HBM|best" "$OUT/sweep.txt"
-    fi
   fi
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   tail -c 300 "$OUT/mk.log" 2>/dev/null; echo
