@@ -6,6 +6,7 @@ loopback port, for tests and benchmarks.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -249,6 +250,7 @@ def run(opts: ServeOptions) -> None:
     t0 = time.perf_counter()
     if opts.max_request_body_bytes <= 0:
         raise ValueError(f"--max_request_body_bytes must be positive, got {opts.max_request_body_bytes}")
+    check_routing_stats_out(opts.routing_stats_out)
     sock = listen_socket(opts.host, opts.port)  # a busy port is found now, not after minutes of loading
     print("ktrans serve: loading the model ...", file=sys.stderr, flush=True)
     try:
@@ -286,11 +288,27 @@ def run(opts: ServeOptions) -> None:
             save_routing_stats(opts.routing_stats_out)
 
 
+def check_routing_stats_out(path: str | None) -> None:
+    """--routing_stats_out is written at exit: its directory must exist and be writable now, not after hours."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or Path(path).is_dir():
+        raise ValueError(f"--routing_stats_out {path}: cannot write there (no such writable directory {parent}, or "
+                         f"it is a directory)")
+
+
 def save_routing_stats(path: str) -> None:
-    """Write what ROUTING recorded to `path` (--routing_stats_out), saying how much it holds."""
+    """Stop recording and write what ROUTING recorded to `path` (--routing_stats_out), saying how much it holds; a
+    failure is reported, not raised (it runs as the server stops, where another error may be on its way)."""
     from ktrans.operators.routing_stats import ROUTING
 
-    ROUTING.save(path)
+    ROUTING.stop()
+    try:
+        ROUTING.save(path)
+    except Exception as e:  # noqa: BLE001 - reported; the stats are lost, the exit goes on
+        print(f"ktrans: could not write the routing statistics to {path}: {e}", file=sys.stderr, flush=True)
+        return
     tokens = max(ROUTING.tokens.values(), default=0)
     print(f"ktrans: routing statistics of {tokens} tokens over {len(ROUTING.counts)} MoE layers written to {path} "
           f"(use them with --num_gpu_experts N --gpu_experts_from {path})", file=sys.stderr, flush=True)

@@ -339,9 +339,10 @@ def _summary(run: _Run, batch: int) -> dict:
 def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     from ktrans.operators.experts_cpu import KExpertsCPU
     from ktrans.engine.engine import Engine, EngineConfig, default_chunk_size
-    from ktrans.api.server import ServeOptions, load, save_routing_stats
+    from ktrans.api.server import ServeOptions, check_routing_stats_out, load, save_routing_stats
     from ktrans.operators.routing_stats import ROUTING
 
+    check_routing_stats_out(opts.routing_stats_out)
     t0 = time.perf_counter()
     serve = ServeOptions(model_path=opts.model_path, gguf_path=opts.gguf_path,
                          optimize_config_path=opts.optimize_config_path, cpu_infer=opts.cpu_infer, dtype=opts.dtype,

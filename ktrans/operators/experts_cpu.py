@@ -122,7 +122,9 @@ class KExpertsCPU(ExpertsOp):
         stay those of the step, so a CUDA graph captures both halves."""
         from ktrans.kernels.triton.moe_quant import moe_quant
 
-        slots = self._slot_of[ids]  # the resident stacks' own numbering
+        # the resident stacks' own numbering; a -1 id (a pair a caller masked off, e.g. the split prefill's GPU share)
+        # stays -1, not the last expert's slot
+        slots = torch.where(ids >= 0, self._slot_of[ids.clamp_min(0)], -1)
         resident = slots >= 0
         self._resident_out = moe_quant(x, torch.where(resident, slots, -1), weights, *self.resident)
         return torch.where(resident, -1, ids)

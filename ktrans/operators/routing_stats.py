@@ -3,7 +3,8 @@
 `--routing_stats_out PATH` (ktrans serve, ktrans bench e2e) records them: each MoE block adds its step's top-k ids
 to a per-layer count on the ids' device (a scatter-add, no host sync), in eager forward steps only: every prefill
 token, and decode steps that run eagerly (a replayed CUDA graph runs no Python; its routing follows the same
-distribution as the prompts'). Pad rows of a padded decode batch are not counted. The file is JSON:
+distribution as the prompts'). Pad rows of a padded decode batch are not counted, nor are decode steps whose
+routing runs inside the CPU experts' stage-in launch (KTRANS_ROUTE_STAGE=1). The file is JSON:
 
     {"format": "ktrans-routing-stats/1", "num_experts": 512, "layers": {"0": [count per expert, ...], ...},
      "tokens": {"0": tokens counted, ...}}
@@ -30,11 +31,22 @@ class RoutingStats:
     def __init__(self) -> None:
         self.on = False
         self.num_experts: int | None = None
-        self.counts: dict[int, torch.Tensor] = {}
+        self._counts: dict[tuple[int, str], torch.Tensor] = {}  # (layer, device): a layer's phases may differ
         self.tokens: dict[int, int] = {}
 
     def start(self) -> None:
-        self.on, self.counts, self.tokens, self.num_experts = True, {}, {}, None
+        self.on, self._counts, self.tokens, self.num_experts = True, {}, {}, None
+
+    def stop(self) -> None:
+        self.on = False
+
+    @property
+    def counts(self) -> dict[int, torch.Tensor]:
+        """Each layer's counts on the host, summed over the devices it was recorded on (syncs)."""
+        out: dict[int, torch.Tensor] = {}
+        for (layer, _), c in self._counts.items():
+            out[layer] = out[layer] + c.cpu() if layer in out else c.cpu()
+        return out
 
     def record(self, layer: int, ids: torch.Tensor, num_experts: int, live: int | None = None) -> None:
         """Add ids [T, k] (the first `live` rows: a padded batch's live ones) to layer's counts."""
@@ -45,11 +57,10 @@ class RoutingStats:
                              f"{self.num_experts}")
         self.num_experts = num_experts
         ids = ids if live is None else ids[:live]
-        counts = self.counts.get(layer)
+        key = (layer, str(ids.device))
+        counts = self._counts.get(key)
         if counts is None:
-            counts = self.counts[layer] = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-        elif counts.device != ids.device:  # a phase placed on another device: the counts follow the ids
-            counts = self.counts[layer] = counts.to(ids.device)
+            counts = self._counts[key] = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
         flat = ids.reshape(-1).to(torch.int64)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
         self.tokens[layer] = self.tokens.get(layer, 0) + ids.shape[0]

@@ -68,6 +68,16 @@ def test_every_token_of_a_generation_is_counted(tiny, recording, tmp_path):
     assert set(recording.tokens.values()) == {fed}
 
 
+def test_stats_out_must_be_writable_before_serving(tmp_path):
+    from ktrans.api.server import check_routing_stats_out
+
+    check_routing_stats_out(str(tmp_path / "r.json"))
+    with pytest.raises(ValueError, match="--routing_stats_out .*cannot write there"):
+        check_routing_stats_out(str(tmp_path / "no" / "r.json"))
+    with pytest.raises(ValueError, match="--routing_stats_out"):
+        check_routing_stats_out(str(tmp_path))
+
+
 def test_flags_name_each_other(tmp_path, capsys):
     serve = str(RULES_DIR / "Qwen3Next-serve.yaml")
     stats = tmp_path / "r.json"

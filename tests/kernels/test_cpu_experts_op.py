@@ -289,6 +289,12 @@ def test_gpu_experts_from_routing_statistics(tiny256, tmp_path, triton_device):
     w = torch.rand(5, k, generator=g)  # resident (15, 2, 13) and CPU experts
     dx, dids, dw = x.to(triton_device), ids.to(triton_device), w.to(triton_device)
     assert rel(op.forward(dx, dids, dw).cpu(), ref.forward(x, ids, w)) < OP_TOL
+    # a pair masked off by the caller (-1, as the split prefill's GPU share passes) adds nothing: it is not the last
+    # expert's (15, resident) slot
+    masked = ids.clone()
+    masked[:, 2] = -1
+    dropped = torch.where(masked < 0, 4, masked), torch.where(masked < 0, 0.0, w)  # expert 4 at weight 0
+    assert rel(op.forward(dx, masked.to(triton_device), dw).cpu(), ref.forward(x, *dropped)) < OP_TOL
     hot = torch.tensor([e - 1, 2, e - 3], device=triton_device)
     pick = torch.stack([torch.randperm(3, generator=g)[:min(k, 3)] for _ in range(5)]).to(triton_device)
     only_hot = hot[pick]
