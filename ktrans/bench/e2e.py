@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ktrans.bench.measure import TOP_KERNELS, busy_union, cuda_devices, gpu_memory, host_memory, top_kernels
 from ktrans.engine.sampler import SamplingParams
 from ktrans.kernels import cpu
 from ktrans.kernels.triton import CompileLog
@@ -86,7 +87,6 @@ class E2EOptions:
                              f"and {self.itl_decodes}")
 
 
-TOP_KERNELS = 12  # the kernels the profiled decode steps list by device time
 WAIT_KERNEL = "_cpu_wait_kernel"  # ktrans.kernels.triton.stage: polls for the CPU experts, counted as waiting
 _ITL_BEFORE = 16  # decode-only steps in the ITL sample before the long prompt arrives
 
@@ -109,23 +109,6 @@ class _Run:
     steps: list[_Step] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
-
-
-def _cuda_devices(model) -> list[torch.device]:
-    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"} |
-                  {b.device for b in model.buffers() if b.device.type == "cuda"}, key=str)
-
-
-def top_kernels(events, steps: int, n: int = TOP_KERNELS) -> dict[str, tuple[float, float]]:
-    """The n device operations (profiler events; names cut at 80 characters) with the most device time: name ->
-    (us, calls) a step, the largest first."""
-    per: dict[str, list[float]] = {}
-    for e in events:
-        t = per.setdefault(e.name[:80], [0.0, 0.0])
-        t[0] += (e.time_range.end - e.time_range.start) / steps
-        t[1] += 1 / steps
-    ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:n]
-    return {k: (round(us, 1), round(calls, 2)) for k, (us, calls) in ranked}
 
 
 class _Bench:
@@ -280,32 +263,6 @@ class _Bench:
         return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps, top_kernels(device_ops, steps)
 
 
-def busy_union(spans: list[tuple[float, float, bool]]) -> float:
-    """The time the device works, from its operations' (start, end, waiting) spans: the union of the spans, less the
-    waiting ones (the CPU experts' poll), where a span that starts before everything earlier has ended counts only
-    from that end (a kernel launched with programmatic dependent launch waits there for its predecessor). Meant for
-    one stream (a decode step's): work on another stream that overlaps a poll would be left out."""
-    busy, end = 0.0, float("-inf")
-    for a, b, waiting in sorted(s for s in spans if s[1] > s[0]):
-        if not waiting:
-            busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    return busy
-
-
-def _rss() -> dict[str, float]:
-    now, peak = cpu.host_rss()
-    huge = cpu.host_hugepages()
-    return {"host_rss_gib": now and now / 2**30, "host_peak_rss_gib": peak and peak / 2**30,
-            "host_hugepages_gib": huge and huge / 2**30}
-
-
-def _gpu_memory(devices: list[torch.device]) -> dict[str, dict[str, float]]:
-    return {str(d): {"allocated_gib": torch.cuda.memory_allocated(d) / 2**30,
-                     "peak_allocated_gib": torch.cuda.max_memory_allocated(d) / 2**30,
-                     "reserved_gib": torch.cuda.memory_reserved(d) / 2**30} for d in devices}
-
-
 def _mean(xs) -> float | None:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else None
@@ -349,7 +306,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
                          num_gpu_experts=opts.num_gpu_experts, gpu_experts_from=opts.gpu_experts_from)
     model, tokenizer, name, injection = load(serve, show_progress=show_progress)
     load_s = time.perf_counter() - t0
-    devices = _cuda_devices(model)
+    devices = cuda_devices(model)
     max_b = max(opts.batch_sizes)
     per_req = opts.prompt_len + opts.gen_len + 1
     longest = max((n + 3 for n in opts.prefill_lens), default=0)  # a prefill-only request: prompt, 2 tokens
@@ -460,9 +417,9 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "cuda_graphs": (None if engine.runner.graphs is None else
                         {"captured": engine.runner.graphs.num_captures, "replays": engine.runner.graphs.num_replays}),
         "batches": results,
-        **_rss(),
+        **host_memory(),
         "numa_nodes": len(cpu.numa_nodes()),  # two or more: the CPU experts' workers may read remote memory
-        "gpu_memory": _gpu_memory(devices),
+        "gpu_memory": gpu_memory(devices),
     }
     if opts.routing_stats_out:
         save_routing_stats(opts.routing_stats_out)

@@ -134,7 +134,7 @@ def test_no_warmup_reaches_the_run(report):
 def test_top_kernels_rank_device_time_per_step():
     from types import SimpleNamespace as NS
 
-    from ktrans.bench.e2e import top_kernels
+    from ktrans.bench.measure import top_kernels
 
     ev = lambda name, a, b: NS(name=name, time_range=NS(start=a, end=b))  # noqa: E731
     events = [ev("gemv_kernel", 0, 10), ev("gemv_kernel", 20, 26), ev("_moe_lanes_kernel", 30, 60),
@@ -147,7 +147,7 @@ def test_top_kernels_rank_device_time_per_step():
 def test_busy_union_counts_waiting_and_early_started_kernels_out():
     """bench e2e's GPU share: overlapping kernels counted once, the CPU experts' poll not at all, and a kernel that
     started while the poll ran (programmatic dependent launch) only from the poll's end."""
-    from ktrans.bench.e2e import busy_union
+    from ktrans.bench.measure import busy_union
 
     assert busy_union([(0, 10, False), (5, 12, False), (20, 25, False)]) == 17
     # a poll 10..100, the kernel after it launched at 11 (waiting at its top until 100), busy 100..104
