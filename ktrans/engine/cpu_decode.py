@@ -65,6 +65,7 @@ class _Linear:
         self.n_in = op.n_in
         self.n_out = sum(n for _, n in self.mats)  # the parts' columns side by side (stored order)
         self.order = op.order if op.parts else None
+        self._plans: dict[int, tuple] = {}  # id(index) -> (index, a (start, end) of the stored columns or a gather)
 
     def submit(self, x: torch.Tensor) -> tuple:
         """Queue every part; each writes its columns of one [T, n_out] output in place (the output's row stride),
@@ -79,13 +80,28 @@ class _Linear:
         return x, tickets, y  # x kept alive until the jobs are waited for
 
     def done(self, pending: tuple, *index: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-        """The output; with `index` tensors, one gather of the output's columns (HF's order) per index instead."""
+        """The output; with `index` tensors (HF's column order), those columns of it instead: a view where they lie
+        side by side in the stored order (a split GGUF's attn_qkv and attn_gate give [q | k | v] and z so), else one
+        gather each."""
         _, tickets, y = pending
         for ticket in tickets:
             self.pool.wait(ticket)
-        if self.order is None:
-            return [y.index_select(1, i) for i in index] if index else y
-        return [y.index_select(1, self.order[i]) for i in index] if index else y.index_select(1, self.order)
+        if not index:
+            return y if self.order is None else y.index_select(1, self.order)
+        return [self._columns(y, i) for i in index]
+
+    def _columns(self, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        plan = self._plans.get(id(index))
+        if plan is None:  # once per index tensor (the layer's own, kept for its lifetime)
+            cols = index if self.order is None else self.order[index]
+            lo = int(cols[0]) if len(cols) else 0
+            side_by_side = torch.equal(cols, torch.arange(lo, lo + len(cols)))
+            plan = self._plans[id(index)] = (index, (lo, lo + len(cols)) if side_by_side else cols)
+        span = plan[1]
+        if isinstance(span, tuple):
+            view = y[:, span[0]:span[1]]
+            return view if y.shape[0] == 1 else view.contiguous()
+        return y.index_select(1, span)
 
 
 def _submit_all(x: torch.Tensor, *linears: _Linear) -> list[tuple]:

@@ -80,6 +80,9 @@ def test_flat_decode_equals_the_module_forward_gguf(tmp_path_factory, monkeypatc
     step = _flat_equals_modules(models, config.vocab_size, monkeypatch)
     linears = [v for layer in step.layers for v in vars(layer).values() if isinstance(v, _Linear)]
     assert any(lin.order is not None for lin in linears), "no split projection in the file: the gather is untested"
+    spans = [type(plan[1]) for lin in linears for plan in lin._plans.values()]
+    # the split in_proj_qkvz's [q | k | v] and z lie side by side as stored (views); in_proj_ba's b and a do not
+    assert tuple in spans and torch.Tensor in spans, spans
     assert all(layer.shared.fused is not None for layer in step.layers)
 
 
