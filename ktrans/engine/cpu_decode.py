@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ktrans import _cpu
+from ktrans.operators import layers_cpu
 from ktrans.operators.routing_stats import ROUTING
 from ktrans.runtime.batch import GENERATE, ForwardBatch
 
@@ -104,6 +106,31 @@ class _Linear:
         return y.index_select(1, span)
 
 
+class _Norm:
+    """A KRMSNormCPU as its one C++ call for the step's float32 rows [T, n] (its residual add too), without the op's
+    per-call reshapes, conversions and checks; anything else, or rows past the size rule, goes to the op."""
+
+    def __init__(self, module):
+        self.op = _op(module, "norm")
+        self.w, self.eps = self.op.w32, float(self.op.eps)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        n = self.w.numel()
+        if x.dim() != 2 or x.shape[1] != n or x.dtype != torch.float32 or not x.is_contiguous() \
+                or x.numel() > layers_cpu.SMALL_ELEMENTS or residual is not None and (
+                    residual.shape != x.shape or residual.dtype != torch.float32 or not residual.is_contiguous()):
+            return self.op(x, residual)
+        t = x.shape[0]
+        out = torch.empty(t, n)
+        if residual is None:
+            _cpu.rms_norm_rows(t, n, x.data_ptr(), n, 0, 0, 0, 0, self.w.data_ptr(), 1.0, self.eps, out.data_ptr(), n)
+            return out
+        total = torch.empty(t, n)
+        _cpu.rms_norm_rows(t, n, x.data_ptr(), n, residual.data_ptr(), n, total.data_ptr(), n, self.w.data_ptr(), 1.0,
+                           self.eps, out.data_ptr(), n)
+        return out, total
+
+
 def _submit_all(x: torch.Tensor, *linears: _Linear) -> list[tuple]:
     return [lin.submit(x) for lin in linears]
 
@@ -161,8 +188,8 @@ class _Mlp:
 
 class _Layer:
     def __init__(self, layer):
-        self.norm_in = _op(layer.input_layernorm, "norm")
-        self.norm_post = _op(layer.post_attention_layernorm, "norm")
+        self.norm_in = _Norm(layer.input_layernorm)
+        self.norm_post = _Norm(layer.post_attention_layernorm)
         if hasattr(layer, "linear_attn"):
             m = layer.linear_attn
             self.gdn = _op(m, "gdn")
@@ -252,7 +279,7 @@ class CPUDecodeStep:
             raise Unsupported("the model's dtype is not float32 (the C++ jobs here are given float32 buffers)")
         self.rope = _op(inner.rotary_emb, "rope")
         self.layers = [_Layer(layer) for layer in inner.layers]
-        self.norm = _op(inner.norm, "norm")
+        self.norm = _Norm(inner.norm)
         self.lm_head = _Linear(model.lm_head)
         if any(getattr(layer, "_ktrans_device", None) not in (None, torch.device("cpu")) for layer in inner.layers):
             raise Unsupported("layers placed on another device")
