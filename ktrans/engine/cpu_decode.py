@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ktrans import _cpu
+from ktrans.kernels import cpu, cpu_layers
 from ktrans.operators import layers_cpu
 from ktrans.operators.routing_stats import ROUTING
 from ktrans.runtime.batch import GENERATE, ForwardBatch
@@ -131,6 +132,51 @@ class _Norm:
         return out, total
 
 
+class _GDN:
+    """A KGatedDeltaNetCPU's decode step as its one C++ call: what the op runs (cpu_layers.gdn_decode on its float32
+    weights), without the per-call conversions and checks (the pools are checked when they change, the rows are the
+    step's own float32 ones); a step the op runs otherwise (prefill, a mixed step) or other inputs go to the op."""
+
+    def __init__(self, module):
+        op = self.op = _op(module, "gdn")
+        self.conv_w, self.A_log, self.dt_bias, self.norm_w = op.f32
+        self.shape = op.num_k_heads, op.num_v_heads, op.head_k_dim, op.head_v_dim, self.conv_w.shape[1]
+        self.pools: tuple | None = None
+        self.calls = 0  # steps run here, not by the op
+
+    def __call__(self, mixed, z, b, a, batch: ForwardBatch) -> torch.Tensor:
+        op = self.op
+        if not op.planned_for(batch):
+            op.plan(batch)
+        step = op.step
+        hk, hv, dk, dv, kernel = self.shape
+        t = mixed.shape[0]
+        if step.prefill or step.decode_rows is None or any(x.dtype != torch.float32 or not x.is_contiguous()
+                                                           for x in (mixed, z, b, a)) \
+                or mixed.shape[1] != 2 * hk * dk + hv * dv or z.numel() != t * hv * dv or b.numel() != t * hv \
+                or a.numel() != t * hv:
+            return op(mixed, z, b, a, batch)
+        pools = batch.states.layer(op.layer_idx)
+        if self.pools is None or self.pools[0] is not pools[0] or self.pools[1] is not pools[1]:
+            layers_cpu.check_pool_device(op.key, "DeltaNet state", pools[0], op.device)
+            cpu_layers._pool_tensor(pools[0], "conv_pool")
+            cpu_layers._pool_tensor(pools[1], "ssm_pool", (torch.float32,))
+            self.pools = pools
+        conv_pool, ssm_pool = pools
+        slots = cpu_layers._i64(step.decode_slots)
+        n = slots.numel()
+        if n > t:
+            return op(mixed, z, b, a, batch)
+        self.calls += 1
+        out = torch.empty(n, hv * dv)
+        _cpu.gdn_decode(cpu.get_pool(), n, hk, hv, dk, dv, kernel, mixed.data_ptr(), mixed.shape[1], z.data_ptr(),
+                        hv * dv, a.data_ptr(), b.data_ptr(), hv, 0, t, slots.data_ptr(), conv_pool.shape[0],
+                        self.A_log.data_ptr(), self.dt_bias.data_ptr(), self.conv_w.data_ptr(), self.norm_w.data_ptr(),
+                        float(op.eps), conv_pool.data_ptr(), conv_pool.dtype == torch.bfloat16, ssm_pool.data_ptr(),
+                        out.data_ptr(), hv * dv, "auto")
+        return out
+
+
 def _submit_all(x: torch.Tensor, *linears: _Linear) -> list[tuple]:
     return [lin.submit(x) for lin in linears]
 
@@ -192,7 +238,7 @@ class _Layer:
         self.norm_post = _Norm(layer.post_attention_layernorm)
         if hasattr(layer, "linear_attn"):
             m = layer.linear_attn
-            self.gdn = _op(m, "gdn")
+            self.gdn = _GDN(m)
             self.qkvz, self.ba, self.out = _Linear(m.in_proj_qkvz), _Linear(m.in_proj_ba), _Linear(m.out_proj)
             hk, dk, dv, r = m.num_k_heads, m.head_k_dim, m.head_v_dim, m.num_v_heads // m.num_k_heads
             w = 2 * dk + 2 * r * dv  # one key head's group: q | k | v (r heads) | z (r heads)
