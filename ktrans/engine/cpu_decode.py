@@ -161,6 +161,10 @@ class _GDN:
             layers_cpu.check_pool_device(op.key, "DeltaNet state", pools[0], op.device)
             cpu_layers._pool_tensor(pools[0], "conv_pool")
             cpu_layers._pool_tensor(pools[1], "ssm_pool", (torch.float32,))
+            slots_n = pools[1].shape[0]
+            if pools[1].shape != (slots_n, hv, dk, dv) or pools[0].shape != (slots_n, mixed.shape[1], kernel - 1):
+                raise ValueError(f"{op.key}: DeltaNet pools {tuple(pools[0].shape)} and {tuple(pools[1].shape)} do "
+                                 f"not fit the layer")
             self.pools = pools
         conv_pool, ssm_pool = pools
         slots = cpu_layers._i64(step.decode_slots)
