@@ -168,17 +168,11 @@ class _GDN:
             self.pools = pools
         conv_pool, ssm_pool = pools
         slots = cpu_layers._i64(step.decode_slots)
-        n = slots.numel()
-        if n > t:
+        if slots.numel() > t:
             return op(mixed, z, b, a, batch)
         self.calls += 1
-        out = torch.empty(n, hv * dv)
-        _cpu.gdn_decode(cpu.get_pool(), n, hk, hv, dk, dv, kernel, mixed.data_ptr(), mixed.shape[1], z.data_ptr(),
-                        hv * dv, a.data_ptr(), b.data_ptr(), hv, 0, t, slots.data_ptr(), conv_pool.shape[0],
-                        self.A_log.data_ptr(), self.dt_bias.data_ptr(), self.conv_w.data_ptr(), self.norm_w.data_ptr(),
-                        float(op.eps), conv_pool.data_ptr(), conv_pool.dtype == torch.bfloat16, ssm_pool.data_ptr(),
-                        out.data_ptr(), hv * dv, "auto")
-        return out
+        return cpu_layers.gdn_decode_checked(mixed, z, b, a, self.A_log, self.dt_bias, self.conv_w, self.norm_w,
+                                             op.eps, conv_pool, ssm_pool, slots, hk, pool=cpu.get_pool())
 
 
 def _submit_all(x: torch.Tensor, *linears: _Linear) -> list[tuple]:

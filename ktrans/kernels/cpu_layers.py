@@ -74,12 +74,25 @@ def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
     n = slots.numel()
     if rows is None and n > t or rows is not None and rows.numel() != n:
         raise ValueError(f"{n} slots for {t} token rows" + ("" if rows is None else f" and {rows.numel()} rows"))
+    return gdn_decode_checked(mixed, z, b, a, A_log, dt_bias, conv_weight, norm_weight, eps, conv_pool, ssm_pool,
+                              slots, num_k_heads, rows, pool, isa)
+
+
+def gdn_decode_checked(mixed, z, b, a, A_log, dt_bias, conv_weight, norm_weight, eps: float, conv_pool, ssm_pool,
+                       slots, num_k_heads: int, rows=None, pool: _cpu.ThreadPool | None = None,
+                       isa: str = "auto") -> torch.Tensor:
+    """gdn_decode's kernel call on inputs already as it checks them (float32 rows with unit column stride, the
+    pools contiguous and of fitting shapes, slots and rows int64): the caller vouches for them (the flat CPU decode
+    step, which checks its pools when they change)."""
+    t, conv_dim = mixed.shape
+    n_slots, hv, dk, dv = ssm_pool.shape
+    n = slots.numel()
     out = torch.empty(n, hv * dv, dtype=torch.float32)
-    _cpu.gdn_decode(pool, n, num_k_heads, hv, dk, dv, kernel, mixed.data_ptr(), conv_dim, z.data_ptr(), hv * dv,
-                    a.data_ptr(), b.data_ptr(), hv, 0 if rows is None else rows.data_ptr(), t, slots.data_ptr(),
-                    n_slots, A_log.data_ptr(), dt_bias.data_ptr(), conv_weight.data_ptr(), norm_weight.data_ptr(),
-                    float(eps), conv_pool.data_ptr(), conv_pool.dtype == torch.bfloat16, ssm_pool.data_ptr(),
-                    out.data_ptr(), hv * dv, isa)
+    _cpu.gdn_decode(pool, n, num_k_heads, hv, dk, dv, conv_pool.shape[2] + 1, mixed.data_ptr(), conv_dim,
+                    z.data_ptr(), hv * dv, a.data_ptr(), b.data_ptr(), hv, 0 if rows is None else rows.data_ptr(), t,
+                    slots.data_ptr(), n_slots, A_log.data_ptr(), dt_bias.data_ptr(), conv_weight.data_ptr(),
+                    norm_weight.data_ptr(), float(eps), conv_pool.data_ptr(), conv_pool.dtype == torch.bfloat16,
+                    ssm_pool.data_ptr(), out.data_ptr(), hv * dv, isa)
     return out
 
 

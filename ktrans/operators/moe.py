@@ -9,13 +9,13 @@ submitted before the shared expert runs and synced after, so a CPU expert op ove
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 import torch.nn.functional as F
 
 from ktrans.model.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
+from ktrans.operators.experts import layer_index
 from ktrans.operators.linear import project
 from ktrans.operators.routing_stats import ROUTING
 from ktrans.runtime.batch import current_batch
@@ -82,8 +82,7 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         self.top_k = orig.top_k
         self.norm_topk_prob = orig.norm_topk_prob
         self._shared_fused: dict[str, "_SharedFused | None"] = {}  # per phase, built at its first call
-        m = re.search(r"layers\.(\d+)\.", key)
-        self.layer = int(m.group(1)) if m else -1  # the routing statistics' key
+        self.layer = layer_index(key, "KQwen3NextSparseMoeBlock")  # the routing statistics' key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         phase, dev = self.phase_device()
