@@ -1,16 +1,16 @@
 """The chunked gated delta rule's launch shapes (ktrans.kernels.triton.gated_delta: PREP_WARPS, SCAN_WARPS,
-SCAN_BLOCK_V; gated_delta_prep: the prep's form PREP and the head form's PREP_COLS) under a grid, on the GPU at Qwen3-Next's shapes (HK 16, HV 32, d 128, one sequence): device time by
+SCAN_BLOCK_V; gated_delta_prep: the column block PREP_COLS of w and u) under a grid, on the GPU at Qwen3-Next's
+shapes (HK 16, HV 32, d 128, one sequence): device time by
 CUDA-graph replay with a cold L2 (ktrans.bench.kernels.time_cuda), the whole call and its first launch alone (the
 per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_delta_rule on the same inputs where it
 imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
-                                 [--split 0,1] [--prep group,head] [--prep_cols 32,64]
+                                 [--split 0,1] [--prep_cols 32,64]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
-sequential launch and the output launch together. --prep head: a prep program per (chunk, value head), w and u by
-column blocks of --prep_cols; ai: the inverse stored, then w and u by a launch per column block (KTRANS_GDN_PREP;
-the columns do not apply to the group form). "prep" times every launch before the scan.
+sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. "prep" times
+the launch before the scan.
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ def main() -> None:
     ap.add_argument("--scan_warps", default="2,4,8")
     ap.add_argument("--block_v", default="16,32,64")
     ap.add_argument("--split", default="0,1")
-    ap.add_argument("--prep", default="group", help="prep forms: group, head, ai")
-    ap.add_argument("--prep_cols", default="64", help="the head form's column blocks")
+    ap.add_argument("--prep_cols", default="64", help="the prep's column blocks for w and u")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -57,16 +56,10 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        forms = [(f, c) for f in args.prep.split(",") for c in (ints(args.prep_cols) if f != "group" else [0])]
-        for prep_w, scan_w, bv, split, (form, cols) in itertools.product(
-                ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split), forms):
-            gd.PREP_WARPS, gd.SCAN_WARPS = prep_w, scan_w
-            gdp.PREP, gdp.PREP_COLS = form, cols or gdp.PREP_COLS
-            name = f"T={t} prep={form}{f'/{cols}' if cols else ''} prep_warps={prep_w} scan_warps={scan_w} " \
-                   f"block_v={bv} split={split}"
+
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split))
-            key = (form, cols, prep_w, scan_w, bv, split)
+            key = (cols, prep_w, scan_w, bv, split)
             try:
                 whole = median(call)
                 later = {k_: getattr(gd, k_) for k_ in ("_scan_kernel", "_output_kernel")}  # the prep's stay
@@ -84,7 +77,7 @@ def main() -> None:
             if t not in best or whole < best[t][0]:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
-        print(f"best T={t}: prep, prep_cols, prep_warps, scan_warps, block_v, split = {key}, {us:.1f} us")
+        print(f"best T={t}: prep_cols, prep_warps, scan_warps, block_v, split = {key}, {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -9,32 +9,20 @@ attn = (q k^T) exp(cum_i - cum_j) (causal). The design is FLA's chunked WY form 
 fla/ops/gated_delta_rule/wy_fast.py, fla/ops/common/chunk_scaled_dot_kkt.py, fla/ops/utils/solve_tril.py), there
 spread over several launches.
 
-Three forms of the same arithmetic (`KTRANS_GDN_PREP`):
-
-- `group` (default): one program per (chunk, key head) for the R value heads that share its q and k; q.k and the
-  normalised k are made once for the group. Everything of the chunk sits in registers at once (q, k, the two
-  heads' solves at full width): at Qwen3-Next's shapes ptxas spills (255 registers and a 920-byte stack at 8
-  warps, sm_90), and it was 661 us of fla-core's whole 521 at T=8192 (doc/benchmarks.md, session 19).
-- `head`: one program per (chunk, value head), twice the programs; q.k and the normalised k are made once a head.
-  Phases in order so that each one's values die before the next: the attention matrix (q, k, q.k), then the A
-  blocks and inverses from the normalised k (full width), then w and u by column blocks of PREP_COLS (k and v
-  reloaded from L2 a block at a time, scaled by the rows' norms kept from the previous phase).
-- `ai`: the head form's first phases, then (I + A)^-1 itself as a [64, 64] matrix (its blocks below the diagonal
-  X_ij = -T_i sum_{j<=k<i} A_ik X_kj, each a 16x16 product) stored with beta and k's row norms; a second launch,
-  one program per (chunk, value head, column block), makes w and u each as one [64, 64] x [64, cols] product (FLA's
-  solve_tril, then recompute_w_u). One more rounding in bf16 (the inverse's), more parallel work, no serial solve
-  per column block; the second launch has no spills (178 registers at 4 warps, sm_90).
+One program per (chunk, value head); q.k and the normalised k are made once a head. Its phases run in order so
+that each one's values die before the next: the attention matrix (q, k, q.k), then the A blocks and inverses from
+the normalised k (full width), then w and u by column blocks of PREP_COLS (k and v reloaded from L2 a block at a
+time, scaled by the rows' norms kept from the previous phase). Timed on the H200 at T=8192 (doc/benchmarks.md,
+session 20): 454 us, against 659 for one program per (chunk, key head) holding the group's two heads at full width
+(255 registers and a 1.9 KB spill stack at sm_90) and 466 for storing (I + A)^-1 and making w and u by a second launch
+(FLA's solve_tril, then recompute_w_u); those two forms are gone. 64-column blocks beat 32 (528 us).
 """
 from __future__ import annotations
 
-import os
-
-import torch
 import triton
 import triton.language as tl
 
-PREP = os.environ.get("KTRANS_GDN_PREP", "group")  # group | head | ai, see the module's docstring
-PREP_COLS = 64  # the head form's column block for w and u
+PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
 
 
 @triton.jit
@@ -182,56 +170,6 @@ def _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3, DT: tl.conste
 
 
 @triton.jit
-def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
-                 chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                 stride_at, stride_bt,
-                 HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 BK: tl.constexpr, BVF: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    c = tl.program_id(0)
-    kh = tl.program_id(1)
-    row0 = tl.load(chunk_start + c)
-    n = tl.load(chunk_len + c)
-    S: tl.constexpr = 16
-    C: tl.constexpr = 64
-    kp = k_ptr + kh * stride_kh
-    k0 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK))
-    k1 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK))
-    k2 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK))
-    k3 = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK))
-    kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
-    qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
-    qk = tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC)  # shared by the group's value heads
-    for j in tl.static_range(R):
-        h = kh * R + j
-        c0, c1, c2, c3, be0, be1, be2, be3, cf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
-                                                              stride_at, stride_bt, HV)
-        _store_attn(attn_ptr, qk, cf, c, h, HV)
-        a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3,
-                                                                   DT, PREC)
-
-        w0, w1, w2, w3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
-                                k0 * (be0 * tl.exp(c0))[:, None], k1 * (be1 * tl.exp(c1))[:, None],
-                                k2 * (be2 * tl.exp(c2))[:, None], k3 * (be3 * tl.exp(c3))[:, None], DT, PREC)
-        wp = w_ptr + h * DK
-        _store_rows(wp, w0, row0, n, HV * DK, 0, DK, 0)
-        _store_rows(wp, w1, row0, n, HV * DK, 0, DK, S)
-        _store_rows(wp, w2, row0, n, HV * DK, 0, DK, 2 * S)
-        _store_rows(wp, w3, row0, n, HV * DK, 0, DK, 3 * S)
-
-        vp = v_ptr + h * stride_vh
-        v0 = _load_rows(vp, row0, n, stride_vt, 0, DV, 0, S, BVF) * be0[:, None]
-        v1 = _load_rows(vp, row0, n, stride_vt, 0, DV, S, S, BVF) * be1[:, None]
-        v2 = _load_rows(vp, row0, n, stride_vt, 0, DV, 2 * S, S, BVF) * be2[:, None]
-        v3 = _load_rows(vp, row0, n, stride_vt, 0, DV, 3 * S, S, BVF) * be3[:, None]
-        u0, u1, u2, u3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, v0, v1, v2, v3, DT, PREC)
-        up = u_ptr + h * DV
-        _store_rows(up, u0, row0, n, HV * DV, 0, DV, 0)
-        _store_rows(up, u1, row0, n, HV * DV, 0, DV, S)
-        _store_rows(up, u2, row0, n, HV * DV, 0, DV, 2 * S)
-        _store_rows(up, u3, row0, n, HV * DV, 0, DV, 3 * S)
-
-
-@triton.jit
 def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3, s3, t0, t1, t2, t3,
                 a10, a20, a21, a30, a31, a32, out_ptr, out_stride_t, COLS: tl.constexpr, DT: tl.constexpr,
                 PREC: tl.constexpr):
@@ -252,15 +190,13 @@ def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3,
 
 
 @triton.jit
-def _prep_head_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
+def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
                       chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_at, stride_bt,
                       HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                      AI: tl.constexpr = False, ai_ptr=None, beta_ptr=None, kn_ptr=None):
-    """The `head` form (see the module's docstring): one program per (chunk, value head). AI (the `ai` form): no w
-    and u here; (I + A)^-1 goes to ai [NC, HV, 64, 64] (zeros above the diagonal), beta and k's row norms to
-    [T, HV], for _wu_kernel."""
+                      BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """One program per (chunk, value head), its phases ordered so that each one's values die before the next (see
+    the module's docstring)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // R
@@ -287,133 +223,29 @@ def _prep_head_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_pt
     a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3,
                                                                DT, PREC)
 
-    if AI:
-        _store_inverse(ai_ptr + (c * HV + h).to(tl.int64) * C * C, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
-                       DT, PREC)
-        for blk in tl.static_range(4):
-            r = blk * S + tl.arange(0, S)
-            rows = (row0 + r).to(tl.int64) * HV + h
-            be = tl.where(blk == 0, be0, tl.where(blk == 1, be1, tl.where(blk == 2, be2, be3)))
-            f = tl.where(blk == 0, f0, tl.where(blk == 1, f1, tl.where(blk == 2, f2, f3)))
-            tl.store(beta_ptr + rows, be, mask=r < n)
-            tl.store(kn_ptr + rows, f, mask=r < n)
-    else:  # w = (I + A)^-1 (beta k exp(cum)) and u = (I + A)^-1 (beta v), a column block at a time
-        one = tl.full((S,), 1.0, tl.float32)
-        for col in tl.static_range(0, BK, BC):
-            _solve_cols(kp, stride_kt, col, DK - col, row0, n, f0, be0 * tl.exp(c0), f1, be1 * tl.exp(c1),
-                        f2, be2 * tl.exp(c2), f3, be3 * tl.exp(c3), t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
-                        w_ptr + h * DK, HV * DK, BC, DT, PREC)
-        vp = v_ptr + h * stride_vh
-        for col in tl.static_range(0, BVF, BC):
-            _solve_cols(vp, stride_vt, col, DV - col, row0, n, one, be0, one, be1, one, be2, one, be3,
-                        t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, u_ptr + h * DV, HV * DV, BC, DT, PREC)
-
-
-@triton.jit
-def _store_block(ptr, x, R0: tl.constexpr, C0: tl.constexpr):
-    """A 16x16 block of a [64, 64] row-major matrix at rows R0.., columns C0.."""
-    r = tl.arange(0, x.shape[0])
-    tl.store(ptr + (R0 + r)[:, None] * 64 + C0 + r[None, :], x.to(ptr.dtype.element_ty))
-
-
-@triton.jit
-def _neg_prod(t, x, DT: tl.constexpr, PREC: tl.constexpr):
-    return -tl.dot(t.to(DT), x.to(DT), input_precision=PREC)
-
-
-@triton.jit
-def _store_inverse(ptr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, DT: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1 of a chunk as a [64, 64] matrix: T_i on the diagonal, X_ij = -T_i sum_{j<=k<i} A_ik X_kj below
-    it, zeros above."""
-    S: tl.constexpr = 16
-    x10 = _neg_prod(t1, tl.dot(a10.to(DT), t0.to(DT), input_precision=PREC), DT, PREC)
-    x21 = _neg_prod(t2, tl.dot(a21.to(DT), t1.to(DT), input_precision=PREC), DT, PREC)
-    x20 = _neg_prod(t2, tl.dot(a20.to(DT), t0.to(DT), input_precision=PREC)
-                    + tl.dot(a21.to(DT), x10.to(DT), input_precision=PREC), DT, PREC)
-    x32 = _neg_prod(t3, tl.dot(a32.to(DT), t2.to(DT), input_precision=PREC), DT, PREC)
-    x31 = _neg_prod(t3, tl.dot(a31.to(DT), t1.to(DT), input_precision=PREC)
-                    + tl.dot(a32.to(DT), x21.to(DT), input_precision=PREC), DT, PREC)
-    x30 = _neg_prod(t3, tl.dot(a30.to(DT), t0.to(DT), input_precision=PREC)
-                    + tl.dot(a31.to(DT), x10.to(DT), input_precision=PREC)
-                    + tl.dot(a32.to(DT), x20.to(DT), input_precision=PREC), DT, PREC)
-    zero = tl.zeros_like(t0)
-    _store_block(ptr, t0, 0, 0)
-    _store_block(ptr, zero, 0, S)
-    _store_block(ptr, zero, 0, 2 * S)
-    _store_block(ptr, zero, 0, 3 * S)
-    _store_block(ptr, x10, S, 0)
-    _store_block(ptr, t1, S, S)
-    _store_block(ptr, zero, S, 2 * S)
-    _store_block(ptr, zero, S, 3 * S)
-    _store_block(ptr, x20, 2 * S, 0)
-    _store_block(ptr, x21, 2 * S, S)
-    _store_block(ptr, t2, 2 * S, 2 * S)
-    _store_block(ptr, zero, 2 * S, 3 * S)
-    _store_block(ptr, x30, 3 * S, 0)
-    _store_block(ptr, x31, 3 * S, S)
-    _store_block(ptr, x32, 3 * S, 2 * S)
-    _store_block(ptr, t3, 3 * S, 3 * S)
-
-
-@triton.jit
-def _wu_kernel(k_ptr, v_ptr, cum_ptr, beta_ptr, kn_ptr, ai_ptr, w_ptr, u_ptr, chunk_start, chunk_len,
-               stride_kt, stride_kh, stride_vt, stride_vh,
-               HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
-               DT: tl.constexpr, PREC: tl.constexpr):
-    """The `ai` form's second launch, one program per (chunk, value head, column block): w = (I + A)^-1
-    (beta k exp(cum)) and u = (I + A)^-1 (beta v) on those columns, each one [64, 64] x [64, BC] product."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    col = tl.program_id(2) * BC
-    kh = h // R
-    C: tl.constexpr = 64
-    row0 = tl.load(chunk_start + c)
-    n = tl.load(chunk_len + c)
-    rc = tl.arange(0, C)
-    valid = rc < n
-    rows = (row0 + rc).to(tl.int64) * HV + h
-    ai = tl.load(ai_ptr + (c * HV + h).to(tl.int64) * C * C + rc[:, None] * C + rc[None, :])
-    be = tl.load(beta_ptr + rows, mask=valid, other=0.0)
-    if col < DK:
-        x = _load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, col, DK - col, 0, C, BC)
-        f = tl.load(kn_ptr + rows, mask=valid, other=0.0)
-        cum = tl.load(cum_ptr + rows, mask=valid, other=0.0)
-        b = (x * f[:, None]) * (be * tl.exp(cum))[:, None]
-        _store_rows(w_ptr + h * DK, tl.dot(ai.to(DT), b.to(DT), input_precision=PREC), row0, n, HV * DK, col,
-                    DK - col, 0)
-    if col < DV:
-        x = _load_rows(v_ptr + h * stride_vh, row0, n, stride_vt, col, DV - col, 0, C, BC)
-        _store_rows(u_ptr + h * DV, tl.dot(ai.to(DT), (x * be[:, None]).to(DT), input_precision=PREC), row0, n,
-                    HV * DV, col, DV - col, 0)
+    # w = (I + A)^-1 (beta k exp(cum)) and u = (I + A)^-1 (beta v), a column block at a time
+    one = tl.full((S,), 1.0, tl.float32)
+    for col in tl.static_range(0, BK, BC):
+        _solve_cols(kp, stride_kt, col, DK - col, row0, n, f0, be0 * tl.exp(c0), f1, be1 * tl.exp(c1),
+                    f2, be2 * tl.exp(c2), f3, be3 * tl.exp(c3), t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
+                    w_ptr + h * DK, HV * DK, BC, DT, PREC)
+    vp = v_ptr + h * stride_vh
+    for col in tl.static_range(0, BVF, BC):
+        _solve_cols(vp, stride_vt, col, DV - col, row0, n, one, be0, one, be1, one, be2, one, be3,
+                    t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, u_ptr + h * DV, HV * DV, BC, DT, PREC)
 
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
-                warps: int, form: str | None = None, cols: int | None = None) -> None:
-    """The prep launch in `form` (default PREP) with `warps`; `cols` the head form's column block (PREP_COLS)."""
-    t, hk, dk = k.shape
+                warps: int, cols: int | None = None) -> None:
+    """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS)."""
+    hk = k.shape[1]
     hv, dv = v.shape[1:]
-    form = form or PREP
     cols = cols or PREP_COLS
     if cols < 16 or cols & (cols - 1):
         raise ValueError(f"the DeltaNet prep's column block (gated_delta_prep.PREP_COLS, gdn_sweep --prep_cols) must "
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
-    args = (q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0))
-    shapes = dict(HV=hv, R=hv // hk, DK=dk, DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec, num_warps=warps)
-    if form == "group":
-        _prep_kernel[(plan.num_chunks, hk)](*args, **shapes)
-    elif form == "head":
-        bc = min(cols, bk, bvf)
-        _prep_head_kernel[(plan.num_chunks, hv)](*args, BC=bc, **shapes)
-    elif form == "ai":
-        ai = torch.empty(plan.num_chunks, hv, 64, 64, dtype=torch.float32 if dt == tl.float32 else v.dtype,
-                         device=v.device)
-        beta, kn = torch.empty(2, t, hv, dtype=torch.float32, device=v.device)
-        _prep_head_kernel[(plan.num_chunks, hv)](*args, BC=16, AI=True, ai_ptr=ai, beta_ptr=beta, kn_ptr=kn,
-                                                 **shapes)
-        bc = min(cols, max(bk, bvf))
-        _wu_kernel[(plan.num_chunks, hv, triton.cdiv(max(dk, dv), bc))](
-            k, v, cum, beta, kn, ai, w, u, plan.chunk_start, plan.chunk_len, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), HV=hv, R=hv // hk, DK=dk, DV=dv, BC=bc, DT=dt, PREC=prec, num_warps=warps)
-    else:
-        raise ValueError(f"KTRANS_GDN_PREP: {form!r} is none of 'group', 'head', 'ai'")
+    _prep_kernel[(plan.num_chunks, hv)](
+        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf), DT=dt, PREC=prec,
+        num_warps=warps)
