@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU-only placement at full size against llama.cpp -ngl 0 (issue 14), two calls made back to back (each within
-# ~30 s of the last, so /dev/shm and the llama.cpp build survive; carry .llama):
+# ~30 s of the last, so /dev/shm and the llama.cpp build survive; carry .llama.tgz or .llama):
 #   bash scripts/device_cpu_only.sh start   writes the full-size file and builds llama-bench (background, ~4 min)
 #   bash scripts/device_cpu_only.sh bench   once both are done: bench e2e with Qwen3Next-cpu.yaml for each variant
 #                                           (VARIANTS, default: flat, the flat decode step; modules,

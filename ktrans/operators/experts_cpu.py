@@ -116,19 +116,6 @@ class KExpertsCPU(ExpertsOp):
         self.load_report["gpu_experts"] = self.gpu_experts
         self.load_report["gpu_bytes"] = sum(w.nbytes for w in self.resident)
 
-    def _split_resident(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Launch the resident experts' pairs on the GPU (other ids masked to -1) and return the ids the CPU
-        keeps (the resident ones masked to -1): the C++ and the Triton MoE both skip negative ids, and the shapes
-        stay those of the step, so a CUDA graph captures both halves."""
-        from ktrans.kernels.triton.moe_quant import moe_quant
-
-        # the resident stacks' own numbering; a -1 id (a pair a caller masked off, e.g. the split prefill's GPU share)
-        # stays -1, not the last expert's slot
-        slots = torch.where(ids >= 0, self._slot_of[ids.clamp_min(0)], -1)
-        resident = slots >= 0
-        self._resident_out = moe_quant(x, torch.where(resident, slots, -1), weights, *self.resident)
-        return torch.where(resident, -1, ids)
-
     def _uses_resident(self, x: torch.Tensor) -> bool:
         return self.resident is not None and x.device == self.resident[0].device
 
@@ -226,19 +213,29 @@ class KExpertsCPU(ExpertsOp):
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         self._begin(x)
+        slots = None
         if self._uses_resident(x):
-            topk_ids = self._split_resident(x, topk_ids, topk_weights)
+            from ktrans.kernels.triton.moe_quant import moe_quant, split_resident
+
+            # one launch: the resident experts' pairs under their slots, the rest (their ids) for the CPU, each side
+            # with the other's pairs masked to -1 (the C++ and the Triton MoE skip negative ids; the shapes stay the
+            # step's, so a CUDA graph captures both halves)
+            slots, topk_ids = split_resident(topk_ids, self._slot_of)
         if x.is_cuda:
             call, live = self._on_stream_call(x, topk_ids.shape[1])
             call.submit(x, topk_ids, topk_weights, live=live)
             self._on_stream = x.device
-            return
-        moe = self.moe
-        if moe is None:
-            if not self.streaming or self.source is None:
-                raise RuntimeError(f"{self.key}: KExpertsCPU has no weights; load() it first")
-            moe = self._build(self.source, self.dtype)  # streaming: GGUF blocks are views of the map, no copy
-        self._pending = moe.submit(x, topk_ids, topk_weights)
+        else:
+            moe = self.moe
+            if moe is None:
+                if not self.streaming or self.source is None:
+                    raise RuntimeError(f"{self.key}: KExpertsCPU has no weights; load() it first")
+                moe = self._build(self.source, self.dtype)  # streaming: GGUF blocks are views of the map, no copy
+            self._pending = moe.submit(x, topk_ids, topk_weights)
+        if slots is not None:
+            # after the CPU's share is handed off, so that the GPU computes the resident pairs while the CPU works
+            # (launched before it, the CPU started only once they were done: session 20, doc/benchmarks.md)
+            self._resident_out = moe_quant(x, slots, topk_weights, *self.resident)
 
     def takes_logits(self, x: torch.Tensor, k: int) -> bool:
         """Whether submit_logits can run for x: on a GPU, on the stream's flag path."""

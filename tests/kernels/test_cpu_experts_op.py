@@ -204,7 +204,7 @@ def test_repack_rule_kwarg(tiny256):
 
 
 @pytest.mark.triton
-def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, triton_device):
+def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, monkeypatch, triton_device):
     """`gpu_experts: N`: experts 0..N-1 also packed on `gpu_device` (the GPU; interpreted, the CPU), the pairs routed
     to them computed there by the Triton MoE and the rest by the C++ experts (their ids masked to -1 on each side;
     on a GPU the CPU's share runs on the stream): within the int8 activations' tolerance of the torch experts, like
@@ -240,6 +240,17 @@ def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, triton_device):
     assert rel(got, want) < OP_TOL and rel(cpu_only, want) < OP_TOL and not torch.equal(got, cpu_only)
     resident_ids = dids % 3
     assert torch.equal(op.forward(dx, resident_ids, dw), moe_quant(dx, resident_ids, dw, *op.resident))
+    # the CPU's share is handed off before the resident pairs are launched, so that the two run side by side
+    from ktrans.kernels import cpu, cpu_stream
+    from ktrans.kernels.triton import moe_quant as mq
+
+    order = []
+    for owner in (cpu.CPUMoE, cpu_stream.StreamMoE, mq):
+        name = "moe_quant" if owner is mq else "submit"
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _n=owner.__name__, **kw: (order.append(_n),
+                                                                                            _real(*a, **kw))[1])
+    assert torch.equal(op.forward(dx, dids, dw).cpu(), got) and len(order) == 2 and order[1] == mq.__name__
     with caplog.at_level(logging.WARNING):
         op = build(config, source, rules("\n      gpu_experts: 2")).model.layers[0].mlp.experts.op
     if not torch.cuda.is_available():
