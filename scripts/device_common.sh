@@ -20,7 +20,8 @@ busy() {
 # there; its progress goes to LOG. Wait for it with `busy make-tiny`.
 start_writer() {
   # one 48 GB file in the shm mount at a time: two, with the experts' 47 GB in RAM, run the machine out of memory
-  # (session 20: `hot` left its skewed file, the next call wrote the uniform one beside it)
+  # (session 20: `hot` left its skewed file, the next call wrote the uniform one beside it); so before writing $F,
+  # every other *.gguf there goes, wherever $F itself is
   local g
   if [ ! -f "$F" ]; then for g in /dev/shm/*.gguf; do [ -f "$g" ] && [ "$g" != "$F" ] && rm -f "$g"; done; fi
   [ -f "$F" ] || setsid bash -c "ktrans make-tiny --gguf --preset qwen3-next-80b-a3b --quant q4_k_m --seed 0 --out $F \
@@ -30,12 +31,16 @@ start_writer() {
 # .llama into DIR in the background (NOTES.md's flags; ~3.5 min at 15 jobs) unless neither is there or
 # DIR/bin/llama-bench is; its log goes to /tmp/llb.log.
 start_llama() {
+  [ ! -x "$1/bin/llama-bench" ] || return 0
   local src=.llama
   if [ -f .llama.tgz ]; then  # the tree as one archive (session 20: a file of the carried folder was missing there)
     src=/tmp/llama-src
-    [ -d $src ] || { mkdir -p $src && tar xzf .llama.tgz -C $src --strip-components 1; }
+    if [ ! -d $src ]; then  # unpacked beside, moved into place whole: a failed unpack leaves nothing half-made
+      rm -rf $src.part && mkdir -p $src.part && tar xzf .llama.tgz -C $src.part --strip-components 1 \
+        && mv $src.part $src || { echo "start_llama: .llama.tgz did not unpack" >&2; return 0; }
+    fi
   fi
-  [ -d $src ] && [ ! -x "$1/bin/llama-bench" ] || return 0
+  [ -d $src ] || return 0
   setsid bash -c "cmake -S $src -B $1 -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
     -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release && ninja -C $1 -j $2 llama-bench" > /tmp/llb.log 2>&1 < /dev/null &

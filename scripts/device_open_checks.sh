@@ -190,10 +190,13 @@ serve)
     SERVE_RULES=/tmp/serve-gpu-experts.yaml
     grep -c "gpu_experts: $GPU_EXPERTS" "$SERVE_RULES"
   fi
+  local_i=0
   for v in ${SERVE_AB:-KTRANS_STREAM_ONE_HOST_FN=0 KTRANS_STREAM_ONE_HOST_FN=1}; do
+    # each run its own file, numbered: an environment named twice (A/B/A/B) overwrote its first run's (session 20)
+    local_i=$((local_i + 1))
     # shellcheck disable=SC2086  # A=1+B=2: two variables
     env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
-      e2e serve_${v//[^A-Za-z0-9]/_} --optimize_config_path ${SERVE_RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml} --prompt_len 256 \
+      e2e serve${local_i}_${v//[^A-Za-z0-9]/_} --optimize_config_path ${SERVE_RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml} --prompt_len 256 \
       --gen_len 48 --batch_sizes 1 --profile_steps 4 --use_cuda_graph"
   done
   ;;

@@ -56,7 +56,11 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-
+        for prep_w, scan_w, bv, split, cols in itertools.product(
+                ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split),
+                ints(args.prep_cols)):
+            gd.PREP_WARPS, gd.SCAN_WARPS, gdp.PREP_COLS = prep_w, scan_w, cols
+            name = f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split}"
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split))
             key = (cols, prep_w, scan_w, bv, split)

@@ -235,7 +235,16 @@ class KExpertsCPU(ExpertsOp):
         if slots is not None:
             # after the CPU's share is handed off, so that the GPU computes the resident pairs while the CPU works
             # (launched before it, the CPU started only once they were done: session 20, doc/benchmarks.md)
-            self._resident_out = moe_quant(x, slots, topk_weights, *self.resident)
+            try:
+                self._resident_out = moe_quant(x, slots, topk_weights, *self.resident)
+            except BaseException:
+                # the CPU's share is in flight: drain it, so the next step starts clean, and report the GPU's error
+                self._resident_out = None
+                try:
+                    self.sync()
+                except Exception:  # noqa: BLE001 - the GPU's error is the one to report
+                    pass
+                raise
 
     def takes_logits(self, x: torch.Tensor, k: int) -> bool:
         """Whether submit_logits can run for x: on a GPU, on the stream's flag path."""

@@ -251,6 +251,17 @@ def test_gpu_experts_rule_kwarg(tiny256, tmp_path, caplog, monkeypatch, triton_d
         monkeypatch.setattr(owner, name, lambda *a, _real=real, _n=owner.__name__, **kw: (order.append(_n),
                                                                                             _real(*a, **kw))[1])
     assert torch.equal(op.forward(dx, dids, dw).cpu(), got) and len(order) == 2 and order[1] == mq.__name__
+    # a resident launch that fails drains the CPU's share in flight and reports the GPU's error; the next step runs
+
+    def broken(*a, **kw):
+        raise RuntimeError("resident launch failed")
+
+    monkeypatch.setattr(mq, "moe_quant", broken)
+    with pytest.raises(RuntimeError, match="resident launch failed"):
+        op.forward(dx, dids, dw)
+    assert op._resident_out is None and op._pending is None and op._on_stream is None
+    monkeypatch.undo()
+    assert torch.equal(op.forward(dx, dids, dw).cpu(), got)
     with caplog.at_level(logging.WARNING):
         op = build(config, source, rules("\n      gpu_experts: 2")).model.layers[0].mlp.experts.op
     if not torch.cuda.is_available():

@@ -42,3 +42,14 @@ def test_a_transposed_view_is_read_in_its_logical_order(triton_device):
     slots, cpu_ids = split_resident(ids, slot_of)
     assert slots.cpu().tolist() == [[-1, -1], [1, 0], [-1, -1]]
     assert cpu_ids.cpu().tolist() == [[0, 2], [-1, -1], [-1, 4]]
+
+
+def test_an_id_past_the_table_stays_the_cpus(triton_device):
+    """An id at or past slot_of's length reads no slot (no load out of bounds): it goes to the CPU's side, whose
+    kernel refuses it with a clear error, as the oracle says."""
+    ids = torch.tensor([[0, 5], [2, 3]])
+    slot_of = torch.tensor([1, -1, 0])
+    want_slots, want_cpu = split_reference(ids, slot_of)
+    assert want_slots.tolist() == [[1, -1], [0, -1]] and want_cpu.tolist() == [[-1, 5], [-1, 3]]
+    slots, cpu_ids = split_resident(ids.to(triton_device), slot_of.to(triton_device))
+    assert torch.equal(slots.cpu(), want_slots) and torch.equal(cpu_ids.cpu(), want_cpu)

@@ -28,6 +28,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate:
 
 def split_resident(ids: torch.Tensor, slot_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots, cpu_ids) like ids [T, k]: a pair whose expert has a resident slot (slot_of [E] >= 0) gets it in slots
-    and -1 in cpu_ids; any other pair, a masked one (-1) included, -1 in slots and its id in cpu_ids."""
-    slots = torch.where(ids >= 0, slot_of[ids.clamp_min(0)].to(ids.dtype), -1)
+    and -1 in cpu_ids; any other pair, a masked one (-1) or one past the table included, -1 in slots and its id in
+    cpu_ids."""
+    inside = (ids >= 0) & (ids < slot_of.numel())
+    slots = torch.where(inside, slot_of[ids.clamp(0, slot_of.numel() - 1)].to(ids.dtype), -1)
     return slots, torch.where(slots >= 0, -1, ids)

@@ -35,9 +35,10 @@ from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.gated_delta_prep import _l2norm_rows, _load_rows, launch_prep
 
 CHUNK = 64
-# Launch shapes, from scripts/gdn_sweep.py on the H200 (doc/benchmarks.md, session 19, T=8192: the prep 661 us at 4
-# warps against 990 at 8; block_v 32 against 64: 490 against 777 us): warps of the prep and the scan, and the value
-# columns one scan program carries (32: 128 programs for one sequence at HV=32, Dv=128).
+# Launch shapes, from scripts/gdn_sweep.py on the H200 (doc/benchmarks.md, T=8192: the prep 454 us at 4 warps, session
+# 20, and 4 warps also won with the prep's earlier forms, session 19; block_v 32 against 64: 490 against 777 us):
+# warps of the prep and the scan, and the value columns one scan program carries (32: 128 programs for one sequence
+# at HV=32, Dv=128).
 PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 4, 4, 32
 # KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
 # as FLA splits its chunk_fwd_h and chunk_fwd_o; off until the H200 has timed it against the one scan

@@ -240,12 +240,14 @@ def _launch(x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, bexp: torch.
 
 
 @triton.jit
-def _split_resident_kernel(ids_ptr, slot_ptr, gpu_ptr, cpu_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _split_resident_kernel(ids_ptr, slot_ptr, gpu_ptr, cpu_ptr, n, n_experts, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     enter(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     e = tl.load(ids_ptr + i, mask=m, other=-1)
-    s = tl.load(slot_ptr + tl.maximum(e, 0), mask=m & (e >= 0), other=-1)
+    inside = m & (e >= 0) & (e < n_experts)
+    s = tl.load(slot_ptr + tl.minimum(tl.maximum(e, 0), n_experts - 1), mask=inside, other=-1)
     tl.store(gpu_ptr + i, s.to(gpu_ptr.dtype.element_ty), mask=m)
     tl.store(cpu_ptr + i, tl.where(s >= 0, -1, e).to(cpu_ptr.dtype.element_ty), mask=m)
 
@@ -254,12 +256,13 @@ def split_resident(ids: torch.Tensor, slot_of: torch.Tensor) -> tuple[torch.Tens
     """A step's routing split between the experts resident on the GPU and the CPU's, in one launch (the oracle:
     ktrans.kernels.torch.moe.split_resident). ids [T, k] (-1: a pair masked off); slot_of [E], an expert's slot in
     the resident stacks or -1. Returns (slots, cpu_ids), both like ids: a resident pair's slot and -1 in cpu_ids;
-    any other pair -1 in slots and its id in cpu_ids."""
+    any other pair -1 in slots and its id in cpu_ids (an id past the table too: the CPU's kernel refuses it)."""
     flat = ids.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     slots, cpu_ids = torch.empty_like(flat), torch.empty_like(flat)
     n, block = flat.numel(), 256
-    _split_resident_kernel[(triton.cdiv(n, block),)](flat, slot_of, slots, cpu_ids, n, BLOCK=block, **launch())
+    _split_resident_kernel[(triton.cdiv(n, block),)](flat, slot_of, slots, cpu_ids, n, slot_of.numel(), BLOCK=block,
+                                                 **launch())
     return slots.view(ids.shape), cpu_ids.view(ids.shape)
 
 
