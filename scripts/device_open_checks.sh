@@ -27,7 +27,8 @@
 #                                                run; GPU_AB="A=1 B=1+C=1": batch AB_BATCHES under each, ~1.2 min)
 #   bash scripts/device_open_checks.sh serve     the serve rules' batch-1 decode, profiled, once per SERVE_AB
 #                                                environment (default: one host function a layer off, on; A=1+B=2:
-#                                                two variables in one run); ~1.5 min
+#                                                two variables in one run; SERVE_BATCHES=1,16: those batch
+#                                                sizes); ~1.5 min
 #                                                each; writes the file first when it is missing; TESTS="files":
 #                                                those GPU tests first, beside the writer; SERVE_RULES=FILE: other
 #                                                rules (GPU_EXPERTS=N: the shipped ones with `gpu_experts: N`)
@@ -197,7 +198,7 @@ serve)
     # shellcheck disable=SC2086  # A=1+B=2: two variables
     env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
       e2e serve${local_i}_${v//[^A-Za-z0-9]/_} --optimize_config_path ${SERVE_RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml} --prompt_len 256 \
-      --gen_len 48 --batch_sizes 1 --profile_steps 4 --use_cuda_graph"
+      --gen_len 48 --batch_sizes ${SERVE_BATCHES:-1} --profile_steps 4 --use_cuda_graph"
   done
   ;;
 hot)

@@ -100,13 +100,28 @@ def test_decode_split_k_uneven_lengths(triton_device, hq, hkv, d):
     torch.testing.assert_close(got, want.to(got.device), **FP32)
 
 
-def test_decode_merges_more_splits_than_one_read(triton_device):
-    """37 splits of 8 keys: the merge reads MERGE_STEP of them at a time (one compile whatever the count) and keeps
-    a running maximum across the reads; the lengths end in the first, the second and the third read."""
-    got, want, plan = _decode_case([5, 140, 290], 4, 2, 32, 4, torch.float32, triton_device,
-                                   plan=tri.DecodePlan(num_splits=37, split_tokens=8))
-    assert plan.num_splits > 2 * tri.MERGE_STEP
+@pytest.mark.parametrize("max_step", [16, 256])
+def test_decode_merges_more_splits_than_one_read(triton_device, monkeypatch, max_step):
+    """37 splits of 8 keys, merged in one read of all of them, or (MERGE_MAX_STEP at 16) 16 at a time with the
+    running maximum rescaling across the reads: the lengths end in the first, the second and the third read. Only
+    the live splits are read: those past a length store nothing (their scratch is NaN here)."""
+    monkeypatch.setattr(tri, "MERGE_MAX_STEP", max_step)
+    plan = tri.DecodePlan(num_splits=37, split_tokens=8)
+    step, chunk = tri.merge_shape(plan.num_splits, 32)
+    assert (step, chunk) == ((64, 32) if max_step == 256 else (16, 32))
+    scratch = tri._scratch(3, 4, plan.num_splits, 32, torch.empty(0, device=triton_device).device)
+    for t in scratch:
+        t.fill_(float("nan"))
+    got, want, _ = _decode_case([5, 140, 290], 4, 2, 32, 4, torch.float32, triton_device, plan=plan)
     torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
+def test_merge_shape_bounds_a_programs_partials():
+    for splits in (1, 3, 16, 37, 132, 256, 300):
+        for block_d in (16, 32, 128, 256):
+            step, chunk = tri.merge_shape(splits, block_d)
+            assert step == min(1 << (splits - 1).bit_length(), tri.MERGE_MAX_STEP) and block_d % chunk == 0
+            assert 16 <= chunk <= block_d and (step * chunk <= tri.MERGE_TILE or chunk == 16)
 
 
 def test_decode_planned_for_a_longer_bucket_with_pad_rows(triton_device):
@@ -235,3 +250,18 @@ def test_output_gate(triton_device, dtype, t, h, d):
     torch.testing.assert_close(got, want, **tol)
     with pytest.raises(ValueError, match="do not fit"):
         tri.output_gate(out, qg[:, 1:], d)
+
+
+def test_merge_split_counts_reach_every_merge_shape():
+    """The warm-up compiles the merge at one split count per shape: every count a plan can give (up to the count at
+    one row) has its shape among them, so no context length meets a merge compile inside a request."""
+    for kv_heads, sms, block_d in ((2, 132, 256), (2, 16, 32), (4, 108, 128)):
+        counts = tri.merge_split_counts(kv_heads, sms, block_d)
+        most = -(-tri.PROGRAMS_PER_SM * sms // kv_heads)
+        assert counts[0] == 1 and counts[-1] <= most and counts == sorted(set(counts))
+        shapes = {tri.merge_shape(n, block_d) for n in counts}
+        assert {tri.merge_shape(n, block_d) for n in range(1, most + 1)} == shapes and len(shapes) == len(counts)
+        for rows in (1, 3, 16):
+            for max_len in (1, 255, 4096, 32768, 131072):
+                plan = tri.plan_decode(rows, kv_heads, max_len, torch.device("cpu")) if sms == 16 else None
+                assert plan is None or tri.merge_shape(plan.num_splits, block_d) in shapes

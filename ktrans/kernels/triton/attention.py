@@ -215,7 +215,12 @@ DECODE_BLOCK_N = 64      # keys per step of a decode program
 # wants about two programs per SM. On the H200 at 32k keys, B=1 (`ktrans bench kernels --family attention`,
 # 2026-12-02): splits of 512 keys 38.6 us, of 256 36.4 us, of 128 41.9 us.
 MIN_SPLIT_TOKENS = 256
-MERGE_STEP = 16  # splits the merge reads at a time
+# The merge reads a plan's splits in one go (both the log-sum-exps and the partials, one load each), up to
+# MERGE_MAX_STEP of them a read, and holds at most MERGE_TILE partial values a program: with many splits, fewer dims a
+# program. Read 16 splits at a time, as before session 21, it took ~11 us a layer on the H200 (12 launches a token at
+# 132 splits, `_decode_merge_kernel` in bench e2e's profile): eighteen dependent reads of the L2.
+MERGE_MAX_STEP = 256
+MERGE_TILE = 4096
 PROGRAMS_PER_SM = 2
 
 
@@ -271,42 +276,53 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
     for s0 in range(full, end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, s0, end, pos_q, qk_scale, offs_d, mask_d,
                                       stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC)
-    # An empty split (past this sequence's length) leaves l = 0: its lse is -inf and the merge weighs it 0.
+    # A split past this sequence's length holds no keys (l = 0): it stores nothing, and the merge skips it.
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     part = (b * tl.num_programs(1) * GROUP + heads) * n_splits + sp  # [B, Hq, S] layout
-    tl.store(LSE + part, lse, mask=mask_g)
-    tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=mask_g[:, None])
+    # a split past this sequence's length stores nothing (split 0 always stores): the merge reads the live ones only
+    live = mask_g & ((offs_g * 0 + start) < tl.maximum(L, 1))
+    tl.store(LSE + part, lse, mask=live)
+    tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=live[:, None])
 
 
 @triton.jit
-def _decode_merge_kernel(OP, LSE, O, stride_ob, stride_oh, n_splits, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         D_CHUNK: tl.constexpr, S_STEP: tl.constexpr, PDL: tl.constexpr = False):
-    """Merge the splits of one (sequence, query head, chunk of D_CHUNK dims): chunks spread the partials' read
-    over more programs when the batch is small. The splits are read S_STEP at a time whatever their number (which
-    grows with the context): one compile serves every length."""
+def _decode_merge_kernel(OP, LSE, O, LENS, stride_ob, stride_oh, n_splits, split_tokens, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr, S_STEP: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Merge the live splits of one (sequence, query head, chunk of D_CHUNK dims), those that hold keys of the
+    sequence's length, in one online pass: S_STEP splits a read, their log-sum-exps and partials loaded together,
+    the running maximum rescaling what came before. A plan's splits are one read up to MERGE_MAX_STEP of them."""
     enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    L = tl.load(LENS + b).to(tl.int32)
+    n_live = tl.minimum(n_splits, tl.maximum(1, tl.cdiv(L, split_tokens)))  # split 0 holds key 0
     base = (b * tl.num_programs(1) + h) * n_splits
+    offs_d = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
     m = tl.max(tl.full([S_STEP], float("-inf"), tl.float32), 0)
     total = tl.sum(tl.zeros([S_STEP], tl.float32), 0)
-    for s0 in range(0, n_splits, S_STEP):  # the running maximum and the sum of exp2(lse - maximum)
-        ss = s0 + tl.arange(0, S_STEP)
-        lse = tl.load(LSE + base + ss, mask=ss < n_splits, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite from the first block on: split 0 always holds key 0
-        total = total * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(lse - m_new), 0)
-        m = m_new
-    offs_d = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
     acc = tl.zeros([D_CHUNK], tl.float32)
-    for s0 in range(0, n_splits, S_STEP):
+    for s0 in range(0, n_live, S_STEP):
         ss = s0 + tl.arange(0, S_STEP)
-        ms = ss < n_splits
-        w = tl.math.exp2(tl.load(LSE + base + ss, mask=ms, other=float("-inf")) - m)
+        ms = ss < n_live
+        lse = tl.load(LSE + base + ss, mask=ms, other=float("-inf"))
         part = tl.load(OP + (base + ss)[:, None] * BLOCK_D + offs_d[None, :], mask=ms[:, None], other=0.0)
-        acc += tl.sum(part * w[:, None], 0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite from the first read on: split 0 is live
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(part * w[:, None], 0)
+        m = m_new
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(O.dtype.element_ty), mask=offs_d < D)
+
+
+def merge_shape(num_splits: int, block_d: int) -> tuple[int, int]:
+    """(S_STEP, D_CHUNK) of the merge for a plan's split count: every split in one read up to MERGE_MAX_STEP, and
+    S_STEP * D_CHUNK <= MERGE_TILE partials a program (at least 16 dims, at most the head's)."""
+    step = min(triton.next_power_of_2(max(1, num_splits)), MERGE_MAX_STEP)
+    return step, min(block_d, max(16, MERGE_TILE // step))
 
 
 def _decode_configs() -> list[triton.Config]:
@@ -328,7 +344,8 @@ def pretune_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int,
     matter to the timing; nothing is written). Short steps meet the classes of <= 128 and <= 256 keys, but <= 1024
     and more only come with long contexts (128k at batch 1, 32k at batch 16), whose first decode step would otherwise
     pay ~1 s of autotuning inside a user's request. Classes longer than the cache can hold are left out (no context
-    reaches them). Returns the TUNE keys run; nothing where the kernels are interpreted (no autotuner there)."""
+    reaches them). The merge's shapes, which follow the split count, are compiled too (merge_split_counts).
+    Returns the TUNE keys run; nothing where the kernels are interpreted (no autotuner there)."""
     if interpreting() or k_cache.device.type != "cuda":
         return []
     capacity = (k_cache.shape[0] // page_size - 1) * page_size  # the pad page left out
@@ -341,6 +358,10 @@ def pretune_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int,
         table = torch.arange(-(-n // page_size), dtype=torch.int64, device=q.device)[None, :]
         lens = torch.tensor([n], dtype=torch.int64, device=q.device)
         paged_decode(q, k_cache, v_cache, lens, table, page_size, scale, plan)
+    block_d, one = _block_d(d), torch.ones(1, dtype=torch.int64, device=q.device)
+    for n in merge_split_counts(hkv, sms, block_d):  # every merge shape, over one key (what the splits hold is moot)
+        part, lse = _scratch(1, num_q_heads, n, block_d, q.device)
+        _merge(part, lse, torch.empty_like(q), one, DecodePlan(n, DECODE_BLOCK_N), block_d)
     return [tune_class(p.split_tokens, DECODE_TUNE_CLASSES) for p in plans]
 
 
@@ -392,10 +413,27 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
     else:
         _decode_tuned[grid](*args, **meta, **launch())
-    chunk = min(block_d, 64)
-    _decode_merge_kernel[(bsz, hq, block_d // chunk)](part, lse, o, o.stride(0), o.stride(1), plan.num_splits, D=d,
-                                                       BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=MERGE_STEP, **launch())
+    _merge(part, lse, o, kv_lens, plan, block_d)
     return o
+
+
+def _merge(part: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, kv_lens: torch.Tensor, plan: DecodePlan,
+           block_d: int) -> None:
+    step, chunk = merge_shape(plan.num_splits, block_d)
+    _decode_merge_kernel[(o.shape[0], o.shape[1], block_d // chunk)](
+        part, lse, o, kv_lens, o.stride(0), o.stride(1), plan.num_splits, plan.split_tokens, D=o.shape[2],
+        BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=step, **launch())
+
+
+def merge_split_counts(kv_heads: int, sms: int, block_d: int) -> list[int]:
+    """One split count for each merge shape (merge_shape) that a plan on a device of `sms` SMs can give: the
+    shapes follow the split count, which grows with the context up to plan_decode's count at one row, so the
+    warm-up compiles each of them (pretune_decode) rather than a long context's first step."""
+    most = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, kv_heads))
+    firsts: dict[tuple[int, int], int] = {}
+    for n in range(1, most + 1):
+        firsts.setdefault(merge_shape(n, block_d), n)
+    return sorted(firsts.values())
 
 
 # ---- the output gate --------------------------------------------------------------------------------------------
