@@ -143,7 +143,7 @@ class KRouterTriton(Checked, KRouterTorch):
                 x.device != gate_weight.device:
             return None
         # the device's last fused-sum count: the quantized GEMVs use the first ones, a row tile each
-        return dense_gemv_topk(x, gate_weight, self.top_k, self.norm_topk_prob, counters(x.device)[-1:])
+        return dense_gemv_topk(x, gate_weight, self.top_k, self.norm_topk_prob, counters(x.device)[-1:])[:2]
     STAGES = True  # its top-k may run inside the CPU experts' stage-in launch, its sum read their output (ROUTE_STAGE)
 
     def combine_dot_staged(self, routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,

@@ -9,8 +9,9 @@ fp32 and one reduction per step; the result is rounded once to x's dtype. The or
 `dense_gemv_topk` is the router's gate and its routing in one launch: the same programs store the logits, and the
 last of them to finish (a count in quant.counters, released with acq_rel after every program's stores, as the
 quantized GEMV's fused split sum) picks each row's top k from them (router.topk_softmax_row), where the gate and the
-top-k were two launches a layer. The logits are the gate's own, rounded to x's dtype, so the ids are those of
-router.route(dense_gemv(x, w)); the weights' sums run over another thread layout (within fp32 rounding).
+top-k were two launches a layer. The logits are the gate's own up to fp32 summation order (one warp a program, the
+gate alone four), rounded to x's dtype; the ids are those of router.route(dense_gemv(x, w)) but where two logits
+tie within that rounding, the weights within fp32 rounding.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from ktrans.kernels.triton.router import topk_softmax_row
 
 MAX_ROWS = 4  # activation rows this path takes (decode); more go to the caller's GEMM
 BN, BK = 4, 512
+# dense_gemv_topk's warps a program: its last program's k passes of max-and-mask stay inside one warp (with four,
+# each pass crossed warps through shared memory: on the H200 the fused launch and the stage-in after it took 9.3 and
+# 9.9 us a layer, against 5.1 + 6.0 + 4.5 for the gate, the top-k and the stage-in apart; doc/benchmarks.md, session 22)
+TOPK_WARPS = 1
 
 
 @triton.jit
@@ -100,9 +105,10 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def dense_gemv_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, renorm: bool,
-                    counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router's gate and routing in one launch: x [M, K] (M <= MAX_ROWS), w [N, K] (N experts) -> (ids [M, top_k]
-    int64, weights [M, top_k] in x's dtype), those of router.route(dense_gemv(x, w), top_k, renorm). `counter`: one
+    int64, weights [M, top_k] in x's dtype, the logits [M, N] in x's dtype they were picked from), those of
+    router.route(logits, top_k, renorm), the logits dense_gemv(x, w)'s up to summation order. `counter`: one
     int32 count on x's device, zero between calls (quant.counters gives them), not shared with a kernel that may run
     at the same time."""
     m, k = x.shape
@@ -119,6 +125,6 @@ def dense_gemv_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, renorm: bool,
     _dense_gemv_topk_kernel[(triton.cdiv(n, BN),)](x, w, logits, ids, weights, counter, m, n, k, x.stride(0),
                                                    w.stride(0), BM=triton.next_power_of_2(m), BN=BN, BK=BK,
                                                    TOP_K=top_k, E_PAD=triton.next_power_of_2(n),
-                                                   K_PAD=triton.next_power_of_2(top_k), RENORM=renorm, num_warps=4,
-                                                   **pdl)
-    return ids, weights
+                                                   K_PAD=triton.next_power_of_2(top_k), RENORM=renorm,
+                                                   num_warps=TOPK_WARPS, **pdl)
+    return ids, weights, logits
