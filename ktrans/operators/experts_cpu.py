@@ -261,12 +261,11 @@ class KExpertsCPU(ExpertsOp):
         self._on_stream = x.device
 
     def sync_staged(self) -> tuple[torch.Tensor, torch.dtype] | None:
-        """After submit_logits or submit: (the output rows in the pinned staging, fp32, the dtype sync() would have
-        given), for a kernel that reads them in place; None where the call is not on the flag path or resident
-        experts have a share (then sync())."""
-        if self._on_stream is None or not self._stream.flagged or self._resident_out is not None or \
-                self._out_dtype not in (torch.float32, torch.bfloat16):
-            return None  # (the resident experts' share is added by sync())
+        """After submit_logits: (the output rows in the pinned staging, fp32, the dtype sync() would have given),
+        for a kernel that reads them in place; None where the call is not on the flag path (then sync())."""
+        if self._on_stream is None or not self._stream.flagged or self._out_dtype not in (torch.float32,
+                                                                                            torch.bfloat16):
+            return None
         self._on_stream = None
         return self._stream.sync_staged(), self._out_dtype
 

@@ -132,18 +132,6 @@ class KRouterTriton(Checked, KRouterTorch):
         return tri_router.gated_sum(routed, shared, shared_gate)
 
     FUSES_GATE = True  # the shared expert's [1, hidden] gate logit in the final sum's launch: one launch a layer fewer
-
-    def route_gate(self, x: torch.Tensor, gate_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """route() of the router gate's logits x W^T computed in the same launch (dense_gemv_topk), for decode rows
-        (at most dense_gemv.MAX_ROWS) and a float gate on x's device; None otherwise (then the gate, then route())."""
-        from ktrans.kernels.triton.dense_gemv import MAX_ROWS, dense_gemv_topk
-        from ktrans.kernels.triton.quant import counters
-
-        if x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS or x.dtype != gate_weight.dtype or \
-                x.device != gate_weight.device:
-            return None
-        # the device's last fused-sum count: the quantized GEMVs use the first ones, a row tile each
-        return dense_gemv_topk(x, gate_weight, self.top_k, self.norm_topk_prob, counters(x.device)[-1:])[:2]
     STAGES = True  # its top-k may run inside the CPU experts' stage-in launch, its sum read their output (ROUTE_STAGE)
 
     def combine_dot_staged(self, routed: torch.Tensor, shared: torch.Tensor, x: torch.Tensor,

@@ -28,13 +28,6 @@ FUSED_SHARED = os.environ.get("KTRANS_MOE_FUSED_SHARED", "0") == "1"
 # the pinned output rows in place (router.gated_sum_dot's staged_dtype): two launches a layer less under the serve
 # rules, the same sums bitwise; off until measured on a GPU (KTRANS_ROUTE_STAGE=1 turns it on).
 ROUTE_STAGE = os.environ.get("KTRANS_ROUTE_STAGE", "0") == "1"
-# The router's gate and its top-k in one launch where the gate is a float matrix on the block's GPU
-# (router.route_gate, KRouterTriton: dense_gemv.dense_gemv_topk) and the step has decode rows: one launch a layer
-# less (KTRANS_GATE_TOPK=1). The CPU experts' output read in place by the gated sum after a plain submit, where it
-# was copied out by a launch of its own first (KTRANS_SUM_STAGED=1; ROUTE_STAGE does it too). Both off until
-# measured on a GPU.
-GATE_TOPK = os.environ.get("KTRANS_GATE_TOPK", "0") == "1"
-SUM_STAGED = os.environ.get("KTRANS_SUM_STAGED", "0") == "1"
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                    provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
@@ -102,27 +95,17 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
             fused = self._shared_fused.get(phase)
             if fused is not None and fused.takes(x.shape[0]):
                 return self.leave(fused(x), phase)
+        logits = move(self.gate(x), dev)
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
-        routed_ids = None
-        if GATE_TOPK and hasattr(router, "route_gate") and not (ROUTE_STAGE and getattr(router, "STAGES", False)):
-            gate_w = float_weight(self.gate, x, phase)
-            routed_ids = router.route_gate(x, gate_w) if gate_w is not None else None
-        if routed_ids is not None:
-            staged, n_experts = False, gate_w.shape[0]
-            ids, weights = routed_ids
-        else:
-            logits = move(self.gate(x), dev)
-            n_experts = logits.shape[-1]
-            staged = asynchronous and ROUTE_STAGE and getattr(router, "STAGES", False) and x.dim() == 2 \
-                and self.experts.takes_logits(x, self.top_k)
+        staged = asynchronous and ROUTE_STAGE and getattr(router, "STAGES", False) and x.dim() == 2 \
+            and self.experts.takes_logits(x, self.top_k)
         if staged:
             self.experts.submit_logits(x, logits, self.top_k, self.norm_topk_prob)
         else:
-            if routed_ids is None:
-                ids, weights = router.route(logits)
+            ids, weights = router.route(logits)
             if ROUTING.on:  # --routing_stats_out: eager steps' live rows
                 batch = current_batch()
-                ROUTING.record(self.layer, ids, n_experts, batch.num_live if batch is not None else None)
+                ROUTING.record(self.layer, ids, logits.shape[-1], batch.num_live if batch is not None else None)
             if asynchronous:
                 self.experts.submit(x, ids, weights)
             else:
@@ -133,8 +116,7 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         gate_row = gate_weight_row(self.shared_expert_gate, x, phase) if router.FUSES_GATE else None
         if gate_row is None:
             shared_gate = move(self.shared_expert_gate(x), dev)
-        if (staged or (SUM_STAGED and asynchronous)) and gate_row is not None and hasattr(self.experts, "sync_staged"):
-            # the stage-out folded into the sum: it reads the pinned rows in place
+        if staged and gate_row is not None:  # the stage-out folded into the sum: it reads the pinned rows in place
             got = self.experts.sync_staged()
             if got is not None:
                 return self.leave(router.combine_dot_staged(got[0], shared, x, gate_row, got[1]), phase)
@@ -143,25 +125,6 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         if gate_row is not None:
             return self.leave(router.combine_dot(move(routed, dev), shared, x, gate_row), phase)
         return self.leave(router.combine(move(routed, dev), shared, shared_gate), phase)
-
-
-def float_weight(lin: torch.nn.Module, x: torch.Tensor, phase: str) -> torch.Tensor | None:
-    """The float [out, in] weight a projection multiplies x by in `phase`, where it is one float matrix in HF's row
-    order without a bias on x's device (KLinearMarlin on a float tensor, or KLinearTorch), for a kernel that runs it
-    fused with what follows; else None."""
-    from ktrans.operators.linear import KLinearTorch, KTransformersLinear
-    from ktrans.operators.linear_marlin import KLinearMarlin
-
-    if not isinstance(lin, KTransformersLinear) or lin.out_devices.get(phase) != x.device or \
-            lin.devices.get(phase) != x.device:
-        return None
-    op = lin.impl.get(phase)
-    if isinstance(op, KLinearMarlin):
-        one = len(op.parts) == 1 and op.place is None and op.bias is None
-        return op.parts[0].dense if one and op.parts[0].dense is not None else None
-    if isinstance(op, KLinearTorch) and op.bias is None and op.weight is not None and op.weight.dim() == 2:
-        return op.weight
-    return None
 
 
 def gate_weight_row(gate: torch.nn.Module, x: torch.Tensor, phase: str) -> torch.Tensor | None:

@@ -174,42 +174,6 @@ def test_shared_expert_fused_into_the_routed_moe(q4_k_m, triton_device, monkeypa
 
 
 @pytest.mark.triton
-def test_router_gate_and_topk_in_one_launch(q4_k_m, triton_device, monkeypatch):
-    """KTRANS_GATE_TOPK: with the Triton router, a decode step's router gate (a float matrix on KLinearMarlin) and
-    its top-k run as one launch (dense_gemv_topk), one a MoE block; the block's output is the unfused one's within
-    fp32 rounding (the routing weights' sums over another thread layout), and steps of more rows than the gate's
-    few-row kernel takes keep the two launches."""
-    from ktrans.kernels.triton import dense_gemv
-    from ktrans.operators import moe
-
-    config, source = q4_k_m
-    rules = GPU_RULES.replace('class: KQwen3NextSparseMoeBlock\n    kwargs: {generate_device: "cuda", '
-                              'prefill_device: "cuda"}', 'class: KQwen3NextSparseMoeBlock\n    kwargs: '
-                              '{generate_device: "cuda", prefill_device: "cuda", generate_op: "KRouterTriton", '
-                              'prefill_op: "KRouterTriton"}')
-    assert rules != GPU_RULES
-    with _placeable(triton_device.type):
-        model = build_injected_model(config, parse_rules(rules.replace('"cuda"', f'"{triton_device.type}"'), "t.yaml"),
-                                     source, torch.float32)[0]
-    calls = []
-    real = dense_gemv.dense_gemv_topk
-    monkeypatch.setattr(dense_gemv, "dense_gemv_topk", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    g = torch.Generator().manual_seed(8)
-    blocks = [b for b in model.modules() if isinstance(b, moe.KQwen3NextSparseMoeBlock)]
-    assert blocks
-    for block in blocks[:1]:  # (interpreted, a block's step takes seconds)
-        for rows in (1, 3, dense_gemv.MAX_ROWS + 1):
-            x = (torch.randn(rows, config.hidden_size, generator=g) * 0.5).to(triton_device)
-            monkeypatch.setattr(moe, "GATE_TOPK", False)
-            want = block(x)
-            monkeypatch.setattr(moe, "GATE_TOPK", True)
-            before = len(calls)
-            got = block(x)
-            assert len(calls) - before == (rows <= dense_gemv.MAX_ROWS), (block.key, rows)
-            assert got.shape == want.shape and rel(got, want) < 1e-5, (block.key, rows, rel(got, want))
-
-
-@pytest.mark.triton
 def test_deltanet_projections_paired_in_one_launch(q4_k_m, triton_device):
     """KTRANS_GEMV_PAIR: a DeltaNet layer's one-row in_proj_ba and the stored part of in_proj_qkvz of its type (here
     attn_gate, attn_qkv having more bits) in one GEMV launch give what the separate projections give, within fp32

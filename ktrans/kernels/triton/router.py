@@ -21,17 +21,11 @@ from ktrans.kernels.triton.pdl import enter, launch
 
 @triton.jit
 def topk_softmax_row(row_ptr, n_experts, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                     RENORM: tl.constexpr, FRESH: tl.constexpr = False):
+                     RENORM: tl.constexpr):
     """One token's routing from its logits row: (slots [K_PAD], ids [K_PAD] int32, weights [K_PAD] fp32), slots past
-    K padding (weight 0). Also run inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage) and the
-    router gate's last program (ktrans.kernels.triton.dense_gemv). FRESH: the row was just stored by other programs
-    of the launch: read from L2, past this SM's L1."""
+    K padding (weight 0). Also run inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage)."""
     offs = tl.arange(0, E_PAD)
-    if FRESH:
-        x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf"), cache_modifier=".cg")
-    else:
-        x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf"))
-    x = x.to(tl.float32)
+    x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
     mx = tl.max(x, 0)
     total = tl.sum(tl.exp(x - mx), 0)
     ks = tl.arange(0, K_PAD)
