@@ -187,10 +187,14 @@ def _sms(device: torch.device) -> int:
 # KTRANS_GEMV_ROWS=H or H,BN,WARPS sets them (also for the MoE's few-token path).
 _ROWS_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS", "0").split(",") if v.strip()]
 _ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
-# maxnreg: a register cap for the launch (None: the compiler's choice; the lane-group kernel takes ~125 on sm_90, so
-# four 4-warp programs fit an SM; a cap trades spills for more programs in flight), swept by gemv_sweep --maxnreg.
+# maxnreg: a register cap for the launch (None: the compiler's choice, ~125 registers for the lane-group kernel on
+# sm_90), swept by gemv_sweep --maxnreg. 80 on the H200 (session 22, two runs, doc/benchmarks.md): the nine shapes
+# of a layer's projections 85.8 against 95.5 us at Q4_K and 95.1 against 102 us at Q6_K, the small ones (~7 against
+# ~9 us) and in_proj_qkvz (16.2 against 17.1 us) both faster; 96 was between, 64 slower (spills). KTRANS_GEMV_MAXNREG
+# sets another (0: none). The cap changes the register allocation only: the same results bitwise.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
-        "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2], "maxnreg": None}
+        "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
+        "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG", "80")) or None}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
