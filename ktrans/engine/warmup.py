@@ -15,7 +15,7 @@ from ktrans.engine.sampler import SamplingParams
 
 def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: no import circle)
     """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): a
-    whole-step prompt; beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
+    whole-step prompt (several filling a step where --max_model_len is shorter); beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
     the odd chunk beside two decoding (where the batch holds three); decode at batch 1, 2 and each larger graph
     bucket, and those rows beside a short prompt and a step-filling one where a slot is left. Users then do not
     pay what each kind of step costs the first time: Triton compiles per token-count class and per one-or-more
@@ -42,11 +42,24 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
         while not stream.drain() and engine.poll():  # its prefill and first token
             pass
 
+    ps, pages = engine.config.page_size, -(-engine.config.cache_lens // engine.config.page_size) - 1
     try:
         if limit >= 3:
             first_token(min(engine.config.chunk_size, limit - 2), 2)  # one whole step
             while engine.poll():
                 pass
+            # where one prompt cannot fill a step (--max_model_len under --chunk_size), a step filled by several:
+            # ops switch kernels with the step's tokens, not its prompts' (the split prefill's GPU share from
+            # gpu_prefill_min_tokens on: bench e2e's 16 prompts of 256 tokens compiled its kernels in their first
+            # step at full size, session 22, the warm-up's prompts being shorter than the 512 tokens it starts at)
+            per = limit - 2
+            if per < engine.config.chunk_size and engine.config.max_batch_size > 1:
+                n = min(engine.config.max_batch_size, -(-engine.config.chunk_size // per), pages // -(-limit // ps))
+                if n > 1:
+                    for _ in range(n):
+                        submit(per, 2)
+                    while engine.poll():
+                        pass
         if limit >= 18:
             first_token(5, 12)  # it decodes from now on
             # beside its decodes: an odd token count, a whole chunk (a multiple of 16, several sequences), a
@@ -66,7 +79,6 @@ def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: n
         # prompt where a slot is left (Triton's tiles, the MoE's and the DeltaNet decode's value blocks change with
         # the decode rows; the prefill kernels' compiles with the step's token-count class and its sequences: at full
         # size four rows beside a 4,092-token chunk compiled four kernels inside a measured step, session 13)
-        ps, pages = engine.config.page_size, -(-engine.config.cache_lens // engine.config.page_size) - 1
         for b in [b for b in batch_buckets(engine.config.max_batch_size) if b > 2] if limit >= 24 else []:
             beside = [21] if b < engine.config.max_batch_size else []
             whole = engine.config.chunk_size - b

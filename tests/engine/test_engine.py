@@ -226,9 +226,15 @@ def test_warm_up_past_the_queue_limit_and_after_a_failing_step(tiny, monkeypatch
     engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=32, cache_lens=128,
                                              max_queued_requests=0))
     assert engine.warm_up()["steps"] > 0
-    # a context shorter than a step: every warm-up request still fits it (prompt plus its tokens)
-    assert Engine(model, tok, EngineConfig(max_batch_size=3, chunk_size=64, cache_lens=128,
-                                           max_model_len=30)).warm_up()["steps"] > 0
+    # a context shorter than a step: every warm-up request still fits it (prompt plus its tokens), and several
+    # prompts fill one step together (the step's token count is what ops switch kernels by)
+    engine = Engine(model, tok, EngineConfig(max_batch_size=3, chunk_size=64, cache_lens=128, max_model_len=30))
+    seen = []
+    real_step = engine.runner.step
+    engine.runner.step = lambda chunks: (seen.append([len(c.token_ids) for c in chunks]), real_step(chunks))[1]
+    assert engine.warm_up()["steps"] > 0
+    assert [28, 28, 8] in seen, seen  # three prompts of 28 tokens: a 64-token step, the third one chunked
+    assert pools_full(engine)
     engine = Engine(model, tok, EngineConfig(max_batch_size=2, chunk_size=32, cache_lens=128))
     calls = []
     real_step = engine.runner.step
