@@ -217,8 +217,9 @@ DECODE_BLOCK_N = 64      # keys per step of a decode program
 MIN_SPLIT_TOKENS = 256
 # The merge reads a plan's splits in one go (both the log-sum-exps and the partials, one load each), up to
 # MERGE_MAX_STEP of them a read, and holds at most MERGE_TILE partial values a program: with many splits, fewer dims a
-# program. Read 16 splits at a time, as before session 21, it took ~11 us a layer on the H200 (12 launches a token at
-# 132 splits, `_decode_merge_kernel` in bench e2e's profile): eighteen dependent reads of the L2.
+# program. Before session 22 it read every split 16 at a time, twice (eighteen dependent reads of the L2 at 132
+# splits); the one pass took the whole decode at 32k keys, B=1, from 36.4-37.2 to 33.4-35.3 us on the H200, the merge
+# alone now ~3 us (scripts/attention_decode_sweep.py, doc/benchmarks.md).
 MERGE_MAX_STEP = 256
 MERGE_TILE = 4096
 PROGRAMS_PER_SM = 2
