@@ -17,6 +17,7 @@ float32 here as there.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,20 +82,29 @@ def _load_rows(ptrs, mask_n, mask_d, MASKED: tl.constexpr, EVEN_D: tl.constexpr)
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, K, V, BT, start, L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off,
+def _pages(BT, start, L, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The pages of keys start.. start + BLOCK_N - 1 from the block-table row BT; MASKED: keys at or past L read row
+    0's page (valid memory)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        return tl.load(BT + offs_n // PAGE, mask=offs_n < L, other=0)
+    return tl.load(BT + offs_n // PAGE)
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, K, V, page, start, L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-                  PREC: tl.constexpr):
-    """One BLOCK_N-key step of the online softmax (scores in log2 units: qk_scale is scale * log2 e). Keys are
-    found through the block-table row BT; MASKED: keys at or past L, or after a query's position, are left out.
-    Unmasked steps (the prefix below the diagonal) load without predicates."""
+                  PREC: tl.constexpr, V_FIRST: tl.constexpr = False):
+    """One BLOCK_N-key step of the online softmax (scores in log2 units: qk_scale is scale * log2 e) over the keys
+    of `page` (_pages). MASKED: keys at or past L, or after a query's position, are left out. Unmasked steps (the
+    prefix below the diagonal) load without predicates. V_FIRST: the values are loaded with the keys, before the
+    scores, so both reads are in flight at once (else after the softmax, when they are needed)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < L
-    if MASKED:
-        page = tl.load(BT + offs_n // PAGE, mask=mask_n, other=0)  # masked keys read row 0's page: valid memory
-    else:
-        page = tl.load(BT + offs_n // PAGE)
     kv_off = (page * PAGE + offs_n % PAGE)[:, None] * stride_kr + kvh_off + offs_d[None, :]
     k = _load_rows(K + kv_off, mask_n, mask_d, MASKED, EVEN_D)
+    if V_FIRST:
+        v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if MASKED:
         s = tl.where((pos_q[:, None] >= offs_n[None, :]) & mask_n[None, :], s, float("-inf"))
@@ -102,7 +112,8 @@ def _attend_block(acc, m_i, l_i, q, K, V, BT, start, L, pos_q, qk_scale, offs_d,
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
+    if not V_FIRST:
+        v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, m_new, l_i
 
@@ -137,12 +148,14 @@ def _prefill_kernel(Q, K, V, O, BT, CU, LENS, qk_scale, stride_qt, stride_qh, st
         # Keys below the block's first position are visible to every row: no mask.
         full_end = (prefix + mb * BLOCK_M) // BLOCK_N * BLOCK_N
         for start in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, start, L, pos_q, qk_scale, offs_d, mask_d,
-                                          stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, _pages(bt, start, L, PAGE, BLOCK_N, False), start,
+                                          L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off, PAGE, BLOCK_N,
+                                          False, D == BLOCK_D, PREC)
         hi = tl.minimum(prefix + (mb + 1) * BLOCK_M, L)
         for start in range(full_end, hi, BLOCK_N):
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, start, L, pos_q, qk_scale, offs_d, mask_d,
-                                          stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC)
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, _pages(bt, start, L, PAGE, BLOCK_N, True), start,
+                                          L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off, PAGE, BLOCK_N,
+                                          True, D == BLOCK_D, PREC)
         out = acc / l_i[:, None]
         tl.store(O + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -223,6 +236,9 @@ MIN_SPLIT_TOKENS = 256
 MERGE_MAX_STEP = 256
 MERGE_TILE = 4096
 PROGRAMS_PER_SM = 2
+# The split kernel's pages read a step ahead, values with keys (HOIST); off until timed (KTRANS_ATTN_HOIST=1): at B=1
+# a program streamed ~20 GB/s, as if a step's reads came one after another (attention_decode_sweep.py, session 22).
+DECODE_HOIST = os.environ.get("KTRANS_ATTN_HOIST", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -247,7 +263,7 @@ def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) ->
 def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
                          stride_bt, split_tokens, TUNE, PAGE: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, HOIST: tl.constexpr = False, PDL: tl.constexpr = False):
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -271,12 +287,24 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
     pos_q = tl.zeros([GROUP_PAD], tl.int32) + (L - 1)
     # The one decode token is the last position, so it sees every key below L: only the split's end masks.
     full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    # HOIST: each step's pages are read a step ahead and its values with its keys, so a step waits on one read of
+    # the cache, not three in a row (pages, keys, then values: Triton's pipeliner does not take these indirect loads)
+    if HOIST:
+        page = _pages(bt, start, end, PAGE, BLOCK_N, True)
     for s0 in range(start, full, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, s0, end, pos_q, qk_scale, offs_d, mask_d,
-                                      stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC)
+        if HOIST:
+            ahead = _pages(bt, s0 + BLOCK_N, end, PAGE, BLOCK_N, True)
+        else:
+            page = _pages(bt, s0, end, PAGE, BLOCK_N, False)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, page, s0, end, pos_q, qk_scale, offs_d, mask_d,
+                                      stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC, HOIST)
+        if HOIST:
+            page = ahead
     for s0 in range(full, end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, bt, s0, end, pos_q, qk_scale, offs_d, mask_d,
-                                      stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC)
+        if not HOIST:
+            page = _pages(bt, s0, end, PAGE, BLOCK_N, True)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, page, s0, end, pos_q, qk_scale, offs_d, mask_d,
+                                      stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC, HOIST)
     # A split past this sequence's length holds no keys (l = 0): it stores nothing, and the merge skips it.
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -334,7 +362,7 @@ def _decode_configs() -> list[triton.Config]:
 
 # Tuned per class of split length (TUNE) and shape on the first call of each, which runs eagerly: the runner's first
 # step of a graph bucket, or the warm-up, precedes any capture.
-_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE"])(
+_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE", "HOIST"])(
     _decode_split_kernel)
 
 
@@ -408,7 +436,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), plan.split_tokens,
             tune_class(plan.split_tokens, DECODE_TUNE_CLASSES))
     meta = dict(PAGE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-                PREC=_prec(q.dtype))
+                PREC=_prec(q.dtype), HOIST=DECODE_HOIST)
     grid = (bsz, hkv, plan.num_splits)
     if interpreting():
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
