@@ -15,6 +15,7 @@ import torch
 from ktrans.kernels.torch import attention as ref
 
 tri = pytest.importorskip("ktrans.kernels.triton.attention")
+tri_merge = pytest.importorskip("ktrans.kernels.triton.attention_merge")
 
 pytestmark = pytest.mark.triton
 FP32 = dict(atol=2e-5, rtol=1e-4)
@@ -105,9 +106,9 @@ def test_decode_merges_more_splits_than_one_read(triton_device, monkeypatch, max
     """37 splits of 8 keys, merged in one read of all of them, or (MERGE_MAX_STEP at 16) 16 at a time with the
     running maximum rescaling across the reads: the lengths end in the first, the second and the third read. Only
     the live splits are read: those past a length store nothing (their scratch is NaN here)."""
-    monkeypatch.setattr(tri, "MERGE_MAX_STEP", max_step)
+    monkeypatch.setattr(tri_merge, "MERGE_MAX_STEP", max_step)
     plan = tri.DecodePlan(num_splits=37, split_tokens=8)
-    step, chunk = tri.merge_shape(plan.num_splits, 32)
+    step, chunk = tri_merge.merge_shape(plan.num_splits, 32)
     assert (step, chunk) == ((64, 32) if max_step == 256 else (16, 32))
     scratch = tri._scratch(3, 4, plan.num_splits, 32, torch.empty(0, device=triton_device).device)
     for t in scratch:
@@ -119,9 +120,9 @@ def test_decode_merges_more_splits_than_one_read(triton_device, monkeypatch, max
 def test_merge_shape_bounds_a_programs_partials():
     for splits in (1, 3, 16, 37, 132, 256, 300):
         for block_d in (16, 32, 128, 256):
-            step, chunk = tri.merge_shape(splits, block_d)
-            assert step == min(1 << (splits - 1).bit_length(), tri.MERGE_MAX_STEP) and block_d % chunk == 0
-            assert 16 <= chunk <= block_d and (step * chunk <= tri.MERGE_TILE or chunk == 16)
+            step, chunk = tri_merge.merge_shape(splits, block_d)
+            assert step == min(1 << (splits - 1).bit_length(), tri_merge.MERGE_MAX_STEP) and block_d % chunk == 0
+            assert 16 <= chunk <= block_d and (step * chunk <= tri_merge.MERGE_TILE or chunk == 16)
 
 
 def test_decode_planned_for_a_longer_bucket_with_pad_rows(triton_device):
@@ -278,9 +279,32 @@ def test_merge_split_counts_reach_every_merge_shape():
         counts = tri.merge_split_counts(kv_heads, sms, block_d)
         most = -(-tri.PROGRAMS_PER_SM * sms // kv_heads)
         assert counts[0] == 1 and counts[-1] <= most and counts == sorted(set(counts))
-        shapes = {tri.merge_shape(n, block_d) for n in counts}
-        assert {tri.merge_shape(n, block_d) for n in range(1, most + 1)} == shapes and len(shapes) == len(counts)
+        shapes = {tri_merge.merge_shape(n, block_d) for n in counts}
+        assert {tri_merge.merge_shape(n, block_d) for n in range(1, most + 1)} == shapes and len(shapes) == len(counts)
         for rows in (1, 3, 16):
             for max_len in (1, 255, 4096, 32768, 131072):
                 plan = tri.plan_decode(rows, kv_heads, max_len, torch.device("cpu")) if sms == 16 else None
-                assert plan is None or tri.merge_shape(plan.num_splits, block_d) in shapes
+                assert plan is None or tri_merge.merge_shape(plan.num_splits, block_d) in shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_compiles_once_whatever_the_split_count_and_lengths_view():
+    """Split counts of one merge shape (a multiple of 16 or not: Triton would specialize on it) and the lengths as a
+    view at an 8-byte offset (as the runner's may lie) reuse the first call's compiles of both decode kernels: what
+    follows a context's length does not specialize them, so the warm-up's compiles serve every context."""
+    from ktrans.kernels.triton import CompileLog
+
+    c = Cache([130], 4, 2, 32, torch.bfloat16, "cuda")
+    q = torch.randn(1, 4, 32, device="cuda").to(torch.bfloat16)
+    buf = torch.tensor([0, 130], dtype=torch.int64, device="cuda")
+    tri.paged_decode(q, c.k, c.v, buf[1:], c.tables, 4, 32 ** -0.5, tri.DecodePlan(num_splits=19, split_tokens=8))
+    torch.cuda.synchronize()
+    with CompileLog() as log:
+        for n in (32, 31, 17):
+            lens = buf[1:] if n != 31 else buf[1:].clone()  # an aligned copy too
+            got = tri.paged_decode(q, c.k, c.v, lens, c.tables, 4, 32 ** -0.5, tri.DecodePlan(n, 8))
+        torch.cuda.synchronize()
+    assert not [k for k in log.kernels if "decode" in k], log.compiled
+    want = ref.paged_attention_decode(q.float(), c.k.float(), c.v.float(), [130], c.tables, 4, 32 ** -0.5)
+    torch.testing.assert_close(got.float(), want.to(got.device), atol=2e-2, rtol=2e-2)

@@ -30,6 +30,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def unaligned(*names: str) -> dict:
+    """@triton.jit options that keep Triton from specializing pointer arguments `names` on their 16-byte alignment,
+    where this Triton has the option (3.2+): for a pointer whose alignment follows the caller's buffers (a view into
+    the runner's packed step tensors) while the kernel only reads a scalar from it, one compile serves every caller."""
+    import inspect
+
+    import triton
+    ok = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+    return {"do_not_specialize_on_alignment": list(names)} if ok else {}
+
+
 def describe_compile(kw: dict) -> str:
     """One compile as `name[warps, stages] const: a=1, BN=32 div16: x_ptr, n`: the kernel, its launch options, the
     arguments it was specialized on (constexprs and integers equal to 1) and those it took as multiples of 16 (what

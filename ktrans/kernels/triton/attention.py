@@ -12,7 +12,7 @@ float32 here as there.
   host-known sizes.
 - **Decode** (`paged_decode`): flash-decoding. One program per (sequence, KV head, split of the KV length) takes
   that KV head's whole query group (GQA: 8 query heads share one KV head at Qwen3-Next's 16/2), so each KV row is
-  read from HBM once; a second kernel merges the splits by their log-sum-exp. Lengths are read on the device and
+  read from HBM once; a second kernel merges the splits by their log-sum-exp (`attention_merge.py`). Lengths are read on the device and
   the grid follows from the planned maximum length (a CUDA graph's KV bucket), so a graph captures it.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton import interpreting, unaligned
+from ktrans.kernels.triton.attention_merge import merge, split_counts_by_shape
 from ktrans.kernels.triton.pdl import enter, launch
 
 LOG2E = 1.4426950408889634
@@ -228,13 +229,6 @@ DECODE_BLOCK_N = 64      # keys per step of a decode program
 # wants about two programs per SM. On the H200 at 32k keys, B=1 (`ktrans bench kernels --family attention`,
 # 2026-12-02): splits of 512 keys 38.6 us, of 256 36.4 us, of 128 41.9 us.
 MIN_SPLIT_TOKENS = 256
-# The merge reads a plan's splits in one go (both the log-sum-exps and the partials, one load each), up to
-# MERGE_MAX_STEP of them a read, and holds at most MERGE_TILE partial values a program: with many splits, fewer dims a
-# program. Before session 22 it read every split 16 at a time, twice (eighteen dependent reads of the L2 at 132
-# splits); the one pass took the whole decode at 32k keys, B=1, from 36.4-37.2 to 33.4-35.3 us on the H200, the merge
-# alone now ~3 us (scripts/attention_decode_sweep.py, doc/benchmarks.md).
-MERGE_MAX_STEP = 256
-MERGE_TILE = 4096
 PROGRAMS_PER_SM = 2
 # The split kernel's pages read a step ahead, values with keys (HOIST); off until timed (KTRANS_ATTN_HOIST=1): at B=1
 # a program streamed ~20 GB/s, as if a step's reads came one after another (attention_decode_sweep.py, session 22).
@@ -259,7 +253,7 @@ def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) ->
     return DecodePlan(triton.cdiv(max(max_len, 1), split_tokens), split_tokens)
 
 
-@triton.jit
+@triton.jit(**unaligned("LENS"))  # the runner's lengths, a view at an offset its buffer sizes set
 def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
                          stride_bt, split_tokens, TUNE, PAGE: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
@@ -314,44 +308,6 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
     live = mask_g & ((offs_g * 0 + start) < tl.maximum(L, 1))
     tl.store(LSE + part, lse, mask=live)
     tl.store(OP + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=live[:, None])
-
-
-@triton.jit
-def _decode_merge_kernel(OP, LSE, O, LENS, stride_ob, stride_oh, n_splits, split_tokens, D: tl.constexpr,
-                         BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr, S_STEP: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """Merge the live splits of one (sequence, query head, chunk of D_CHUNK dims), those that hold keys of the
-    sequence's length, in one online pass: S_STEP splits a read, their log-sum-exps and partials loaded together,
-    the running maximum rescaling what came before. A plan's splits are one read up to MERGE_MAX_STEP of them."""
-    enter(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    L = tl.load(LENS + b).to(tl.int32)
-    n_live = tl.minimum(n_splits, tl.maximum(1, tl.cdiv(L, split_tokens)))  # split 0 holds key 0
-    base = (b * tl.num_programs(1) + h) * n_splits
-    offs_d = tl.program_id(2) * D_CHUNK + tl.arange(0, D_CHUNK)
-    m = tl.max(tl.full([S_STEP], float("-inf"), tl.float32), 0)
-    total = tl.sum(tl.zeros([S_STEP], tl.float32), 0)
-    acc = tl.zeros([D_CHUNK], tl.float32)
-    for s0 in range(0, n_live, S_STEP):
-        ss = s0 + tl.arange(0, S_STEP)
-        ms = ss < n_live
-        lse = tl.load(LSE + base + ss, mask=ms, other=float("-inf"))
-        part = tl.load(OP + (base + ss)[:, None] * BLOCK_D + offs_d[None, :], mask=ms[:, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite from the first read on: split 0 is live
-        alpha = tl.math.exp2(m - m_new)
-        w = tl.math.exp2(lse - m_new)
-        total = total * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(part * w[:, None], 0)
-        m = m_new
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(O.dtype.element_ty), mask=offs_d < D)
-
-
-def merge_shape(num_splits: int, block_d: int) -> tuple[int, int]:
-    """(S_STEP, D_CHUNK) of the merge for a plan's split count: every split in one read up to MERGE_MAX_STEP, and
-    S_STEP * D_CHUNK <= MERGE_TILE partials a program (at least 16 dims, at most the head's)."""
-    step = min(triton.next_power_of_2(max(1, num_splits)), MERGE_MAX_STEP)
-    return step, min(block_d, max(16, MERGE_TILE // step))
 
 
 def _decode_configs() -> list[triton.Config]:
@@ -448,21 +404,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def _merge(part: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, kv_lens: torch.Tensor, plan: DecodePlan,
            block_d: int) -> None:
-    step, chunk = merge_shape(plan.num_splits, block_d)
-    _decode_merge_kernel[(o.shape[0], o.shape[1], block_d // chunk)](
-        part, lse, o, kv_lens, o.stride(0), o.stride(1), plan.num_splits, plan.split_tokens, D=o.shape[2],
-        BLOCK_D=block_d, D_CHUNK=chunk, S_STEP=step, **launch())
+    merge(part, lse, o, kv_lens, plan.num_splits, plan.split_tokens, block_d)
 
 
 def merge_split_counts(kv_heads: int, sms: int, block_d: int) -> list[int]:
-    """One split count for each merge shape (merge_shape) that a plan on a device of `sms` SMs can give: the
-    shapes follow the split count, which grows with the context up to plan_decode's count at one row, so the
-    warm-up compiles each of them (pretune_decode) rather than a long context's first step."""
-    most = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, kv_heads))
-    firsts: dict[tuple[int, int], int] = {}
-    for n in range(1, most + 1):
-        firsts.setdefault(merge_shape(n, block_d), n)
-    return sorted(firsts.values())
+    """One split count for each merge shape a plan on a device of `sms` SMs can give (up to plan_decode's count
+    at one row), for the warm-up to compile (pretune_decode) rather than a long context's first step."""
+    return split_counts_by_shape(triton.cdiv(PROGRAMS_PER_SM * sms, max(1, kv_heads)), block_d)
 
 
 # ---- the output gate --------------------------------------------------------------------------------------------
