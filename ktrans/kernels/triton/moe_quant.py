@@ -47,7 +47,7 @@ DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per blo
 # (KTRANS_MOE_LANES_MAXNREG=80 sets one, for `bench kernels --family quant --match lanes`).
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
-         "maxnreg": int(os.environ.get("KTRANS_MOE_LANES_MAXNREG", "0")) or None}
+         "maxnreg": int(os.environ.get("KTRANS_MOE_LANES_MAXNREG") or 0) or None}
 
 
 @triton.jit

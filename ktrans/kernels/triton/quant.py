@@ -194,7 +194,7 @@ _ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
 # sets another (0: none). The cap changes the register allocation only: the same results bitwise.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
-        "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG", "80")) or None}
+        "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
