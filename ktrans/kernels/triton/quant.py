@@ -210,10 +210,18 @@ def counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def _gemv_options() -> dict:
-    """The one-row GEMV's launch options from GEMV (stages, maxnreg) where set."""
+# where the cap was timed (the lane-group form); other types and the row-owning form go uncapped (gemv_sweep --maxnreg
+# with --rows 1 times no cap)
+MAXNREG_TYPES = ("Q4_K", "Q6_K")
+
+
+def _gemv_options(qtype: str, rows: int) -> dict:
+    """The one-row GEMV's launch options from GEMV (stages, maxnreg) where set; the cap for the types and form it
+    was timed on."""
     extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
-    return extra if GEMV["maxnreg"] is None else {**extra, "maxnreg": GEMV["maxnreg"]}
+    if GEMV["maxnreg"] is None or rows or qtype not in MAXNREG_TYPES:
+        return extra
+    return {**extra, "maxnreg": GEMV["maxnreg"]}
 
 
 def gemv_rows(x: torch.Tensor, qtype: str) -> int:
@@ -277,7 +285,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         tiles_n = triton.cdiv(n, bn)
         fused = split > 1 and GEMV["fused_sum"] and tiles_n <= _MAX_TILES
         cnt = counters(x.device) if fused else dst
-        extra = _gemv_options()
+        extra = _gemv_options(w.qtype, rows)
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
                                       num_warps=warps, **extra, **launch())
@@ -330,7 +338,7 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     planes = (lo, hi, d, _scale_words(wa))
     blo, bhi, bd, _ = plane_args(wb)
     offs = plane_offsets(planes, (blo, bhi, bd, _scale_words(wb)))
-    extra = _gemv_options()
+    extra = _gemv_options(wa.qtype, rows)
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
                                             FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, num_warps=warps, **extra,
