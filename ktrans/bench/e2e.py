@@ -18,7 +18,10 @@ random prompts of `--prompt_len` tokens with greedy sampling, `ignore_eos` and `
   `gpu_span` is the step's span on the stream between two CUDA events; `device_ops_per_token` counts the kernels,
   copies and memsets the profiler saw on the device per batch-1 decode step, `host_launches_per_token` the CUDA
   runtime calls the host made to put them there (equal without CUDA graphs; one graph launch stands for a replayed
-  step's kernels). `cuda_graphs`: graphs captured and replays (`--no-use_cuda_graph`: eager steps).
+  step's kernels). `gpu_kernels_us`: the busiest kernels, (us, calls) a step, by span; `gpu_kernels_own_us`: by own
+  time, the part of a kernel's span after everything before it has ended, so a kernel launched early under
+  programmatic dependent launch does not count its wait for its predecessor (these add up to `gpu` with the poll).
+  `cuda_graphs`: graphs captured and replays (`--no-use_cuda_graph`: eager steps).
 
 Also reported: load time, host RSS (now and peak), and each GPU's memory (allocated, peak, reserved).
 """
@@ -230,9 +233,9 @@ class _Bench:
                 "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
                 "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
 
-    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float, dict] | None:
+    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float, dict, dict] | None:
         """(mean GPU busy seconds, device operations, host launches, the TOP_KERNELS kernels by device time: name ->
-        (us, calls) a step) of a batch-1 decode step, from the profiler (None without CUDA). A device operation is
+        (us, calls) a step, the same by own time: measure.own_times) of a batch-1 decode step, from the profiler (None without CUDA). A device operation is
         one kernel, copy or memset on the device; a host launch is one CUDA runtime call that puts work on a stream
         (a kernel, copy, memset or whole graph): without CUDA graphs the two counts are about equal, with them one
         graph launch carries the step's kernels."""
@@ -260,7 +263,8 @@ class _Bench:
         # while the poll runs
         busy_us = busy_union([(e.time_range.start, e.time_range.end, WAIT_KERNEL in e.name) for e in device_ops])
         launches = [e for e in prof.events() if e.name in _LAUNCH_CALLS]
-        return busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps, top_kernels(device_ops, steps)
+        return (busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps, top_kernels(device_ops, steps),
+                top_kernels(device_ops, steps, own=True))
 
 
 def _mean(xs) -> float | None:
@@ -376,18 +380,21 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
             log(f"  during the measured {phase} steps: {len(got.compiled)} Triton compiles "
                 f"({', '.join(got.kernels)}), {len(got.tuned)} autotunings ({', '.join(got.tuned)})")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
-    gpu_s, device_ops, launches, top = profiled if profiled is not None else (None, None, None, None)
+    gpu_s, device_ops, launches, top, own = profiled if profiled is not None else (None, None, None, None, None)
     if "step_ms" in one:
         wall, cpu_ms = one["step_ms"]["wall"], one["step_ms"]["cpu_experts"]
         gpu_ms = 1e3 * gpu_s if gpu_s is not None else 0.0
         split = {"wall": wall, "gpu": gpu_ms, "cpu_experts": cpu_ms, "host": max(0.0, wall - gpu_ms - cpu_ms),
                  "gpu_span": one["step_ms"]["gpu_span"], "gpu_measured": gpu_s is not None,
                  "device_ops_per_token": device_ops, "host_launches_per_token": launches, "gpu_kernels_us": top,
+                 "gpu_kernels_own_us": own,
                  "cpu_wait": sum(us for k, (us, _) in (top or {}).items() if WAIT_KERNEL in k) / 1e3,
                  "cpu_experts_step_ms": one.get("cpu_experts_step_ms")}
         if top:
             log("  GPU time of a batch-1 decode step by kernel (us, calls): " +
                 "; ".join(f"{k} {us:.0f} ({n:g})" for k, (us, n) in list(top.items())[:6]))
+            log("  the same, each kernel's own time (its span after all before it ended: no wait for a predecessor): " +
+                "; ".join(f"{k} {us:.0f} ({n:g})" for k, (us, n) in list((own or {}).items())[:8]))
 
     result = {
         "model": name,

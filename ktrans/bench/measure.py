@@ -14,16 +14,31 @@ def cuda_devices(model) -> list[torch.device]:
                   {b.device for b in model.buffers() if b.device.type == "cuda"}, key=str)
 
 
-def top_kernels(events, steps: int, n: int = TOP_KERNELS) -> dict[str, tuple[float, float]]:
+def top_kernels(events, steps: int, n: int = TOP_KERNELS, own: bool = False) -> dict[str, tuple[float, float]]:
     """The n device operations (profiler events; names cut at 80 characters) with the most device time: name ->
-    (us, calls) a step, the largest first."""
+    (us, calls) a step, the largest first. own: each operation's own time (own_times: what is left of its span once
+    everything that started before it has ended), where a kernel launched early under programmatic dependent launch
+    counts its wait for its predecessor in its span."""
     per: dict[str, list[float]] = {}
-    for e in events:
+    spans = [(e.time_range.start, e.time_range.end) for e in events]
+    times = own_times(spans) if own else [b - a for a, b in spans]
+    for e, us in zip(events, times):
         t = per.setdefault(e.name[:80], [0.0, 0.0])
-        t[0] += (e.time_range.end - e.time_range.start) / steps
+        t[0] += us / steps
         t[1] += 1 / steps
     ranked = sorted(per.items(), key=lambda kv: -kv[1][0])[:n]
     return {k: (round(us, 1), round(calls, 2)) for k, (us, calls) in ranked}
+
+
+def own_times(spans: list[tuple[float, float]]) -> list[float]:
+    """Per (start, end) span, in the given order: the part of it after every span that started earlier has ended
+    (busy_union's rule for one operation; the first in start order keeps all of it, an empty span none)."""
+    out, end = [0.0] * len(spans), float("-inf")
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
+        a, b = spans[i]
+        out[i] = max(0.0, b - max(a, end))
+        end = max(end, b)
+    return out
 
 
 def busy_union(spans: list[tuple[float, float, bool]]) -> float:

@@ -153,3 +153,25 @@ def test_busy_union_counts_waiting_and_early_started_kernels_out():
     # a poll 10..100, the kernel after it launched at 11 (waiting at its top until 100), busy 100..104
     assert busy_union([(0, 10, False), (10, 100, True), (11, 104, False), (104, 106, False)]) == 10 + 4 + 2
     assert busy_union([(3, 3, False), (5, 4, False)]) == 0
+
+
+def test_own_time_leaves_a_kernels_wait_for_its_predecessor_out():
+    """gpu_kernels_own_us: a kernel launched early under programmatic dependent launch (its span starting inside its
+    predecessor's) counts only from the predecessor's end, so the per-kernel times add up to the busy union (with
+    the poll counted); spans given out of order are attributed to their own events."""
+    from types import SimpleNamespace as NS
+
+    from ktrans.bench.measure import busy_union, own_times, top_kernels
+
+    # gemv 0..10, stage_in launched at 4 (waits to 10) ending 13, the poll 13..100, stage_out launched at 14 ending 103
+    spans = [(0, 10), (4, 13), (13, 100), (14, 103), (103, 103)]
+    assert own_times(spans) == [10, 3, 87, 3, 0]
+    assert own_times(spans[::-1]) == [0, 3, 87, 3, 10]
+    assert sum(own_times(spans)) == busy_union([(a, b, False) for a, b in spans])
+    ev = lambda name, a, b: NS(name=name, time_range=NS(start=a, end=b))  # noqa: E731
+    names = ["gemv_kernel", "_stage_in_kernel", "_cpu_wait_kernel", "_stage_out_kernel", "empty"]
+    events = [ev(n, a, b) for n, (a, b) in zip(names, spans)]
+    assert top_kernels(events, steps=1)["_stage_out_kernel"] == (89.0, 1.0)  # its span, the wait in it
+    own = top_kernels(events, steps=1, own=True)
+    assert own["_stage_out_kernel"] == (3.0, 1.0) and own["_stage_in_kernel"] == (3.0, 1.0)
+    assert list(own)[0] == "_cpu_wait_kernel"
