@@ -42,12 +42,14 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 # 917.2 / 1,298.8 (which pads each expert's one or two pairs to a 16-row block), so decode steps of up to 64 tokens
 # take it; at full size the 16-request decode step went from 375 to 709 tok/s with it.
 DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per block (no sort)
-# maxnreg: the launches' register cap (None: the compiler's choice), as the one-row GEMV's (quant.GEMV["maxnreg"], 80
-# there since session 22: -10% over a layer's projections); not yet timed here, so none by default
-# (KTRANS_MOE_LANES_MAXNREG=80 sets one, for `bench kernels --family quant --match lanes`).
+# maxnreg: the register caps of the gate/up and the down launch (0: the compiler's choice), as the one-row GEMV's
+# (quant.GEMV["maxnreg"], 80 there since session 22: -10% over a layer's projections); not yet timed here, so none by
+# default. Compiled for sm_90 (Triton 3.9) the gate/up launch takes 104 registers (96 without spills, 80 spills) and
+# the down launch 96 (80 without spills). KTRANS_MOE_LANES_MAXNREG=96,80 sets both, 80 one for both.
+_CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "0").split(",") if v.strip()] or [0]
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
-         "maxnreg": int(os.environ.get("KTRANS_MOE_LANES_MAXNREG") or 0) or None}
+         "maxnreg": (_CAPS[0], _CAPS[-1])}
 
 
 @triton.jit
@@ -203,7 +205,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
             SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j],
             num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
-            **({} if LANES["maxnreg"] is None else {"maxnreg": LANES["maxnreg"]}), **launch())
+            **({"maxnreg": LANES["maxnreg"][j]} if LANES["maxnreg"][j] else {}), **launch())
     return out
 
 
