@@ -95,14 +95,18 @@ def _pages(BT, start, L, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.c
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, K, V, page, start, L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-                  PREC: tl.constexpr, V_FIRST: tl.constexpr = False):
+                  PREC: tl.constexpr, V_FIRST: tl.constexpr = False, OFF32: tl.constexpr = False):
     """One BLOCK_N-key step of the online softmax (scores in log2 units: qk_scale is scale * log2 e) over the keys
     of `page` (_pages). MASKED: keys at or past L, or after a query's position, are left out. Unmasked steps (the
     prefix below the diagonal) load without predicates. V_FIRST: the values are loaded with the keys, before the
-    scores, so both reads are in flight at once (else after the softmax, when they are needed)."""
+    scores, so both reads are in flight at once (else after the softmax, when they are needed). OFF32: the cache's
+    offsets fit int32 (fewer registers than int64 ones: 30-50 fewer for the decode's [keys, dims] offsets on sm_90)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < L
-    kv_off = (page * PAGE + offs_n % PAGE)[:, None] * stride_kr + kvh_off + offs_d[None, :]
+    if OFF32:
+        kv_off = ((page * PAGE + offs_n % PAGE).to(tl.int32) * stride_kr + kvh_off)[:, None] + offs_d[None, :]
+    else:
+        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * stride_kr + kvh_off + offs_d[None, :]
     k = _load_rows(K + kv_off, mask_n, mask_d, MASKED, EVEN_D)
     if V_FIRST:
         v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
@@ -233,6 +237,9 @@ PROGRAMS_PER_SM = 2
 # The split kernel's pages read a step ahead, values with keys (HOIST); off until timed (KTRANS_ATTN_HOIST=1): at B=1
 # a program streamed ~20 GB/s, as if a step's reads came one after another (attention_decode_sweep.py, session 22).
 DECODE_HOIST = os.environ.get("KTRANS_ATTN_HOIST", "0") == "1"
+# int32 cache offsets in the decode where the cache holds < 2^31 elements: the same addresses, 30-50 registers fewer a
+# thread at most launch shapes (sm_90, scripts/attention_decode_resources.py); KTRANS_ATTN_OFF32=0 keeps int64.
+DECODE_OFF32 = os.environ.get("KTRANS_ATTN_OFF32", "1") == "1"
 
 
 @dataclass(frozen=True)
@@ -257,7 +264,8 @@ def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) ->
 def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
                          stride_bt, split_tokens, TUNE, PAGE: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HOIST: tl.constexpr = False, PDL: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, HOIST: tl.constexpr = False, OFF32: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -291,14 +299,14 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
         else:
             page = _pages(bt, s0, end, PAGE, BLOCK_N, False)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, page, s0, end, pos_q, qk_scale, offs_d, mask_d,
-                                      stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC, HOIST)
+                                      stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC, HOIST, OFF32)
         if HOIST:
             page = ahead
     for s0 in range(full, end, BLOCK_N):
         if not HOIST:
             page = _pages(bt, s0, end, PAGE, BLOCK_N, True)
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, page, s0, end, pos_q, qk_scale, offs_d, mask_d,
-                                      stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC, HOIST)
+                                      stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC, HOIST, OFF32)
     # A split past this sequence's length holds no keys (l = 0): it stores nothing, and the merge skips it.
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -318,7 +326,7 @@ def _decode_configs() -> list[triton.Config]:
 
 # Tuned per class of split length (TUNE) and shape on the first call of each, which runs eagerly: the runner's first
 # step of a graph bucket, or the warm-up, precedes any capture.
-_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE", "HOIST"])(
+_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE", "HOIST", "OFF32"])(
     _decode_split_kernel)
 
 
@@ -392,7 +400,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), plan.split_tokens,
             tune_class(plan.split_tokens, DECODE_TUNE_CLASSES))
     meta = dict(PAGE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-                PREC=_prec(q.dtype), HOIST=DECODE_HOIST)
+                PREC=_prec(q.dtype), HOIST=DECODE_HOIST, OFF32=DECODE_OFF32 and k_cache.numel() < 2**31)
     grid = (bsz, hkv, plan.num_splits)
     if interpreting():
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
