@@ -1,8 +1,8 @@
 """The attention decode split kernel's resources on sm_90 without a GPU: compiled by Triton for
 GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (head_dim 256, a KV head's 8 query heads padded to 16, bf16, page
-16), one line per (read order, int32 offsets or not, keys a step, warps, stages): registers, spill stack (cuobjdump -res-usage, Triton's
-own) and the shared memory Triton asks for. Where the stages change no shared memory, Triton's pipeliner has not
-multi-buffered the loop's loads.
+16), one line per (read order, int32 offsets or not, keys a step, warps, stages): registers, spill stack
+(cuobjdump -res-usage, Triton's own) and the shared memory Triton asks for. Where the stages change no shared
+memory, Triton's pipeliner has not multi-buffered the loop's loads.
 
     python3 scripts/attention_decode_resources.py [--hoist 0,1] [--off32 0,1] [--block_n 16,32,64] [--warps 4,8]
                                                   [--stages 2,3]
@@ -36,8 +36,9 @@ def main() -> None:
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     fn = tri._decode_split_kernel
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for hoist, off32, block_n, warps, stages in itertools.product(ints(args.hoist), ints(args.off32), ints(args.block_n),
-                                                                  ints(args.warps), ints(args.stages)):
+    for hoist, off32, block_n, warps, stages in itertools.product(ints(args.hoist), ints(args.off32),
+                                                                  ints(args.block_n), ints(args.warps),
+                                                                  ints(args.stages)):
         consts = {"PAGE": 16, "GROUP": 8, "GROUP_PAD": 16, "D": 256, "BLOCK_D": 256,
                   "PREC": tri._prec(torch.bfloat16), "BLOCK_N": block_n, "HOIST": bool(hoist),
                   "OFF32": bool(off32), "PDL": False}

@@ -235,10 +235,10 @@ class _Bench:
 
     def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float, dict, dict] | None:
         """(mean GPU busy seconds, device operations, host launches, the TOP_KERNELS kernels by device time: name ->
-        (us, calls) a step, the same by own time: measure.own_times) of a batch-1 decode step, from the profiler (None without CUDA). A device operation is
-        one kernel, copy or memset on the device; a host launch is one CUDA runtime call that puts work on a stream
-        (a kernel, copy, memset or whole graph): without CUDA graphs the two counts are about equal, with them one
-        graph launch carries the step's kernels."""
+        (us, calls) a step, the same by own time: measure.own_times) of a batch-1 decode step, from the profiler
+        (None without CUDA). A device operation is one kernel, copy or memset on the device; a host launch is one CUDA
+        runtime call that puts work on a stream (a kernel, copy, memset or whole graph): without CUDA graphs the two
+        counts are about equal, with them one graph launch carries the step's kernels."""
         if not self.devices or steps == 0:
             return None
         from torch.profiler import ProfilerActivity, profile

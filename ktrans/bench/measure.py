@@ -45,13 +45,11 @@ def busy_union(spans: list[tuple[float, float, bool]]) -> float:
     """The time the device works, from its operations' (start, end, waiting) spans: the union of the spans, less the
     waiting ones (the CPU experts' poll), where a span that starts before everything earlier has ended counts only
     from that end (a kernel launched with programmatic dependent launch waits there for its predecessor). Meant for
-    one stream (a decode step's): work on another stream that overlaps a poll would be left out."""
-    busy, end = 0.0, float("-inf")
-    for a, b, waiting in sorted(s for s in spans if s[1] > s[0]):
-        if not waiting:
-            busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    return busy
+    one stream (a decode step's): work on another stream that overlaps a poll would be left out. The sum of the
+    non-waiting spans' own_times (ordered with a working span before a waiting one of the same extent)."""
+    ordered = sorted(s for s in spans if s[1] > s[0])
+    own = own_times([(a, b) for a, b, _ in ordered])  # already in start order: kept as given
+    return sum(t for t, (_, _, waiting) in zip(own, ordered) if not waiting)
 
 
 def host_memory() -> dict[str, float]:

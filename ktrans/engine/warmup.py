@@ -15,8 +15,9 @@ from ktrans.engine.sampler import SamplingParams
 
 def warm_up(engine) -> dict:  # the ktrans.engine.engine.Engine (not imported: no import circle)
     """Throw-away requests through the engine's own steps, before it serves (`ktrans serve`, bench e2e): a
-    whole-step prompt (several filling a step where --max_model_len is shorter); beside one decoding request an odd-length chunk, a whole-step one and a 257-token prompt;
-    the odd chunk beside two decoding (where the batch holds three); decode at batch 1, 2 and each larger graph
+    whole-step prompt (several filling a step where --max_model_len is shorter); beside one decoding request an
+    odd-length chunk, a whole-step one and a 257-token prompt; the odd chunk beside two decoding (where the batch
+    holds three); decode at batch 1, 2 and each larger graph
     bucket, and those rows beside a short prompt and a step-filling one where a slot is left. Users then do not
     pay what each kind of step costs the first time: Triton compiles per token-count class and per one-or-more
     sequences, autotunings per size class, graph captures, split prefill's rates.

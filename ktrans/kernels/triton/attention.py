@@ -12,8 +12,9 @@ float32 here as there.
   host-known sizes.
 - **Decode** (`paged_decode`): flash-decoding. One program per (sequence, KV head, split of the KV length) takes
   that KV head's whole query group (GQA: 8 query heads share one KV head at Qwen3-Next's 16/2), so each KV row is
-  read from HBM once; a second kernel merges the splits by their log-sum-exp (`attention_merge.py`). Lengths are read on the device and
-  the grid follows from the planned maximum length (a CUDA graph's KV bucket), so a graph captures it.
+  read from HBM once; a second kernel merges the splits by their log-sum-exp (`attention_merge.py`). Lengths are
+  read on the device and the grid follows from the planned maximum length (a CUDA graph's KV bucket), so a graph
+  captures it.
 """
 from __future__ import annotations
 
