@@ -26,8 +26,8 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.pdl import enter, launch
-from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, QT_CODE, _scale_words, _sms, counters, gemv_rows,
-                                         plane_args, plane_offsets, superblock_dot, tiles)
+from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, MAXNREG_TYPES, QT_CODE, _scale_words, _sms, counters,
+                                         gemv_rows, plane_args, plane_offsets, superblock_dot, tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
@@ -43,10 +43,12 @@ from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 # take it; at full size the 16-request decode step went from 375 to 709 tok/s with it.
 DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per block (no sort)
 # maxnreg: the register caps of the gate/up and the down launch (0: the compiler's choice), as the one-row GEMV's
-# (quant.GEMV["maxnreg"], 80 there since session 22: -10% over a layer's projections); not yet timed here, so none by
-# default. Compiled for sm_90 (Triton 3.9) the gate/up launch takes 104 registers (96 without spills, 80 spills) and
-# the down launch 96 (80 without spills). KTRANS_MOE_LANES_MAXNREG=96,80 sets both, 80 one for both.
-_CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "0").split(",") if v.strip()] or [0]
+# (quant.GEMV["maxnreg"]), for the types and form it was timed at (quant.MAXNREG_TYPES, lane groups). 80 for both
+# since session 23 (H200, doc/benchmarks.md): `bench kernels` one 80B layer at B=1 26.45 -> 25.06 us (Q4_K), 29.01 ->
+# 25.79 us (Q6_K down), B=4..64 within 1% or better; all-GPU decode at batch 1 205.0 -> 217.6 tok/s (two runs each,
+# alternating). Compiled for sm_90 (Triton 3.9) the gate/up launch takes 104 registers uncapped (80 spills 40 B) and
+# the down launch 96 (80 without spills). KTRANS_MOE_LANES_MAXNREG=96,80 sets each, 80 one for both, 0 none.
+_CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").split(",") if v.strip()] or [0]
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1])}
@@ -162,6 +164,13 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             tl.atomic_xchg(cnt, 0)
 
 
+def _lanes_cap(j: int, qtype: str, rows: bool) -> dict:
+    """The lanes path's launch option for launch j (0 gate/up, 1 down): LANES' register cap where one is set and the
+    launch is a lane-group one of a type the cap was timed at; nothing otherwise."""
+    cap = LANES["maxnreg"][j]
+    return {"maxnreg": cap} if cap and not rows and qtype in MAXNREG_TYPES else {}
+
+
 def _expert_strides(planes) -> list[int]:
     """Each plane's stride from one expert to the next (0 for a one-element stand-in plane)."""
     return [t.stride(0) if t.numel() > 1 else 0 for t in planes]
@@ -205,7 +214,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
             SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j],
             num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
-            **({"maxnreg": LANES["maxnreg"][j]} if LANES["maxnreg"][j] else {}), **launch())
+            **_lanes_cap(j, w.qtype, rows[j]), **launch())
     return out
 
 

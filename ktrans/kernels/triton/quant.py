@@ -191,7 +191,9 @@ _ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
 # sm_90), swept by gemv_sweep --maxnreg. 80 on the H200 (session 22, two runs, doc/benchmarks.md): the nine shapes
 # of a layer's projections 85.8 against 95.5 us at Q4_K and 95.1 against 102 us at Q6_K, the small ones (~7 against
 # ~9 us) and in_proj_qkvz (16.2 against 17.1 us) both faster; 96 was between, 64 slower (spills). KTRANS_GEMV_MAXNREG
-# sets another (0: none). The cap changes the register allocation only: the same results bitwise.
+# sets another (0: none). The cap changes the register allocation only: the same results bitwise. End to end
+# (session 23): the serve placement's GPU share 3.09 against 3.19 ms, all-GPU batch 1 208 against 203 tok/s; with
+# the cap, 6 or 8 programs an SM (per_sm) were no faster than 4.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None}
