@@ -1,11 +1,10 @@
 """The attention decode split kernel's resources on sm_90 without a GPU: compiled by Triton for
 GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (head_dim 256, a KV head's 8 query heads padded to 16, bf16, page
-16), one line per (read order, int32 offsets or not, keys a step, warps, stages): registers, spill stack
+16), one line per (int32 offsets or not, keys a step, warps, stages): registers, spill stack
 (cuobjdump -res-usage, Triton's own) and the shared memory Triton asks for. Where the stages change no shared
 memory, Triton's pipeliner has not multi-buffered the loop's loads.
 
-    python3 scripts/attention_decode_resources.py [--hoist 0,1] [--off32 0,1] [--block_n 16,32,64] [--warps 4,8]
-                                                  [--stages 2,3]
+    python3 scripts/attention_decode_resources.py [--off32 0,1] [--block_n 16,32,64] [--warps 4,8] [--stages 2,3]
 """
 from __future__ import annotations
 
@@ -29,22 +28,20 @@ SIGNATURE = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "BT": "*i64", "LENS": "*i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("hoist", "0,1"), ("off32", "0,1"), ("block_n", "16,32,64"), ("warps", "4,8"),
-                          ("stages", "2,3")):
+    for name, default in (("off32", "0,1"), ("block_n", "16,32,64"), ("warps", "4,8"), ("stages", "2,3")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     fn = tri._decode_split_kernel
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    for hoist, off32, block_n, warps, stages in itertools.product(ints(args.hoist), ints(args.off32),
-                                                                  ints(args.block_n), ints(args.warps),
-                                                                  ints(args.stages)):
+    for off32, block_n, warps, stages in itertools.product(ints(args.off32), ints(args.block_n), ints(args.warps),
+                                                           ints(args.stages)):
         consts = {"PAGE": 16, "GROUP": 8, "GROUP_PAD": 16, "D": 256, "BLOCK_D": 256,
-                  "PREC": tri._prec(torch.bfloat16), "BLOCK_N": block_n, "HOIST": bool(hoist),
-                  "OFF32": bool(off32), "PDL": False}
+                  "PREC": tri._prec(torch.bfloat16), "BLOCK_N": block_n, "OFF32": bool(off32),
+                  "PDL": False}
         sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
         src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        tag = f"hoist={hoist} off32={off32} BLOCK_N={block_n} warps={warps} stages={stages}"
+        tag = f"off32={off32} BLOCK_N={block_n} warps={warps} stages={stages}"
         try:
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": warps, "num_stages": stages})

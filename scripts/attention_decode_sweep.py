@@ -7,7 +7,7 @@ length's time minus the floor, against its bytes, separates a fixed cost from th
 step, warps, pipelining stages), each forced in place of the autotuner's pick (printed first).
 
     python3 scripts/attention_decode_sweep.py [--lens 2048,8192,32768,131072] [--per_sm 2,4] [--min_split 128,256]
-                                             [--hoist 0,1] [--configs all | 64,4,3/32,4,4]
+                                             [--configs all | 64,4,3/32,4,4]
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ def main() -> None:
     ap.add_argument("--per_sm", default="2,4")
     ap.add_argument("--min_split", default="128,256")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--hoist", default="0", help="the split kernel's read order(s): 0 default, 1 KTRANS_ATTN_HOIST's")
     ap.add_argument("--configs", default="", help="BLOCK_N,warps,stages/...; all: 16-64 keys, 2-8 warps, 2-5 stages")
     args = ap.parse_args()
     tuned = tri._decode_tuned
@@ -60,9 +59,9 @@ def main() -> None:
         out = torch.empty_like(q)
         kv_bytes = 2 * args.batch * length * c.num_key_value_heads * c.head_dim * k.element_size()
         ideal = kv_bytes / hbm / 1e3
-        for hoist, per_sm, min_split in itertools.product(*([int(v) for v in a.split(",")] for a in (
-                args.hoist, args.per_sm, args.min_split))):
-            tri.PROGRAMS_PER_SM, tri.MIN_SPLIT_TOKENS, tri.DECODE_HOIST = per_sm, min_split, bool(hoist)
+        for per_sm, min_split in itertools.product(*([int(v) for v in a.split(",")] for a in (
+                args.per_sm, args.min_split))):
+            tri.PROGRAMS_PER_SM, tri.MIN_SPLIT_TOKENS = per_sm, min_split
             tri._decode_tuned = tuned
             plan = tri.plan_decode(args.batch, c.num_key_value_heads, length, dev)
             whole = statistics.median(time_cuda(
@@ -73,7 +72,7 @@ def main() -> None:
             merge = statistics.median(time_cuda(
                 lambda: tri._merge(part, lse, out, lens, plan, tri._block_d(c.head_dim)), dev, reps=args.reps,
                 flush=flush)) * 1e3
-            print(f"L={length} hoist={hoist} per_sm={per_sm} min_split={min_split}: {plan.num_splits} splits of "
+            print(f"L={length} per_sm={per_sm} min_split={min_split}: {plan.num_splits} splits of "
                   f"{plan.split_tokens}; whole {whole:.2f} us ({ideal / whole:.3f} of HBM; less the floor "
                   f"{ideal / max(whole - floor, 1e-3):.3f}), merge alone {merge:.2f} us; the bytes at HBM rate "
                   f"{ideal:.2f} us")

@@ -133,19 +133,18 @@ def test_decode_planned_for_a_longer_bucket_with_pad_rows(triton_device):
     torch.testing.assert_close(got, want.to(got.device), **FP32)
 
 
-def test_decode_read_orders_and_offset_widths(triton_device, monkeypatch):
-    """KTRANS_ATTN_HOIST (the split kernel reading each step's pages a step ahead and its values with its keys) and
-    KTRANS_ATTN_OFF32 (int32 cache offsets) give the oracle's output (fp32) at splits of several key steps with a
-    tail step, empty splits past the lengths and pad rows; interpreted (one key step size for all) bitwise the same."""
+def test_decode_offset_widths(triton_device, monkeypatch):
+    """KTRANS_ATTN_OFF32 (int32 cache offsets) and int64 ones give the oracle's output (fp32) at splits of several key
+    steps with a tail step, empty splits past the lengths and pad rows; interpreted (one key step size for both)
+    bitwise the same."""
     cases = [dict(kv_lens=[1, 40, 100, 144], plan=tri.DecodePlan(num_splits=4, split_tokens=48)),
              dict(kv_lens=[3, 29, 18], plan_len=2048, pad_rows=2)]
     for case in cases:
         outs = []
-        for hoist, off32 in ((False, False), (True, False), (False, True), (True, True)):
-            monkeypatch.setattr(tri, "DECODE_HOIST", hoist)
+        for off32 in (False, True):
             monkeypatch.setattr(tri, "DECODE_OFF32", off32)
             kw = dict(case)
-            with torch.random.fork_rng():  # the same cache and queries for both orders
+            with torch.random.fork_rng():  # the same cache and queries for both widths
                 torch.manual_seed(5)
                 got, want, _ = _decode_case(kw.pop("kv_lens"), 4, 2, 32, 4, torch.float32, triton_device, **kw)
             torch.testing.assert_close(got, want.to(got.device), **FP32)

@@ -96,12 +96,10 @@ def _pages(BT, start, L, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.c
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, K, V, page, start, L, pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off,
                   PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-                  PREC: tl.constexpr, V_FIRST: tl.constexpr = False, OFF32: tl.constexpr = False):
+                  PREC: tl.constexpr, OFF32: tl.constexpr = False):
     """One BLOCK_N-key step of the online softmax (scores in log2 units: qk_scale is scale * log2 e) over the keys
     of `page` (_pages). MASKED: keys at or past L, or after a query's position, are left out. Unmasked steps (the
-    prefix below the diagonal) load without predicates. V_FIRST: the values are loaded with the keys, before the
-    scores, so both reads are in flight at once (else after the softmax, when they are needed). OFF32: the cache's
-    offsets fit int32 (fewer registers than int64 ones: 30-50 fewer for the decode's [keys, dims] offsets on sm_90)."""
+    prefix below the diagonal) load without predicates. OFF32: the cache's offsets fit int32 (fewer registers than int64 ones: 30-50 fewer for the decode's [keys, dims] offsets on sm_90)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < L
     if OFF32:
@@ -109,8 +107,6 @@ def _attend_block(acc, m_i, l_i, q, K, V, page, start, L, pos_q, qk_scale, offs_
     else:
         kv_off = (page * PAGE + offs_n % PAGE)[:, None] * stride_kr + kvh_off + offs_d[None, :]
     k = _load_rows(K + kv_off, mask_n, mask_d, MASKED, EVEN_D)
-    if V_FIRST:
-        v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if MASKED:
         s = tl.where((pos_q[:, None] >= offs_n[None, :]) & mask_n[None, :], s, float("-inf"))
@@ -118,8 +114,7 @@ def _attend_block(acc, m_i, l_i, q, K, V, page, start, L, pos_q, qk_scale, offs_
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if not V_FIRST:
-        v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
+    v = _load_rows(V + kv_off, mask_n, mask_d, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, m_new, l_i
 
@@ -235,11 +230,10 @@ DECODE_BLOCK_N = 64      # keys per step of a decode program
 # 2026-12-02): splits of 512 keys 38.6 us, of 256 36.4 us, of 128 41.9 us.
 MIN_SPLIT_TOKENS = 256
 PROGRAMS_PER_SM = 2
-# The split kernel's pages read a step ahead, values with keys (HOIST); off until timed (KTRANS_ATTN_HOIST=1): at B=1
-# a program streamed ~20 GB/s, as if a step's reads came one after another (attention_decode_sweep.py, session 22).
-DECODE_HOIST = os.environ.get("KTRANS_ATTN_HOIST", "0") == "1"
 # int32 cache offsets in the decode where the cache holds < 2^31 elements: the same addresses, 30-50 registers fewer a
-# thread at most launch shapes (sm_90, scripts/attention_decode_resources.py); KTRANS_ATTN_OFF32=0 keeps int64.
+# thread at most launch shapes (sm_90, scripts/attention_decode_resources.py), no time gained or lost at B=1 (H200,
+# 32k: 33.2 against 33.8 us, session 23); KTRANS_ATTN_OFF32=0 keeps int64. (Reading a step's pages a step ahead and
+# its values with its keys was tried in session 23 and removed: 37.5 against 33.2 us at 32k, even at 128k.)
 DECODE_OFF32 = os.environ.get("KTRANS_ATTN_OFF32", "1") == "1"
 
 
@@ -265,7 +259,7 @@ def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) ->
 def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride_qh, stride_kr, stride_kh,
                          stride_bt, split_tokens, TUNE, PAGE: tl.constexpr, GROUP: tl.constexpr,
                          GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HOIST: tl.constexpr = False, OFF32: tl.constexpr = False,
+                         BLOCK_N: tl.constexpr, OFF32: tl.constexpr = False,
                          PDL: tl.constexpr = False):
     enter(PDL)
     b = tl.program_id(0)
@@ -290,24 +284,14 @@ def _decode_split_kernel(Q, K, V, BT, LENS, OP, LSE, qk_scale, stride_qb, stride
     pos_q = tl.zeros([GROUP_PAD], tl.int32) + (L - 1)
     # The one decode token is the last position, so it sees every key below L: only the split's end masks.
     full = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    # HOIST: each step's pages are read a step ahead and its values with its keys, so a step waits on one read of
-    # the cache, not three in a row (pages, keys, then values: Triton's pipeliner does not take these indirect loads)
-    if HOIST:
-        page = _pages(bt, start, end, PAGE, BLOCK_N, True)
     for s0 in range(start, full, BLOCK_N):
-        if HOIST:
-            ahead = _pages(bt, s0 + BLOCK_N, end, PAGE, BLOCK_N, True)
-        else:
-            page = _pages(bt, s0, end, PAGE, BLOCK_N, False)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, page, s0, end, pos_q, qk_scale, offs_d, mask_d,
-                                      stride_kr, kvh_off, PAGE, BLOCK_N, False, D == BLOCK_D, PREC, HOIST, OFF32)
-        if HOIST:
-            page = ahead
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, _pages(bt, s0, end, PAGE, BLOCK_N, False), s0, end,
+                                      pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off, PAGE, BLOCK_N, False,
+                                      D == BLOCK_D, PREC, OFF32)
     for s0 in range(full, end, BLOCK_N):
-        if not HOIST:
-            page = _pages(bt, s0, end, PAGE, BLOCK_N, True)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, page, s0, end, pos_q, qk_scale, offs_d, mask_d,
-                                      stride_kr, kvh_off, PAGE, BLOCK_N, True, D == BLOCK_D, PREC, HOIST, OFF32)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, K, V, _pages(bt, s0, end, PAGE, BLOCK_N, True), s0, end,
+                                      pos_q, qk_scale, offs_d, mask_d, stride_kr, kvh_off, PAGE, BLOCK_N, True,
+                                      D == BLOCK_D, PREC, OFF32)
     # A split past this sequence's length holds no keys (l = 0): it stores nothing, and the merge skips it.
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
@@ -327,7 +311,7 @@ def _decode_configs() -> list[triton.Config]:
 
 # Tuned per class of split length (TUNE) and shape on the first call of each, which runs eagerly: the runner's first
 # step of a graph bucket, or the warm-up, precedes any capture.
-_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE", "HOIST", "OFF32"])(
+_decode_tuned = triton.autotune(configs=_decode_configs(), key=["TUNE", "D", "GROUP", "PAGE", "OFF32"])(
     _decode_split_kernel)
 
 
@@ -401,7 +385,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), plan.split_tokens,
             tune_class(plan.split_tokens, DECODE_TUNE_CLASSES))
     meta = dict(PAGE=page_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_D=block_d,
-                PREC=_prec(q.dtype), HOIST=DECODE_HOIST, OFF32=DECODE_OFF32 and k_cache.numel() < 2**31)
+                PREC=_prec(q.dtype), OFF32=DECODE_OFF32 and k_cache.numel() < 2**31)
     grid = (bsz, hkv, plan.num_splits)
     if interpreting():
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
