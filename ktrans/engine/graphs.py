@@ -10,6 +10,8 @@ spends on them, so each bucket's step is captured once and replayed: one launch 
 - **Fixed addresses.** The graph reads the runner's index buffers (views at fixed offsets, refilled by one copy
   before each replay), the pools, and the CPU experts' pinned staging; its logits are a static output, read by the
   sampler before the next step.
+- **Host plans.** Ops whose kernels read a schedule planned on the host from the step's real lengths (FlashInfer's
+  attention) plan each replayed step into the buffers their captured kernels read (ModelRunner.replan).
 - **Capture.** The first step of a bucket runs eagerly (that is its real step: pools updated, logits returned), then
   the same batch is captured, which executes nothing. Later steps of the bucket replay. Every graph shares one
   memory pool: they run one at a time, and none keeps data in it across a step.
@@ -97,6 +99,7 @@ class DecodeGraphs:
             return logits[: len(chunks)]
         graph, logits = entry
         cpu_stream.set_live_rows(len(chunks))  # an eager step's experts set it themselves (batch.num_live)
+        runner.replan(batch)  # host plans of this step's lengths, into the captured buffers (KAttentionFlashInfer)
         graph.replay()
         runner.mark_end()
         self.num_replays += 1

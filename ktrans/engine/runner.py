@@ -126,6 +126,8 @@ class ModelRunner:
         self._ended: torch.cuda.Event | None = None   # the end of the last forward on the stream
         self._planners = plan_operators(model)
         self._checked = operator_ops(model, "check")
+        # ops that plan on the host into buffers a CUDA graph reads (KAttentionFlashInfer): planned before each replay
+        self._replanners = operator_ops(model, "replan")
         for op in operator_ops(model, "reserve"):  # buffers an op needs per token, at their final addresses
             op.reserve(max_num_tokens)
         self.graphs = None
@@ -240,6 +242,12 @@ class ModelRunner:
     def plan(self, batch: ForwardBatch) -> None:
         for m in self._planners:
             m.plan(batch)
+
+    def replan(self, batch: ForwardBatch) -> None:
+        """Before a CUDA graph replays `batch`'s step: the ops whose kernels read a plan made on the host for the
+        step's real lengths (not only its bucket's sizes) make it now, into the buffers the graph captured."""
+        for op in self._replanners:
+            op.replan(batch)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Plan, then run: fp32 logits [N, vocab] for batch.logits_indices."""

@@ -4,13 +4,15 @@ The operator holds the layer's math: q_proj yields the query and a per-head outp
 RoPE, then its op, then the sigmoid gate and o_proj. The projections and q/k norms are the replaced module's
 children, placed by their own rules. The op is the part that touches the KV pool: write this step's keys and
 values, then attend. KAttentionTorch runs the reference kernels; KAttentionTriton (`ktrans/operators/layers_triton.py`)
-the Triton ones (varlen prefill over a cached prefix, split-K decode that CUDA graphs capture); a FlashInfer op
-registers into ATTENTION_OPS the same way. The KV pool pins the operator to one device for both phases.
+the Triton ones (varlen prefill over a cached prefix, split-K decode that CUDA graphs capture); KAttentionFlashInfer
+(`ktrans/operators/attention_flashinfer.py`, where flashinfer-python imports) FlashInfer's paged kernels, planned from
+page lists (`page_lists`). The KV pool pins the operator to one device for both phases.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ktrans.kernels.torch.attention import paged_attention, paged_attention_decode, write_kv
@@ -24,6 +26,9 @@ from ktrans.runtime.batch import ForwardBatch
 ATTENTION_OPS = OpRegistry("attention")
 ATTENTION_OPS.declare("KAttentionTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                       provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
+ATTENTION_OPS.declare("KAttentionFlashInfer", devices=("cuda",), module="ktrans.operators.attention_flashinfer",
+                      provided_by="flashinfer-python (`pip install flashinfer-python`; its kernels compile for the GPU "
+                                  "on first use) and a CUDA GPU")
 # The C++ paged decode attention (ktrans._cpu) for the CPU placement; prefill takes the torch op's path.
 ATTENTION_OPS.declare("KAttentionCPU", devices=("cpu",), module="ktrans.operators.layers_cpu",
                       provided_by="the C++ extension ktrans._cpu (built by `pip install -e .`)")
@@ -67,6 +72,25 @@ class KAttentionTorch(Op):
                                           max_len=step.max_kv_len)
         return paged_attention(q, k_cache, v_cache, step.cu_seqlens, step.kv_lens, batch.block_tables, page,
                                self.scaling)
+
+
+def page_lists(tables: np.ndarray, kv_lens: list[int], page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The paged-KV description FlashInfer plans from, for B sequences given their block tables (rows of page ids,
+    -1 past the end) and KV lengths: (indptr [B + 1], page ids [indptr[-1]], last page's fill [B]), int32, each
+    sequence's first ceil(len / page) pages in order."""
+    if len(kv_lens) > tables.shape[0]:
+        raise ValueError(f"{len(kv_lens)} sequences but block tables of {tables.shape[0]}")
+    counts = [-(-int(n) // page) for n in kv_lens]
+    for i, (n, c) in enumerate(zip(kv_lens, counts)):
+        if n < 1 or c > tables.shape[1] or (c and tables[i, c - 1] < 0):
+            raise ValueError(f"sequence {i}: a KV length of {n} needs {c} pages of {page}, its block table row holds "
+                             f"{int((tables[i] >= 0).sum())}")
+    indptr = np.zeros(len(kv_lens) + 1, dtype=np.int32)
+    indptr[1:] = np.cumsum(counts)
+    ids = np.concatenate([tables[i, :c] for i, c in enumerate(counts)]).astype(np.int32) if counts \
+        else np.zeros(0, dtype=np.int32)
+    last = np.array([int(n) - (c - 1) * page for n, c in zip(kv_lens, counts)], dtype=np.int32)
+    return indptr, ids, last
 
 
 def check_pool_device(key: str, what: str, pool: torch.Tensor, device: torch.device) -> None:

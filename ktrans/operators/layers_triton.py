@@ -64,6 +64,18 @@ class KRoPETriton(Checked, KRoPETorch):
         return TritonRopeTables(*super().forward(positions, dtype))
 
 
+def write_step_kv(op: Op, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged attention op's step up to the attention: planned (where its plan did not run for this step), the
+    layer's pool checked to be on the op's device, this step's keys and values written (the Triton write_kv).
+    Returns the layer's (k_cache, v_cache)."""
+    if not op.planned_for(batch):
+        op.plan(batch)
+    k_cache, v_cache = batch.kv.layer(op.layer_idx)
+    check_pool_device(op.key, "KV cache", k_cache, op.device)
+    tri_attention.write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
+    return k_cache, v_cache
+
+
 @ATTENTION_OPS.register("KAttentionTriton", devices=("cuda", "cpu"))
 class KAttentionTriton(Checked, Op):
     """write_kv, then varlen prefill or split-K decode, over the layer's pages of the KV pool."""
@@ -97,11 +109,7 @@ class KAttentionTriton(Checked, Op):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned."""
-        if not self.planned_for(batch):
-            self.plan(batch)
-        k_cache, v_cache = batch.kv.layer(self.layer_idx)
-        check_pool_device(self.key, "KV cache", k_cache, self.device)
-        tri_attention.write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
+        k_cache, v_cache = write_step_kv(self, k, v, batch)
         page = batch.kv.page_size
         q = q if q.stride(-1) == 1 else q.contiguous()
         if self.decode is not None:
