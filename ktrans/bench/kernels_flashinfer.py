@@ -33,7 +33,8 @@ def _decode(batch: int, kv_len: int, dev: torch.device) -> Timed:
     i32 = dict(dtype=torch.int32, device=dev)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=True,
-        paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32), paged_kv_indices_buffer=torch.zeros(tables.numel(), **i32),
+        paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
+        paged_kv_indices_buffer=torch.zeros(tables.numel(), **i32),
         paged_kv_last_page_len_buffer=torch.zeros(batch, **i32))
     indptr, ids, last = _lists(tables, [kv_len] * batch)
     wrapper.plan(indptr, ids, last, c.num_attention_heads, c.num_key_value_heads, c.head_dim, PAGE,

@@ -205,7 +205,8 @@ class _Decode:
     def __init__(self, workspace, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
                  paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
         assert layout == "NHD" and use_cuda_graph
-        self.indptr, self.ids, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer
+        self.indptr, self.ids = paged_kv_indptr_buffer, paged_kv_indices_buffer
+        self.last = paged_kv_last_page_len_buffer
         self.rows = len(self.indptr) - 1
 
     def plan(self, indptr, ids, last, hq, hkv, d, page, **kw):
