@@ -142,10 +142,9 @@ class KQwen3NextAttention(BaseOperator):
         v = v.view(t, self.num_kv_heads, d)
         q, k = rope.apply(q, k)
         op = self.op_for(phase)
-        out = op(q, k, v, batch)
-        fused = getattr(op, "output_gate", None)  # the gate in one launch (KAttentionTriton)
-        if fused is not None and qg.stride(-1) == 1:
-            out = fused(out, qg.reshape(t, -1), d)
+        gated = getattr(op, "attend_gated", None)  # the gate in one launch, or in the attention's (KAttentionTriton)
+        if gated is not None and qg.stride(-1) == 1:
+            out = gated(q, k, v, batch, qg.reshape(t, -1), d)
         else:
-            out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+            out = op(q, k, v, batch).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.leave(move(self.o_proj(out), dev), phase)

@@ -107,8 +107,10 @@ class KAttentionTriton(Checked, Op):
         k_cache, v_cache = kv.layer(self.layer_idx)
         return tri_attention.pretune_decode(k_cache, v_cache, kv.page_size, self.num_heads, self.scaling)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned.
+        gate: q_proj's output [T, Hq * 2D], applied by a decode step's merge (attend_gated), ignored by prefill."""
         k_cache, v_cache = write_step_kv(self, k, v, batch)
         page = batch.kv.page_size
         q = q if q.stride(-1) == 1 else q.contiguous()
@@ -118,15 +120,20 @@ class KAttentionTriton(Checked, Op):
             if key not in self._out:
                 self._out[key] = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             return tri_attention.paged_decode(q, k_cache, v_cache, lens, batch.block_tables, page, self.scaling,
-                                              self.decode, out=self._out[key])
+                                              self.decode, out=self._out[key], gate=gate)
         cu, lens, max_new = self.prefill
         return tri_attention.paged_prefill(q, k_cache, v_cache, cu, lens, batch.block_tables, page, self.scaling,
                                            max_new)
 
 
-    def output_gate(self, out: torch.Tensor, qg: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """The attention output times sigmoid(gate) in one launch (see KQwen3NextAttention.forward)."""
-        return tri_attention.output_gate(out, qg, head_dim)
+    def attend_gated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, qg: torch.Tensor,
+                     head_dim: int) -> torch.Tensor:
+        """The attention output times sigmoid of the gate halves of qg (q_proj's output [T, Hq * 2D], unit stride),
+        [T, Hq * D] (see KQwen3NextAttention.forward): a decode step's in its merge's launch where
+        KTRANS_ATTN_GATE_MERGE is on, else in one launch of its own after the attention."""
+        fused = tri_attention.DECODE_GATE and all(n == 1 for n in batch.seq_lens)
+        out = self(q, k, v, batch, gate=qg if fused else None)
+        return out.reshape(q.shape[0], -1) if fused else tri_attention.output_gate(out, qg, head_dim)
 
 
 @ROUTER_OPS.register("KRouterTriton", devices=("cuda", "cpu"))

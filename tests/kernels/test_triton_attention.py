@@ -272,6 +272,30 @@ def test_output_gate(triton_device, dtype, t, h, d):
         tri.output_gate(out, qg[:, 1:], d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_decode_gate_in_the_merge_is_the_output_gate_after_it(triton_device, dtype):
+    """paged_decode with q_proj's output as `gate` (the sigmoid gate in the merge's store, KTRANS_ATTN_GATE_MERGE)
+    gives bitwise output_gate of the ungated call, at several splits a row, empty splits and pad rows; a gate of
+    the wrong width is refused."""
+    hq, hkv, d, page = 4, 2, 32, 8
+    outs = []
+    for gated in (False, True):
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            c = Cache([3, 70, 41], page, hkv, d, dtype, triton_device)
+            tables = torch.cat([c.tables, torch.full((1, c.tables.shape[1]), -1, device=triton_device)])
+            tables[-1, 0] = c.pad_page
+            lens = torch.tensor([3, 70, 41, 2], device=triton_device)
+            q = torch.randn(4, hq, d).to(dtype).to(triton_device)
+            qg = (torch.randn(4, hq * 2 * d) * 3).to(dtype).to(triton_device)
+        plan = tri.DecodePlan(num_splits=5, split_tokens=16)
+        o = tri.paged_decode(q, c.k, c.v, lens, tables, page, d ** -0.5, plan, gate=qg if gated else None)
+        outs.append(o.reshape(4, -1) if gated else tri.output_gate(o, qg, d))
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="gate"):
+        tri.paged_decode(q, c.k, c.v, lens, tables, page, d ** -0.5, plan, gate=qg[:, : hq * d])
+
+
 def test_merge_split_counts_reach_every_merge_shape():
     """The warm-up compiles the merge at one split count per shape: every count a plan can give (up to the count at
     one row) has its shape among them, so no context length meets a merge compile inside a request."""

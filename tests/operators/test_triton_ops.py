@@ -103,6 +103,27 @@ def test_teacher_forced_logits_match_the_reference_ops(models):
     assert decode_steps >= 2  # the split-K decode kernel ran, not only the varlen one
 
 
+def test_gate_in_the_decode_merge_gives_the_same_logits(models, monkeypatch):
+    """KTRANS_ATTN_GATE_MERGE (the attention output gate in the decode merge's launch) changes no logit: a prefill
+    then decode steps of two sequences, bitwise the logits with the gate in its own launch."""
+    from ktrans.kernels.triton import attention as tri_attention
+
+    (_, tri), dev = models
+    config = tri.config
+    prompts = [list(range(3, 12)), list(range(20, 26))]
+    logits = []
+    for fused in (False, True):
+        monkeypatch.setattr(tri_attention, "DECODE_GATE", fused)
+        kv, states = KVPool(config, 8, 4, dtype=torch.float32, device=dev), StatePool(config, 2, device=dev)
+        pages = [[0, 2, 4, 6], [1, 3, 5, 7]]
+        out = [_step_logits(tri, kv, states, [SeqChunk(p, 0, i, pages[i]) for i, p in enumerate(prompts)], dev)]
+        for step in range(3):
+            chunks = [SeqChunk([7 + step], len(p) + step, i, pages[i]) for i, p in enumerate(prompts)]
+            out.append(_step_logits(tri, kv, states, chunks, dev))
+        logits.append(torch.cat(out))
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_triton_op_on_cpu_needs_the_interpreter(monkeypatch):
     from ktrans.operators.base import OpNotBuiltError
     from ktrans.operators.layers_triton import check_runs_here

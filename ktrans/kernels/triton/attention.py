@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting, unaligned
-from ktrans.kernels.triton.attention_merge import merge, split_counts_by_shape
+from ktrans.kernels.triton.attention_merge import merge, sigmoid_gate, split_counts_by_shape
 from ktrans.kernels.triton.pdl import enter, launch
 
 LOG2E = 1.4426950408889634
@@ -235,6 +235,9 @@ PROGRAMS_PER_SM = 2
 # 32k: 33.2 against 33.8 us, session 23); KTRANS_ATTN_OFF32=0 keeps int64. (Reading a step's pages a step ahead and
 # its values with its keys was tried in session 23 and removed: 37.5 against 33.2 us at 32k, even at 128k.)
 DECODE_OFF32 = os.environ.get("KTRANS_ATTN_OFF32", "1") == "1"
+# The output gate (sigmoid of q_proj's gate half) in the decode merge's store, bitwise output_gate's result, one launch
+# a layer fewer (KAttentionTriton.attend_gated); off until timed (KTRANS_ATTN_GATE_MERGE=1).
+DECODE_GATE = os.environ.get("KTRANS_ATTN_GATE_MERGE", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -337,9 +340,10 @@ def pretune_decode(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int,
         lens = torch.tensor([n], dtype=torch.int64, device=q.device)
         paged_decode(q, k_cache, v_cache, lens, table, page_size, scale, plan)
     block_d, one = _block_d(d), torch.ones(1, dtype=torch.int64, device=q.device)
+    gate = torch.zeros(1, 2 * num_q_heads * d, dtype=q.dtype, device=q.device) if DECODE_GATE else None
     for n in merge_split_counts(hkv, sms, block_d):  # every merge shape, over one key (what the splits hold is moot)
         part, lse = _scratch(1, num_q_heads, n, block_d, q.device)
-        _merge(part, lse, torch.empty_like(q), one, DecodePlan(n, DECODE_BLOCK_N), block_d)
+        _merge(part, lse, torch.empty_like(q), one, DecodePlan(n, DECODE_BLOCK_N), block_d, gate)
     return [tune_class(p.split_tokens, DECODE_TUNE_CLASSES) for p in plans]
 
 
@@ -370,9 +374,11 @@ def _scratch(rows: int, heads: int, splits: int, block_d: int, device: torch.dev
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lens: torch.Tensor,
                  block_tables: torch.Tensor, page_size: int, scale: float, plan: DecodePlan,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, D]; kv_lens [B] int tensor on q's device (each at most the length
-    `plan` was made for). No host read, no allocation after the first call of a shape: CUDA graphs capture it."""
+    `plan` was made for). No host read, no allocation after the first call of a shape: CUDA graphs capture it.
+    gate: q_proj's output [B, Hq * 2D]; the result is then multiplied by its gate halves' sigmoids (output_gate's
+    arithmetic) in the merge's store."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -391,13 +397,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _decode_split_kernel[grid](*args, **meta, BLOCK_N=16, **launch())
     else:
         _decode_tuned[grid](*args, **meta, **launch())
-    _merge(part, lse, o, kv_lens, plan, block_d)
+    _merge(part, lse, o, kv_lens, plan, block_d, gate)
     return o
 
 
 def _merge(part: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, kv_lens: torch.Tensor, plan: DecodePlan,
-           block_d: int) -> None:
-    merge(part, lse, o, kv_lens, plan.num_splits, plan.split_tokens, block_d)
+           block_d: int, gate: torch.Tensor | None = None) -> None:
+    merge(part, lse, o, kv_lens, plan.num_splits, plan.split_tokens, block_d, gate)
 
 
 def merge_split_counts(kv_heads: int, sms: int, block_d: int) -> list[int]:
@@ -418,8 +424,7 @@ def _output_gate_kernel(O, QG, Y, n_cols, stride_o, stride_qg, stride_y, D: tl.c
     mask = cols < n_cols
     g = tl.load(QG + row * stride_qg + (cols // D) * (2 * D) + D + cols % D, mask=mask, other=0.0).to(tl.float32)
     o = tl.load(O + row * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g).to(Y.dtype.element_ty).to(tl.float32)  # rounded where torch's sigmoid rounds it
-    tl.store(Y + row * stride_y + cols, (o * s).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + cols, sigmoid_gate(o, g, Y.dtype.element_ty), mask=mask)
 
 
 def output_gate(out: torch.Tensor, qg: torch.Tensor, head_dim: int) -> torch.Tensor:

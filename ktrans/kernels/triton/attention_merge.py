@@ -26,13 +26,24 @@ MERGE_MAX_STEP = 256
 MERGE_TILE = 4096
 
 
+@triton.jit
+def sigmoid_gate(o, g, DTYPE: tl.constexpr):
+    """o (fp32, already rounded to DTYPE) times sigmoid(g) rounded to DTYPE, as torch's `out * torch.sigmoid(gate)`
+    in DTYPE rounds it; returned in DTYPE. The one copy of the output gate's arithmetic (attention.output_gate and
+    the merge's gated store)."""
+    s = tl.sigmoid(g.to(tl.float32)).to(DTYPE).to(tl.float32)
+    return (o * s).to(DTYPE)
+
+
 @triton.jit(do_not_specialize=["n_splits", "split_tokens"], **unaligned("LENS"))
-def _decode_merge_kernel(OP, LSE, O, LENS, stride_ob, stride_oh, n_splits, split_tokens, D: tl.constexpr,
-                         BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr, S_STEP: tl.constexpr,
-                         PDL: tl.constexpr = False):
+def _decode_merge_kernel(OP, LSE, O, LENS, G, stride_ob, stride_oh, stride_gb, n_splits, split_tokens,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr, S_STEP: tl.constexpr,
+                         HAS_GATE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Merge the live splits of one (sequence, query head, chunk of D_CHUNK dims), those that hold keys of the
     sequence's length, in one online pass: S_STEP splits a read, their log-sum-exps and partials loaded together,
-    the running maximum rescaling what came before. A plan's splits are one read up to MERGE_MAX_STEP of them."""
+    the running maximum rescaling what came before. A plan's splits are one read up to MERGE_MAX_STEP of them.
+    HAS_GATE: the result, rounded to O's type, times sigmoid of the head's gate half of G's row ([q | gate] per
+    head, as q_proj gives it), bitwise what attention.output_gate makes of the ungated store."""
     enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -54,7 +65,11 @@ def _decode_merge_kernel(OP, LSE, O, LENS, stride_ob, stride_oh, n_splits, split
         total = total * alpha + tl.sum(w, 0)
         acc = acc * alpha + tl.sum(part * w[:, None], 0)
         m = m_new
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, (acc / total).to(O.dtype.element_ty), mask=offs_d < D)
+    res = (acc / total).to(O.dtype.element_ty)
+    if HAS_GATE:
+        g = tl.load(G + b * stride_gb + h * (2 * D) + D + offs_d, mask=offs_d < D, other=0.0)
+        res = sigmoid_gate(res.to(tl.float32), g, O.dtype.element_ty)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, res, mask=offs_d < D)
 
 
 def merge_shape(num_splits: int, block_d: int) -> tuple[int, int]:
@@ -65,13 +80,19 @@ def merge_shape(num_splits: int, block_d: int) -> tuple[int, int]:
 
 
 def merge(part: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, kv_lens: torch.Tensor, num_splits: int,
-          split_tokens: int, block_d: int) -> None:
+          split_tokens: int, block_d: int, gate: torch.Tensor | None = None) -> None:
     """o [B, Hq, D] from the splits' partials part [B, Hq, S, block_d] and log-sum-exps lse [B, Hq, S] (fp32, flat),
-    reading only the splits that hold keys of each sequence's length (kv_lens [B] on the device)."""
+    reading only the splits that hold keys of each sequence's length (kv_lens [B] on the device). gate: q_proj's
+    output [B, Hq * 2D] (per head [q | gate], unit stride), whose gate halves' sigmoids the result is multiplied by."""
+    bsz, hq, d = o.shape
+    if gate is not None and (gate.shape != (bsz, 2 * hq * d) or gate.stride(-1) != 1):
+        raise ValueError(f"merge: gate {tuple(gate.shape)} for an output {tuple(o.shape)} (needs [B, 2 * Hq * D], "
+                         "unit stride)")
     step, chunk = merge_shape(num_splits, block_d)
-    _decode_merge_kernel[(o.shape[0], o.shape[1], block_d // chunk)](
-        part, lse, o, kv_lens, o.stride(0), o.stride(1), num_splits, split_tokens, D=o.shape[2], BLOCK_D=block_d,
-        D_CHUNK=chunk, S_STEP=step, **launch())
+    _decode_merge_kernel[(bsz, hq, block_d // chunk)](
+        part, lse, o, kv_lens, o if gate is None else gate, o.stride(0), o.stride(1),
+        0 if gate is None else gate.stride(0), num_splits, split_tokens, D=d, BLOCK_D=block_d, D_CHUNK=chunk,
+        S_STEP=step, HAS_GATE=gate is not None, **launch())
 
 
 def split_counts_by_shape(most: int, block_d: int) -> list[int]:
