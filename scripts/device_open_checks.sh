@@ -54,7 +54,7 @@ run_tests() {
   echo "== gpu tests (the serve placement's too: its linears are KLinearMarlin since session 13)"
   local i=0 group f
   for group in tests/operators/test_gdn_triton.py "tests/operators/test_gdn_fla.py tests/kernels/test_gdn_prep.py" \
-      tests/kernels/test_triton_attention.py "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py tests/kernels/test_split_resident.py" \
+      "tests/kernels/test_triton_attention.py tests/kernels/test_triton_attention_prep.py" "tests/kernels/test_quant_triton.py tests/kernels/test_moe_quant.py tests/kernels/test_split_resident.py" \
       "tests/inject/test_gpu.py tests/operators/test_gpu_quant_rules.py" \
       "tests/engine/test_graphs.py tests/operators/test_attention_flashinfer.py" \
       "tests/engine/test_prefix_cache_gpu.py tests/engine/test_split_prefill_gpu.py" \

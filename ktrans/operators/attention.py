@@ -20,6 +20,7 @@ from ktrans.model.qwen3_next import Qwen3NextAttention
 from ktrans.operators import linear as linear_ops
 from ktrans.operators.base import BaseOperator, Op, OpRegistry, move, register_operator
 from ktrans.operators.linear import project
+from ktrans.operators.norm import KQwen3NextRMSNorm
 from ktrans.operators.rope import RopeTables
 from ktrans.runtime.batch import ForwardBatch
 
@@ -124,6 +125,22 @@ class KQwen3NextAttention(BaseOperator):
             self._pair_plans[phase] = pair_plan((self.q_proj, self.k_proj, self.v_proj), phase, dev)
         return self._pair_plans[phase]
 
+    def _prep(self, phase: str, dev: torch.device, op, rope: RopeTables) -> tuple | None:
+        """((q norm weight, eps), (k norm weight, eps), rope) for an op that takes q and k as projected and norms,
+        rotates and writes them itself (`takes_prep`), where both norms are this model's zero-centred RMSNorm with
+        their weights on `dev`; None otherwise (the norms and RoPE then run as their own operators)."""
+        takes = getattr(op, "takes_prep", None)
+        if takes is None or not takes():
+            return None
+        norms = []
+        for norm in (self.q_norm, self.k_norm):
+            o = norm.impl.get(phase) if isinstance(norm, KQwen3NextRMSNorm) else None
+            w = getattr(o, "weight", None)
+            if w is None or w.device != dev or norm.devices[phase] != dev:
+                return None
+            norms.append((w, float(norm.eps)))
+        return (*norms, rope)
+
     def forward(self, x: torch.Tensor, rope: RopeTables, batch: ForwardBatch) -> torch.Tensor:
         phase, dev = self.phase_device()
         x, rope, batch = move(x, dev), move(rope, dev), batch.on(dev)
@@ -137,12 +154,15 @@ class KQwen3NextAttention(BaseOperator):
         else:
             qg, k, v = (move(y, dev) for y in project(x, self.q_proj, self.k_proj, self.v_proj))
         q, gate = qg.view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
-        q = move(self.q_norm(q), dev)
-        k = move(self.k_norm(k.view(t, self.num_kv_heads, d)), dev)
-        v = v.view(t, self.num_kv_heads, d)
-        q, k = rope.apply(q, k)
+        k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         op = self.op_for(phase)
         gated = getattr(op, "attend_gated", None)  # the gate in one launch, or in the attention's (KAttentionTriton)
+        prep = self._prep(phase, dev, op, rope) if gated is not None and qg.stride(-1) == 1 else None
+        if prep is not None:  # the q/k norms, RoPE and KV write in the op's launch (KTRANS_ATTN_PREP)
+            return self.leave(move(self.o_proj(gated(q, k, v, batch, qg.reshape(t, -1), d, prep=prep)), dev), phase)
+        q = move(self.q_norm(q), dev)
+        k = move(self.k_norm(k), dev)
+        q, k = rope.apply(q, k)
         if gated is not None and qg.stride(-1) == 1:
             out = gated(q, k, v, batch, qg.reshape(t, -1), d)
         else:

@@ -11,6 +11,7 @@ import torch
 
 from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton import attention as tri_attention
+from ktrans.kernels.triton import attention_prep as tri_prep
 from ktrans.kernels.triton import norm as tri_norm
 from ktrans.kernels.triton import rope as tri_rope
 from ktrans.kernels.triton import router as tri_router
@@ -64,14 +65,19 @@ class KRoPETriton(Checked, KRoPETorch):
         return TritonRopeTables(*super().forward(positions, dtype))
 
 
-def write_step_kv(op: Op, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A paged attention op's step up to the attention: planned (where its plan did not run for this step), the
-    layer's pool checked to be on the op's device, this step's keys and values written (the Triton write_kv).
-    Returns the layer's (k_cache, v_cache)."""
+def step_pool(op: Op, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged attention op's step: planned (where its plan did not run for this step), the layer's pool checked
+    to be on the op's device. Returns the layer's (k_cache, v_cache)."""
     if not op.planned_for(batch):
         op.plan(batch)
     k_cache, v_cache = batch.kv.layer(op.layer_idx)
     check_pool_device(op.key, "KV cache", k_cache, op.device)
+    return k_cache, v_cache
+
+
+def write_step_kv(op: Op, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """step_pool, then this step's keys and values written (the Triton write_kv). Returns (k_cache, v_cache)."""
+    k_cache, v_cache = step_pool(op, batch)
     tri_attention.write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
     return k_cache, v_cache
 
@@ -107,13 +113,25 @@ class KAttentionTriton(Checked, Op):
         k_cache, v_cache = kv.layer(self.layer_idx)
         return tri_attention.pretune_decode(k_cache, v_cache, kv.page_size, self.num_heads, self.scaling)
 
+    def takes_prep(self) -> bool:
+        """Whether the operator may hand q and k over as projected, with their norms and RoPE (`prep`)."""
+        return tri_prep.FUSED
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-                gate: torch.Tensor | None = None) -> torch.Tensor:
+                gate: torch.Tensor | None = None, prep: tuple | None = None) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> o [T, Hq, D]. Reads nothing back from the device once planned.
-        gate: q_proj's output [T, Hq * 2D], applied by a decode step's merge (attend_gated), ignored by prefill."""
-        k_cache, v_cache = write_step_kv(self, k, v, batch)
+        gate: q_proj's output [T, Hq * 2D], applied by a decode step's merge (attend_gated), ignored by prefill.
+        prep: ((q norm weight, eps), (k norm weight, eps), rope tables) where q and k come as projected: their norms,
+        RoPE and the KV write in one launch (attention_prep.qk_prep, KTRANS_ATTN_PREP)."""
+        if prep is None:
+            k_cache, v_cache = write_step_kv(self, k, v, batch)
+            q = q if q.stride(-1) == 1 else q.contiguous()
+        else:
+            k_cache, v_cache = step_pool(self, batch)
+            (wq, eps_q), (wk, eps_k), rope = prep
+            q = tri_prep.qk_prep(q, k, v, wq, wk, eps_q, eps_k, rope.cos, rope.sin, k_cache, v_cache,
+                                 batch.slot_mapping)
         page = batch.kv.page_size
-        q = q if q.stride(-1) == 1 else q.contiguous()
         if self.decode is not None:
             lens = batch.kv_lens_t if batch.kv_lens_t is not None else batch.positions + 1
             key = (tuple(q.shape), q.dtype)
@@ -127,12 +145,12 @@ class KAttentionTriton(Checked, Op):
 
 
     def attend_gated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, qg: torch.Tensor,
-                     head_dim: int) -> torch.Tensor:
+                     head_dim: int, prep: tuple | None = None) -> torch.Tensor:
         """The attention output times sigmoid of the gate halves of qg (q_proj's output [T, Hq * 2D], unit stride),
         [T, Hq * D] (see KQwen3NextAttention.forward): a decode step's in its merge's launch where
-        KTRANS_ATTN_GATE_MERGE is on, else in one launch of its own after the attention."""
+        KTRANS_ATTN_GATE_MERGE is on, else in one launch of its own after the attention. prep: as forward's."""
         fused = tri_attention.DECODE_GATE and all(n == 1 for n in batch.seq_lens)
-        out = self(q, k, v, batch, gate=qg if fused else None)
+        out = self(q, k, v, batch, gate=qg if fused else None, prep=prep)
         return out.reshape(q.shape[0], -1) if fused else tri_attention.output_gate(out, qg, head_dim)
 
 

@@ -103,25 +103,51 @@ def test_teacher_forced_logits_match_the_reference_ops(models):
     assert decode_steps >= 2  # the split-K decode kernel ran, not only the varlen one
 
 
+def _prefill_then_decode(model, dev) -> torch.Tensor:
+    """The logits of a prefill of two prompts (one step), then three decode steps of both."""
+    config = model.config
+    prompts = [list(range(3, 12)), list(range(20, 26))]
+    kv, states = KVPool(config, 8, 4, dtype=torch.float32, device=dev), StatePool(config, 2, device=dev)
+    pages = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    out = [_step_logits(model, kv, states, [SeqChunk(p, 0, i, pages[i]) for i, p in enumerate(prompts)], dev)]
+    for step in range(3):
+        chunks = [SeqChunk([7 + step], len(p) + step, i, pages[i]) for i, p in enumerate(prompts)]
+        out.append(_step_logits(model, kv, states, chunks, dev))
+    return torch.cat(out)
+
+
 def test_gate_in_the_decode_merge_gives_the_same_logits(models, monkeypatch):
     """KTRANS_ATTN_GATE_MERGE (the attention output gate in the decode merge's launch) changes no logit: a prefill
     then decode steps of two sequences, bitwise the logits with the gate in its own launch."""
     from ktrans.kernels.triton import attention as tri_attention
 
     (_, tri), dev = models
-    config = tri.config
-    prompts = [list(range(3, 12)), list(range(20, 26))]
     logits = []
     for fused in (False, True):
         monkeypatch.setattr(tri_attention, "DECODE_GATE", fused)
-        kv, states = KVPool(config, 8, 4, dtype=torch.float32, device=dev), StatePool(config, 2, device=dev)
-        pages = [[0, 2, 4, 6], [1, 3, 5, 7]]
-        out = [_step_logits(tri, kv, states, [SeqChunk(p, 0, i, pages[i]) for i, p in enumerate(prompts)], dev)]
-        for step in range(3):
-            chunks = [SeqChunk([7 + step], len(p) + step, i, pages[i]) for i, p in enumerate(prompts)]
-            out.append(_step_logits(tri, kv, states, chunks, dev))
-        logits.append(torch.cat(out))
+        logits.append(_prefill_then_decode(tri, dev))
     assert torch.equal(logits[0], logits[1])
+
+
+def test_attention_prep_in_one_launch_gives_the_same_logits(models, monkeypatch):
+    """KTRANS_ATTN_PREP (the q/k norms, RoPE and KV write of a full-attention layer in one launch, qk_prep), alone
+    and with the gate in the merge: the logits of a prefill and three decode steps within fp32 rounding of the
+    unfused ops' (the norm's sum may add in another order), and qk_prep ran in each layer's steps."""
+    from ktrans.kernels.triton import attention as tri_attention
+    from ktrans.kernels.triton import attention_prep as tri_prep
+
+    (_, tri), dev = models
+    calls = []
+    real = tri_prep.qk_prep
+    monkeypatch.setattr(tri_prep, "qk_prep", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    want = _prefill_then_decode(tri, dev)
+    assert not calls
+    monkeypatch.setattr(tri_prep, "FUSED", True)
+    for gate in (False, True):
+        monkeypatch.setattr(tri_attention, "DECODE_GATE", gate)
+        got = _prefill_then_decode(tri, dev)
+        torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+    assert len(calls) == 2 * 4 * sum(1 for t in tri.config.layer_types if t == "full_attention")
 
 
 def test_triton_op_on_cpu_needs_the_interpreter(monkeypatch):
