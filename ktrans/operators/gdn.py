@@ -15,6 +15,7 @@ device: its rows are all of the batch and its slots are the batch's state_slots 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,10 @@ from ktrans.runtime.batch import ForwardBatch
 from ktrans.weights.source import WeightSource
 
 GDN_OPS = OpRegistry("gated deltanet")
+# b and a handed to an op that takes them so (TAKES_GROUPED_BA: KGatedDeltaNetTriton) as the [T, HK, R] views of
+# in_proj_ba's output, not copied to [T, HV] rows: two copy kernels a layer fewer in a decode step (the 72 torch
+# elementwise launches of the all-GPU profile, session 23); the same values read. KTRANS_GDN_GROUPED_BA=0: copies.
+GROUPED_BA = os.environ.get("KTRANS_GDN_GROUPED_BA", "1") == "1"
 # The Triton kernels (FLA-style chunked rule, fused decode step): on CUDA, and on the CPU under Triton's interpreter.
 GDN_OPS.declare("KGatedDeltaNetTriton", devices=("cpu", "cuda"), module="ktrans.operators.gdn_triton",
                 provided_by="Triton (`pip install triton`)")
@@ -242,45 +247,52 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
                     self._pairs[phase] = (mats, pair, list(rows))
         return self._pairs[phase]
 
-    def _paired_projections(self, x: torch.Tensor, pair: tuple) -> tuple[torch.Tensor, ...]:
+    def _paired_projections(self, x: torch.Tensor, pair: tuple, grouped: bool) -> tuple[torch.Tensor, ...]:
         """(mixed, z, b, a) of one row from in_proj_qkvz and in_proj_ba with two of their matrices in one launch."""
         from ktrans.operators.linear_marlin import run_pair_plan
 
         mats, two, rows = pair
         outs = run_pair_plan(x, (mats, two))
         mixed, z = outs[0].split(rows, dim=1) if len(mats) == 2 else outs[:2]
-        return (mixed.contiguous(), z.reshape(1, self.num_v_heads, self.head_v_dim), *self.split_ba(outs[-1]))
+        return (mixed.contiguous(), z.reshape(1, self.num_v_heads, self.head_v_dim),
+                *self.split_ba(outs[-1], grouped))
 
-    def split_ba(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """in_proj_ba's output, grouped per key head [b (r) | a (r)] -> b, a [T, num_v_heads]."""
+    def split_ba(self, ba: torch.Tensor, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """in_proj_ba's output, grouped per key head [b (r) | a (r)] -> b, a [T, num_v_heads] (copies: the halves
+        interleave), or with `grouped` the [T, num_k_heads, r] views themselves (for an op that takes them:
+        TAKES_GROUPED_BA)."""
         t, r = ba.shape[0], self.num_v_heads // self.num_k_heads
         b, a = ba.view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        if grouped and GROUPED_BA:
+            return b, a
         return b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
 
-    def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
+    def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor, grouped: bool = False):
         """The projections are grouped per key head: [q | k | v (r heads) | z (r heads)] and [b (r) | a (r)]."""
         t, r = qkvz.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         q, k, v, z = qkvz.view(t, self.num_k_heads, -1).split([dk, dk, r * dv, r * dv], dim=-1)
-        return (q, k, v.reshape(t, self.num_v_heads, dv), z.reshape(t, self.num_v_heads, dv), *self.split_ba(ba))
+        return (q, k, v.reshape(t, self.num_v_heads, dv), z.reshape(t, self.num_v_heads, dv),
+                *self.split_ba(ba, grouped))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         phase, dev = self.phase_device()
         x, batch = move(x, dev), batch.on(dev)
         t = x.shape[0]
+        grouped = getattr(self.op_for(phase), "TAKES_GROUPED_BA", False)
         pair = self._pair(phase, dev) if linear_ops.GEMV_PAIR and t == 1 and x.dim() == 2 else None
         if pair is not None:  # in_proj_ba and a stored part of in_proj_qkvz of its type in one GEMV launch
-            mixed, z, b, a = self._paired_projections(x, pair)
+            mixed, z, b, a = self._paired_projections(x, pair, grouped)
             core = self.op_for(phase)(mixed, z, b, a, batch)
             return self.leave(move(self.out_proj(core), dev), phase)
         stored = self._stored_qkvz(x, phase, dev)
         if stored is not None:  # [q | k | v] of all heads and z straight from the stored tensors: nothing to regroup
             mixed, z = stored  # columns of one output where both tensors are one matrix: rows strided when t > 1
             mixed, z = mixed.contiguous(), z.view(t, self.num_v_heads, self.head_v_dim)  # (one row: no copy)
-            b, a = self.split_ba(move(self.in_proj_ba(x), dev))
+            b, a = self.split_ba(move(self.in_proj_ba(x), dev), grouped)
         else:
             qkvz, ba = project(x, self.in_proj_qkvz, self.in_proj_ba)
-            q, k, v, z, b, a = self.split_projections(move(qkvz, dev), move(ba, dev))
+            q, k, v, z, b, a = self.split_projections(move(qkvz, dev), move(ba, dev), grouped)
             mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         core = self.op_for(phase)(mixed, z, b, a, batch)
         return self.leave(move(self.out_proj(core), dev), phase)

@@ -39,6 +39,8 @@ def _kernels():
 
 @GDN_OPS.register("KGatedDeltaNetFLA", devices=("cpu", "cuda"))
 class KGatedDeltaNetFLA(KGatedDeltaNetTriton):
+    TAKES_GROUPED_BA = False  # fla-core's kernels read [T, HV] rows
+
     def __init__(self, operator, device: torch.device, streaming: bool = False):
         self._fla, self._chunk = _kernels()  # before the Triton checks: the missing package is the first thing to say
         super().__init__(operator, device, streaming)

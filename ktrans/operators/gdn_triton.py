@@ -74,6 +74,9 @@ def _emitted_windows(mixed: torch.Tensor, conv_pool: torch.Tensor, step) -> list
 
 @GDN_OPS.register("KGatedDeltaNetTriton", devices=("cpu", "cuda"))
 class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
+    # b and a may come as [T, HK, R] views of in_proj_ba's output (KQwen3NextGatedDeltaNet.split_ba): no copy a layer
+    TAKES_GROUPED_BA = True
+
     def __init__(self, operator, device: torch.device, streaming: bool = False):
         why = unavailable_reason()
         if why is None and device.type == "cpu" and not interpreting():
@@ -100,7 +103,13 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
              ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = mixed.shape[0]
         conv_w = self.conv_weight.squeeze(1)
-        mixed, a, b = mixed.contiguous(), a.contiguous(), b.contiguous()
+        mixed = mixed.contiguous()
+        # a, b as [T, HK, R] views of in_proj_ba's output (TAKES_GROUPED_BA): the decode kernels read them in place;
+        # the chunked rule of a step with prefill reads [T, HV] rows (one copy each)
+        if a.dim() == 3 and self.chunks is not None:
+            a, b = a.reshape(t, self.num_v_heads), b.reshape(t, self.num_v_heads)
+        if a.dim() == 2:
+            a, b = a.contiguous(), b.contiguous()
         core = mixed.new_empty(t, self.num_v_heads, self.head_v_dim)
         step = self.step
         if step.decode_rows is not None:

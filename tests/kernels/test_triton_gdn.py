@@ -201,6 +201,31 @@ def test_decode_step_matches_reference(triton_device, shape, width, heads_per_ti
 
 
 @pytest.mark.parametrize("split_v", [False, True])
+def test_decode_reads_a_and_b_in_place_from_in_proj_bas_groups(triton_device, split_v):
+    """a and b given as the [T, HK, R] views of in_proj_ba's output ([b (R) | a (R)] per key head, what
+    KQwen3NextGatedDeltaNet.split_ba hands a TAKES_GROUPED_BA op) give bitwise what their [T, HV] copies give: outputs,
+    conv windows and states, at decode rows out of order; a layout other than groups of R is refused."""
+    hk, hv, dk, dv = SHAPES[1]
+    r = hv // hk
+    mixed, _, _, A_log, dt_bias, weight, conv_pool, ssm_pool = decode_inputs(5, hk, hv, dk, dv, 4, triton_device,
+                                                                             slots=4)
+    ba = torch.randn(5, hk * 2 * r, device=triton_device)
+    b3, a3 = ba.view(5, hk, 2 * r).split([r, r], dim=-1)
+    rows, slots = torch.tensor([3, 0, 4], device=triton_device), torch.tensor([2, 0, 1], device=triton_device)
+    results = []
+    for a, b in ((a3.reshape(5, hv), b3.reshape(5, hv)), (a3, b3)):
+        pools = conv_pool.clone(), ssm_pool.clone()
+        out = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, rows=rows,
+                                 split_v=split_v)
+        results.append((out[rows], *pools))
+    for want, got in zip(*results):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="key-head groups"):
+        gated_delta_decode(mixed, a3[:, :, :1], b3[:, :, :1], A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk,
+                           dk, rows=rows)
+
+
+@pytest.mark.parametrize("split_v", [False, True])
 def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device, split_v):
     hk, hv, dk, dv = SHAPES[0]
     pad = 3  # StatePool.pad_slot: one past the usable slots

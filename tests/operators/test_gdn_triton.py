@@ -49,6 +49,25 @@ def test_triton_op_matches_torch_op(tmp_path, triton_device):
     matches_torch_op(tmp_path, triton_device, "KGatedDeltaNetTriton")
 
 
+def test_grouped_ba_views_give_the_same_logits(tmp_path, triton_device, monkeypatch):
+    """b and a handed over as views of in_proj_ba's output (GROUPED_BA, the default) or as [T, HV] copies: bitwise the
+    same logits through prefill, a mixed step and decode steps."""
+    from ktrans.operators import gdn
+
+    from .helpers import teacher_forced
+
+    ckpt = make_checkpoint(tmp_path, "small", seed=5, **SHAPE)
+    model, _ = injected(ckpt, default_rules("KGatedDeltaNetTriton"), default_device=str(triton_device))
+    assert model.model.layers[0].linear_attn.op.TAKES_GROUPED_BA
+    runs = []
+    for grouped in (False, True):
+        monkeypatch.setattr(gdn, "GROUPED_BA", grouped)
+        prompts = [[(7 * i + 3) % 512 for i in range(n)] for n in (5, 19, 40)]
+        runs.append(teacher_forced(model, triton_device, prompts, [[(11 * i + j) % 512 for i in range(4)]
+                                                                    for j in range(3)]))
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+
+
 # bf16 against fp32 on the `small` model (|logits| up to ~16): its random weights amplify bf16 rounding to logit
 # errors of 0.2-2 per step whichever DeltaNet op runs (measured on the dev box, interpreter, same model and prompts:
 # the torch op 0.31 / 0.61 / 0.19 from the fp32 logits after the three prompts, the Triton op 0.22 / 0.47 / 0.19;

@@ -62,10 +62,12 @@ def _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jmask):
-    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) of value heads `heads` at token `row`."""
-    av = tl.load(a_ptr + row.to(tl.int64) * stride_at + heads, mask=jmask, other=0.0).to(tl.float32)
-    bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + heads, mask=jmask, other=0.0).to(tl.float32)
+def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, stride_g, heads, jmask, R: tl.constexpr):
+    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) of value heads `heads` at token `row`; a value
+    head's a and b sit at (head // R) * stride_g + head % R of their row (stride_g = R: rows of all heads)."""
+    off = (heads // R) * stride_g + heads % R
+    av = tl.load(a_ptr + row.to(tl.int64) * stride_at + off, mask=jmask, other=0.0).to(tl.float32)
+    bv = tl.load(b_ptr + row.to(tl.int64) * stride_bt + off, mask=jmask, other=0.0).to(tl.float32)
     xg = av + tl.load(dtb_ptr + heads, mask=jmask, other=0.0).to(tl.float32)
     softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))  # torch's threshold
     g = -tl.exp(tl.load(alog_ptr + heads, mask=jmask, other=0.0).to(tl.float32)) * softplus
@@ -95,7 +97,7 @@ def _qk_store_and_norm(conv_slot, stride_cc, kh, rk, kmask, qy, qwin, ky, kwin, 
 
 @triton.jit
 def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, ssm_ptr, slots_ptr, o_ptr,
-                   stride_xt, stride_at, stride_bt, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
+                   stride_xt, stride_at, stride_bt, stride_g, stride_cs, stride_cc, stride_ss, stride_ot, stride_oh,
                    HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    K: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
@@ -133,7 +135,7 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
         _store_window(conv_slot, stride_cc, vch, vmask, vwin, K, KP)
 
         v = tl.reshape(vy, (RB, BV))
-        g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jmask)
+        g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, stride_g, heads, jmask, R)
 
         state = state * tl.exp(g)[:, None, None]
         kv_mem = tl.sum(state * k[None, :, None], axis=1)            # [RB, BV]: what S predicts for k
@@ -147,7 +149,7 @@ def _decode_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv
 
 @triton.jit
 def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, slots_ptr,
-                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_xt, stride_at, stride_bt, stride_cs, stride_cc,
+                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, stride_xt, stride_at, stride_bt, stride_g, stride_cs, stride_cc,
                  HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, BK: tl.constexpr, BRV: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                  PDL: tl.constexpr = False):
@@ -177,7 +179,7 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
     rj = tl.arange(0, RP)
     jmask = rj < R
     heads = kh * R + rj
-    g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, heads, jmask)
+    g, beta = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, stride_g, heads, jmask, R)
     tl.store(g_ptr + i * HK * R + heads, g, mask=jmask)
     tl.store(beta_ptr + i * HK * R + heads, beta, mask=jmask)
 
@@ -231,7 +233,8 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
                        heads_per_tile: int | None = None, split_v: bool | None = None) -> torch.Tensor:
     """One decode token for each of B rows, updating the pools in place at `slots` [B] (int64, on the device).
 
-    mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs; rows [B] the
+    mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs, or [T, HK, R]
+    views into in_proj_ba's output as it groups them ([b | a] per key head: no copy to [T, HV]); rows [B] the
     token rows of the decode sequences (None: row i is token i, B = T). conv_weight [conv_dim, K];
     conv_pool [slots, conv_dim, K-1]; ssm_pool [slots, HV, Dk, Dv] float32 contiguous.
     Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only. heads_per_tile
@@ -251,6 +254,10 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
     for name, x in (("mixed", mixed), ("a", a), ("b", b)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim")
+    if a.dim() == 3 and (a.shape[1:] != (hk, hv // hk) or b.shape != a.shape or a.stride(1) != b.stride(1)):
+        raise ValueError(f"a and b as key-head groups must be [T, {hk}, {hv // hk}] of one layout, got "
+                         f"{tuple(a.shape)} / {tuple(b.shape)}")
+    stride_g = a.stride(1) if a.dim() == 3 else hv // hk
     n = slots.shape[0]
     out = mixed.new_empty(mixed.shape[0], hv, dv) if out is None else out
     if n == 0:
@@ -264,7 +271,7 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         idx = rows if rows is not None else slots
         _prep_kernel[(n, hk)](
             mixed, idx, a, b, A_log, dt_bias, conv_weight, conv_pool, slots, q, k, v, g, beta,
-            mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+            mixed.stride(0), a.stride(0), b.stride(0), stride_g, conv_pool.stride(0), conv_pool.stride(1),
             HAS_ROWS=rows is not None, HK=hk, R=r, RP=triton.next_power_of_2(r), DK=dk, DV=dv,
             BK=triton.next_power_of_2(dk), BRV=triton.next_power_of_2(r * dv), K=width,
             KP=triton.next_power_of_2(width), num_warps=4, **launch())
@@ -281,7 +288,7 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
     tile = rb * triton.next_power_of_2(dk) * bv
     _decode_kernel[(n, hk)](
         mixed, rows if rows is not None else slots, a, b, A_log, dt_bias, conv_weight, conv_pool, ssm_pool, slots,
-        out, mixed.stride(0), a.stride(0), b.stride(0), conv_pool.stride(0), conv_pool.stride(1),
+        out, mixed.stride(0), a.stride(0), b.stride(0), stride_g, conv_pool.stride(0), conv_pool.stride(1),
         ssm_pool.stride(0), out.stride(0), out.stride(1),
         HAS_ROWS=rows is not None, HK=hk, R=r, RB=rb, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
         K=width, KP=triton.next_power_of_2(width), num_warps=max(4, min(16, tile // 2048)), **launch())
