@@ -247,7 +247,7 @@ class KQwen3NextGatedDeltaNet(BaseOperator):
                     self._pairs[phase] = (mats, pair, list(rows))
         return self._pairs[phase]
 
-    def _paired_projections(self, x: torch.Tensor, pair: tuple, grouped: bool) -> tuple[torch.Tensor, ...]:
+    def _paired_projections(self, x: torch.Tensor, pair: tuple, grouped: bool = False) -> tuple[torch.Tensor, ...]:
         """(mixed, z, b, a) of one row from in_proj_qkvz and in_proj_ba with two of their matrices in one launch."""
         from ktrans.operators.linear_marlin import run_pair_plan
 
