@@ -47,7 +47,8 @@ class _Planner:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decodes: dict[int, tuple[int, object]] = {}  # rows -> (page ids it holds, graph-ready wrapper)
-        self.step: ForwardBatch | None = None
+        # the step planned last, weakly: the batch holds the pool, which keys this planner in _PLANNERS weakly
+        self.step: weakref.ref | None = None
         self.decoding = False
 
     def _decode_wrapper(self, rows: int, width: int):
@@ -64,7 +65,7 @@ class _Planner:
 
     def plan(self, batch: ForwardBatch, dtype: torch.dtype) -> None:
         """Plan `batch`'s step, once for all the pool's layers (a replayed step is a new batch: planned again)."""
-        if self.step is batch:
+        if self.step is not None and self.step() is batch:
             return
         host = batch.on("cpu")  # a runner's batch: the host buffers it was prepared from (no device read)
         tables = host.block_tables.numpy()
@@ -79,7 +80,7 @@ class _Planner:
             qo = torch.tensor(batch.cu_seqlens_host, dtype=torch.int32)
             self.prefill.plan(qo, indptr, ids, last, self.heads, self.kv_heads, self.head_dim, page, causal=True,
                               **common)
-        self.step = batch
+        self.step = weakref.ref(batch)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page: int,
             out: torch.Tensor | None) -> torch.Tensor:

@@ -291,6 +291,25 @@ def test_op_over_the_stand_in_matches_the_torch_op(fi_op):
     assert sorted(planner.decodes) == [2, 3]
 
 
+def test_planners_go_with_their_pool(fi_op):
+    """A planner is kept per KV pool weakly, and keeps its last step weakly: a dropped pool takes its planners."""
+    import gc
+
+    from ktrans.operators import gdn
+
+    from ktrans.config import ModelConfig
+    from ktrans.model.tiny import preset_config, random_state_dict
+
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    runner = _cpu_runner("KAttentionFlashInfer", random_state_dict(config, 2), config)
+    runner.step([SeqChunk(list(range(3, 12)), 0, 0, PAGES[0])])
+    assert len(fi_op._PLANNERS) == 1
+    del runner
+    gdn._LAST_PLAN.clear()  # the DeltaNet's plan of the last step also holds that step's batch (and so the pool)
+    gc.collect()
+    assert len(fi_op._PLANNERS) == 0
+
+
 @pytest.mark.triton
 def test_replan_plans_a_replayed_step_into_the_same_buffers(fi_op):
     """What a graph replay relies on: replan() of a later step (same rows, longer sequences) plans again into the
