@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ktrans.kernels import cpu_stream
-from ktrans.runtime.batch import ForwardBatch, SeqChunk, flatten
+from ktrans.runtime.batch import GENERATE, ForwardBatch, SeqChunk, flatten
 from ktrans.runtime.pools import KVPool, StatePool
 
 log = logging.getLogger(__name__)
@@ -55,16 +55,16 @@ def model_gpus(model: nn.Module) -> list[torch.device]:
     return sorted((d for d in compute_devices(model) if d.type == "cuda"), key=lambda d: d.index or 0)
 
 
-def operator_ops(model: nn.Module, method: str) -> list:
+def operator_ops(model: nn.Module, method: str, phase: str | None = None) -> list:
     """Every distinct op of the model's operators that has `method` (reserve: sizes fixed before capture; check:
-    failures reported from the CUDA stream)."""
+    failures reported from the CUDA stream); with `phase`, only the ops that run that phase."""
     from ktrans.operators.base import BaseOperator
 
     seen, out = set(), []
     for m in model.modules():
         if isinstance(m, BaseOperator):
-            for op in m.impl.values():
-                if id(op) not in seen and callable(getattr(op, method, None)):
+            for p, op in m.impl.items():
+                if (phase is None or p == phase) and id(op) not in seen and callable(getattr(op, method, None)):
                     seen.add(id(op))
                     out.append(op)
     return out
@@ -127,9 +127,12 @@ class ModelRunner:
         self._planners = plan_operators(model)
         self._checked = operator_ops(model, "check")
         # ops that plan on the host into buffers a CUDA graph reads (KAttentionFlashInfer): planned before each replay
-        self._replanners = operator_ops(model, "replan")
+        # (generate-phase ops only: a replay runs decode steps)
+        self._replanners = operator_ops(model, "replan", GENERATE)
         for op in operator_ops(model, "reserve"):  # buffers an op needs per token, at their final addresses
             op.reserve(max_num_tokens)
+        for op in operator_ops(model, "reserve_seqs"):  # and per decode row (KAttentionFlashInfer's workspace)
+            op.reserve_seqs(max_num_seqs)
         self.graphs = None
         self.cpu_decode = None  # ktrans.engine.cpu_decode.CPUDecodeStep where the model is all on the CPU ops it covers
         self.decode_threads = DECODE_TORCH_THREADS if self.device.type == "cpu" else None

@@ -128,15 +128,17 @@ class KQwen3NextAttention(BaseOperator):
     def _prep(self, phase: str, dev: torch.device, op, rope: RopeTables) -> tuple | None:
         """((q norm weight, eps), (k norm weight, eps), rope) for an op that takes q and k as projected and norms,
         rotates and writes them itself (`takes_prep`), where both norms are this model's zero-centred RMSNorm with
-        their weights on `dev`; None otherwise (the norms and RoPE then run as their own operators)."""
+        their weights on `dev`, and the norms' ops and the tables are the Triton ones whose rounding the fused kernel
+        repeats (`PREP_EXACT`: KRMSNormTriton, TritonRopeTables; KRoPETorch's rotation differs by 1-2 bf16 ulps);
+        None otherwise (the norms and RoPE then run as their own operators)."""
         takes = getattr(op, "takes_prep", None)
-        if takes is None or not takes():
+        if takes is None or not takes() or not getattr(rope, "PREP_EXACT", False):
             return None
         norms = []
         for norm in (self.q_norm, self.k_norm):
             o = norm.impl.get(phase) if isinstance(norm, KQwen3NextRMSNorm) else None
             w = getattr(o, "weight", None)
-            if w is None or w.device != dev or norm.devices[phase] != dev:
+            if w is None or not getattr(o, "PREP_EXACT", False) or w.device != dev or norm.devices[phase] != dev:
                 return None
             norms.append((w, float(norm.eps)))
         return (*norms, rope)

@@ -44,6 +44,8 @@ class Checked:
 class KRMSNormTriton(Checked, KRMSNormTorch):
     """The zero-centred RMSNorm, with the residual add fused in when given one. Loads like KRMSNormTorch."""
 
+    PREP_EXACT = True  # the attention prep kernel's norm arithmetic (attention._prep fuses only such norms)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return tri_norm.rms_norm(x, self.weight, self.eps, residual)
 
@@ -52,6 +54,7 @@ class TritonRopeTables(RopeTables):
     """Tables whose application rotates q and k in place, in one launch."""
 
     __slots__ = ()
+    PREP_EXACT = True  # the attention prep kernel's rotation arithmetic (attention._prep fuses only such tables)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return tri_rope.rope_qk_(q, k, self.cos, self.sin)

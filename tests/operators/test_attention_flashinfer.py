@@ -201,20 +201,31 @@ class _Prefill:
 
 class _Decode:
     plans = 0
+    graph_plans = 0
 
-    def __init__(self, workspace, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
-                 paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
-        assert layout == "NHD" and use_cuda_graph
-        self.indptr, self.ids = paged_kv_indptr_buffer, paged_kv_indices_buffer
-        self.last = paged_kv_last_page_len_buffer
-        self.rows = len(self.indptr) - 1
+    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        assert layout == "NHD" and use_tensor_cores
+        self.graph = use_cuda_graph
+        if use_cuda_graph:  # fixed buffers, planned into
+            self.indptr, self.ids = paged_kv_indptr_buffer, paged_kv_indices_buffer
+            self.last = paged_kv_last_page_len_buffer
+            self.rows = len(self.indptr) - 1
+        else:
+            assert paged_kv_indptr_buffer is None and paged_kv_indices_buffer is None
 
     def plan(self, indptr, ids, last, hq, hkv, d, page, **kw):
-        assert len(indptr) - 1 == self.rows, "a graph-mode wrapper keeps its batch size"
-        assert len(ids) <= len(self.ids), "more page ids than the buffer holds"
-        self.indptr.copy_(indptr)
-        self.ids[: len(ids)].copy_(ids)
-        self.last.copy_(last)
+        assert indptr.dtype == ids.dtype == last.dtype == torch.int32
+        if self.graph:
+            assert len(indptr) - 1 == self.rows, "a graph-mode wrapper keeps its batch size"
+            assert len(ids) <= len(self.ids), "more page ids than the buffer holds"
+            self.indptr.copy_(indptr)
+            self.ids[: len(ids)].copy_(ids)
+            self.last.copy_(last)
+            type(self).graph_plans += 1
+        else:  # sized by each plan, from copies
+            self.indptr, self.ids, self.last = indptr.clone(), ids.clone(), last.clone()
+            self.rows = len(indptr) - 1
         self.page, self.scale = page, kw["sm_scale"]
         type(self).plans += 1
 
@@ -242,7 +253,7 @@ def fi_op(monkeypatch):
     monkeypatch.setattr(module, "DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(module, "DTYPES", (torch.float32, torch.bfloat16))
     monkeypatch.setattr(ATTENTION_OPS.info("KAttentionFlashInfer"), "devices", ("cuda", "cpu"))
-    _Prefill.plans = _Decode.plans = 0
+    _Prefill.plans = _Decode.plans = _Decode.graph_plans = 0
     yield module
     sys.modules.pop(name, None)
 
@@ -282,13 +293,16 @@ def test_op_over_the_stand_in_matches_the_torch_op(fi_op):
         chunks = [SeqChunk([t], n, i, PAGES[i]) for i, (t, n) in enumerate(zip(tokens, lens))]
         steps.append([r.step(chunks) for r in runners])
         lens = [n + 1 for n in lens]
-    pad = [r.prepare([SeqChunk([9], lens[0], 0, PAGES[0])], pad_to=2) for r in runners]  # 1 live row + 1 pad row
+    # 1 live row + 1 pad row, as a graph bucket prepares it (kv_len_bucket: DecodeGraphs' step)
+    pad = [r.prepare([SeqChunk([9], lens[0], 0, PAGES[0])], pad_to=2, kv_len_bucket=64) for r in runners]
     steps.append([r.forward(b)[:1] for r, b in zip(runners, pad)])
     for i, (want, got) in enumerate(steps):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {i}")
     assert _Prefill.plans == 2 and _Decode.plans == 4  # once a step, not once a layer
     planner = next(iter(fi_op._PLANNERS[runners[1].kv].values()))
-    assert sorted(planner.decodes) == [2, 3]
+    # the eager steps on the one plain wrapper; only the bucket's step built a graph-mode wrapper (its rows, the
+    # tables' full width)
+    assert _Decode.graph_plans == 1 and list(planner.graph_decodes) == [2] and planner.graph_decodes[2][0] == 5
 
 
 def test_planners_go_with_their_pool(fi_op):
@@ -321,19 +335,53 @@ def test_replan_plans_a_replayed_step_into_the_same_buffers(fi_op):
     config = ModelConfig.from_hf_dict({**preset_config("tiny"), "full_attention_interval": 2}, source="tiny-2")
     runner = _cpu_runner("KAttentionFlashInfer", random_state_dict(config, 2), config)
     runner.step([SeqChunk(list(range(3, 40)), 0, 0, PAGES[0])])
-    first = runner.prepare([SeqChunk([4], 37, 0, PAGES[0])])
+    first = runner.prepare([SeqChunk([4], 37, 0, PAGES[0])], pad_to=1, kv_len_bucket=64)  # a graph bucket's step
     runner.forward(first)
     planner = next(iter(fi_op._PLANNERS[runner.kv].values()))
-    wrapper = planner.decodes[1][1]
+    wrapper = planner.graph_decodes[1][1]
     buffers = (wrapper.indptr.data_ptr(), wrapper.ids.data_ptr(), wrapper.last.data_ptr())
     runner.plan(first)
     assert _Decode.plans == 1
-    later = runner.prepare([SeqChunk([5], 38, 0, PAGES[0])])  # 39 tokens: a second page of 32
+    later = runner.prepare([SeqChunk([5], 38, 0, PAGES[0])], pad_to=1, kv_len_bucket=64)  # 39 tokens: 2 pages
     runner.replan(later)
-    assert _Decode.plans == 2 and planner.decodes[1][1] is wrapper  # the two layers' replan: one plan
+    assert _Decode.plans == 2 and planner.graph_decodes[1][1] is wrapper  # the two layers' replan: one plan
     assert (wrapper.indptr.data_ptr(), wrapper.ids.data_ptr(), wrapper.last.data_ptr()) == buffers
     assert wrapper.indptr.tolist() == [0, 2] and wrapper.ids[:2].tolist() == PAGES[0][:2]
     assert wrapper.last.tolist() == [39 - 32]
+
+
+def test_workspace_fits_the_largest_bucket(fi_op):
+    """FlashInfer's graph-mode split-KV partials at Qwen3-Next's shapes (16 query heads, 2 KV heads, d=256, 132 SMs):
+    a padded batch of max(132, ceil(8b / 16) + b - 1) query tiles of 16 rows x 16 heads x 257 fp32 values;
+    FlashInfer's 128 MiB holds b <= 340 (a 512-row bucket overran it), the runner's largest bucket sizes it past
+    that."""
+    size = lambda b: fi_op.workspace_bytes(b, 16, 2, 256, 132)  # noqa: E731
+    assert size(1) == size(256) == 128 << 20
+    per_tile = 16 * 16 * 257 * 4  # heads x tile rows x (d + 1) fp32
+    assert size(512) == (256 + 511) * per_tile + (16 << 20) > 128 << 20
+    assert (170 + 339) * per_tile <= 128 << 20 < (171 + 340) * per_tile < size(341)  # where 128 MiB ran out
+
+
+@pytest.mark.triton
+def test_graph_buckets_past_the_sizing_or_wider_tables_are_refused(fi_op):
+    """A graph bucket with more rows than the runner sized the workspace for (--max_batch_size) is refused, as is a
+    step whose block tables are wider than the buffers the bucket's graphs captured (a new wrapper would strand
+    them); the runner passes its max_num_seqs to the op (reserve_seqs)."""
+    from ktrans.config import ModelConfig
+    from ktrans.model.tiny import preset_config, random_state_dict
+
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    runner = _cpu_runner("KAttentionFlashInfer", random_state_dict(config, 2), config)
+    op = runner.model.model.layers[config.full_attention_layers[0]].self_attn.op
+    assert op.max_rows == 4
+    runner.step([SeqChunk(list(range(3, 12)), 0, 0, PAGES[0])])
+    planner = next(iter(fi_op._PLANNERS[runner.kv].values()))
+    assert planner.max_rows == 4
+    with pytest.raises(ValueError, match="5 rows, its workspace is sized for 4 .--max_batch_size"):
+        planner._graph_decode(5, 5)
+    planner._graph_decode(2, 5)
+    with pytest.raises(ValueError, match="block tables 6 pages wide, its CUDA graphs' buffers hold 5"):
+        planner._graph_decode(2, 6)
 
 
 @pytest.mark.skipif(HAS_FLASHINFER, reason="flashinfer is installed here")

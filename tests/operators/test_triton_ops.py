@@ -150,6 +150,29 @@ def test_attention_prep_in_one_launch_gives_the_same_logits(models, monkeypatch)
     assert len(calls) == 2 * 4 * sum(1 for t in tri.config.layer_types if t == "full_attention")
 
 
+def test_attention_prep_fuses_only_the_triton_norms_and_rope(models, monkeypatch):
+    """The fused prep repeats KRMSNormTriton's and TritonRopeTables' rounding, not the torch ops' (KRoPETorch's
+    rotation differs by 1-2 bf16 ulps): with the reference's tables or a torch norm op, the layer keeps its ops."""
+    from ktrans.kernels.triton import attention_prep as tri_prep
+    from ktrans.operators.layers_triton import TritonRopeTables
+    from ktrans.operators.norm import KRMSNormTorch
+    from ktrans.operators.rope import RopeTables
+    from ktrans.runtime.batch import GENERATE
+
+    (_, tri), dev = models
+    dev = torch.device(dev)
+    monkeypatch.setattr(tri_prep, "FUSED", True)
+    attn = tri.model.layers[tri.config.full_attention_layers[0]].self_attn
+    op = attn.op_for(GENERATE)
+    cos = torch.ones(1, 8, device=dev)
+    assert attn._prep(GENERATE, dev, op, TritonRopeTables(cos, cos)) is not None
+    assert attn._prep(GENERATE, dev, op, RopeTables(cos, cos)) is None
+    norm = attn.q_norm.impl[GENERATE]
+    monkeypatch.setattr(type(norm), "PREP_EXACT", False)  # a norm op without the kernel's arithmetic
+    assert attn._prep(GENERATE, dev, op, TritonRopeTables(cos, cos)) is None
+    assert not getattr(KRMSNormTorch, "PREP_EXACT", False)
+
+
 def test_triton_op_on_cpu_needs_the_interpreter(monkeypatch):
     from ktrans.operators.base import OpNotBuiltError
     from ktrans.operators.layers_triton import check_runs_here
