@@ -1,0 +1,87 @@
+"""The few-token routed-expert path (ktrans.kernels.triton.moe_quant's lanes kernel) under a grid of launch shapes,
+on the GPU: one 80B MoE layer (512 experts, hidden 2048, intermediate 512, top-10, Q4_K gate/up, --down type) per
+token count, device time by CUDA-graph replay with a cold L2 (ktrans.bench.kernels.time_cuda), as a fraction of the
+HBM bandwidth measured in the same run over the distinct routed experts' packed bytes. Prints one line per launch
+shape and, last, the shape with the best total over the token counts: the one to write into moe_quant.LANES.
+
+    python3 scripts/moe_sweep.py [--reps 20] [--tokens 1,4,16,64] [--down Q4_K] [--bn 32,64] [--warps 4,8]
+                                 [--per_sm 2,4,8] [--split 0] [--maxnreg 80,0] [--gu_one 0,1] [--down_early 0,1]
+
+--split: gate/up's K splits (0: LANES' automatic choice from per_sm). --maxnreg: one cap for both launches (0:
+none). --gu_one, --down_early: LANES' opt-in launch forms (moe_quant's docstring). bn and warps apply to the
+lane-group form (GEMV["rows"] 0, the default).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from ktrans.bench.kernels import _l2_bytes, hbm_gb_per_s, time_cuda
+from ktrans.bench.kernels_quant import E, H, I_MOE, TOP_K, random_blocks
+from ktrans.kernels.triton import moe_quant as mq
+from ktrans.kernels.triton.quant_layout import concat_rows, repack
+
+
+def _stack(qtype: str, rows: int, cols: int, seed: int, dev: torch.device):
+    raw = torch.stack([random_blocks(qtype, rows, cols, dev, seed + 7 * e) for e in range(E)])
+    return repack(raw, qtype, (E, rows, cols), dev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tokens", default="1,4,16,64")
+    ap.add_argument("--down", default="Q4_K")
+    ap.add_argument("--bn", default="32,64")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--per_sm", default="2,4,8")
+    ap.add_argument("--split", default="0")
+    ap.add_argument("--maxnreg", default="80,0")
+    ap.add_argument("--gu_one", default="0")
+    ap.add_argument("--down_early", default="0")
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    dev = torch.device("cuda")
+    hbm = hbm_gb_per_s(dev)
+    flush = torch.empty(2 * _l2_bytes(dev), dtype=torch.uint8, device=dev)
+    print(f"HBM {hbm:.0f} GB/s (device-to-device copy)")
+    gate_up = concat_rows([_stack("Q4_K", I_MOE, H, 1, dev), _stack("Q4_K", I_MOE, H, 2, dev)])
+    down = _stack(args.down, H, I_MOE, 3, dev)
+    per_expert = (gate_up.nbytes + down.nbytes) // E
+    cases = []
+    for t in ints(args.tokens):
+        g = torch.Generator(device="cpu").manual_seed(t)
+        ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(t)]).to(dev)
+        w = torch.rand(t, TOP_K, device=dev)
+        x = torch.randn(t, H, device=dev, dtype=torch.bfloat16) * 0.1
+        cases.append((t, x, ids, w, int(torch.unique(ids).numel()) * per_expert))
+    mq.LANES.update(on=True, max_tokens=max(ints(args.tokens)))
+    totals: dict[tuple, float] = {}
+    for bn, warps, per_sm, split, cap, gu_one, early in itertools.product(
+            ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.split), ints(args.maxnreg),
+            ints(args.gu_one), ints(args.down_early)):
+        mq.LANES.update(bn=bn, warps=warps, per_sm=per_sm, split=split or None, maxnreg=(cap, cap),
+                        gu_one=bool(gu_one), down_early=bool(early))
+        key = (bn, warps, per_sm, split, cap, gu_one, early)
+        line = []
+        for t, x, ids, w, nbytes in cases:
+            try:
+                ms = statistics.median(time_cuda(lambda: mq.moe_quant(x, ids, w, gate_up, down), dev, args.reps,
+                                                 flush))
+            except Exception as e:  # a shape that does not compile (registers, shared memory) is reported
+                line.append(f"B={t}=FAIL({type(e).__name__})")
+                totals[key] = float("inf")
+                break
+            totals[key] = totals.get(key, 0.0) + ms
+            line.append(f"B={t}={ms * 1e3:.1f}us/{nbytes / ms / 1e6 / hbm:.2f}")
+        print(f"bn={bn} warps={warps} per_sm={per_sm} split={split} maxnreg={cap} gu_one={gu_one} down_early={early}: "
+              + " ".join(line), flush=True)
+    best = min((v, k) for k, v in totals.items())
+    print(f"best: bn, warps, per_sm, split, maxnreg, gu_one, down_early = {best[1]}, all token counts {best[0] * 1e3:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
