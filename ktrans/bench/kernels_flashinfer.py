@@ -18,7 +18,7 @@ import torch
 from ktrans.bench.kernels import Timed, case
 from ktrans.bench.kernels_attention import PAGE, _paged_cache, prefill_timed, real_config
 from ktrans.operators.attention import page_lists
-from ktrans.operators.attention_flashinfer import WORKSPACE_BYTES
+from ktrans.operators.attention_flashinfer import workspace_bytes
 
 
 def _lists(tables: torch.Tensor, lens: list[int]):
@@ -31,8 +31,10 @@ def _decode(batch: int, kv_len: int, dev: torch.device) -> Timed:
     q = torch.randn(batch, c.num_attention_heads, c.head_dim, dtype=k.dtype, device=dev)
     out = torch.empty_like(q)
     i32 = dict(dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ws = workspace_bytes(batch, c.num_attention_heads, c.num_key_value_heads, c.head_dim, sms)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+        torch.zeros(ws, dtype=torch.uint8, device=dev), "NHD", use_cuda_graph=True, use_tensor_cores=True,
         paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
         paged_kv_indices_buffer=torch.zeros(tables.numel(), **i32),
         paged_kv_last_page_len_buffer=torch.zeros(batch, **i32))
@@ -62,7 +64,7 @@ def _prefill(new: int, prefix: int, dev: torch.device, peer: bool) -> Timed:
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q = torch.randn(new, hq, d, dtype=k.dtype, device=dev)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-        torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")
+        torch.zeros(workspace_bytes(1, hq, hkv, d, 1), dtype=torch.uint8, device=dev), "NHD")
     indptr, ids, last = _lists(tables, [kv_len])
     wrapper.plan(torch.tensor([0, new], dtype=torch.int32), indptr, ids, last, hq, hkv, d, PAGE, causal=True,
                  sm_scale=d ** -0.5, q_data_type=k.dtype, kv_data_type=k.dtype)

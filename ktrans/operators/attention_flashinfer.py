@@ -49,6 +49,7 @@ MIN_WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partia
 DEFAULT_ROWS = 256  # decode rows a planner is sized for where no runner said (reserve_seqs)
 DTYPES = (torch.bfloat16, torch.float16)  # what its kernels read
 DEVICE_TYPES = ("cuda",)
+HEAD_DIMS = (64, 128, 256)  # what FlashInfer 0.5's paged kernels are built for (its sm90 prefill asserts them)
 
 
 def workspace_bytes(rows: int, heads: int, kv_heads: int, head_dim: int, sms: int) -> int:
@@ -173,6 +174,9 @@ class KAttentionFlashInfer(Op):
         self.layer_idx = operator.layer_idx
         self.scaling = operator.scaling
         self.num_kv_heads, self.num_heads, self.head_dim = operator.num_kv_heads, operator.num_heads, operator.head_dim
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"{operator.key}: KAttentionFlashInfer takes head_dim {', '.join(map(str, HEAD_DIMS))} "
+                             f"(FlashInfer's paged kernels), this model's is {self.head_dim}: choose KAttentionTriton")
         self._out: dict[tuple, torch.Tensor] = {}  # decode outputs by shape: no allocation in a captured step
         self.max_rows = DEFAULT_ROWS
 

@@ -2,7 +2,8 @@
 
 On any machine: the page lists it plans from (`attention.page_lists`) against hand-made block tables, a rule that
 names it without FlashInfer installed fails naming the package, and the runner calls every op's `replan` before a
-graph replay needs it. With CUDA and flashinfer-python (gpu-marked): the small model under the gpu placement with
+graph replay needs it. With CUDA and flashinfer-python (gpu-marked): the small model (head_dim 64, the smallest
+FlashInfer's paged kernels take) under the gpu placement with
 the op in bf16 against the torch op in fp32 (the oracle) and in bf16 (the noise floor), through a prefill over a
 cached prefix, a step mixing prefill chunks with a decode row, and 64 decode steps replayed from CUDA graphs (3
 sequences in the 4-row bucket: a pad row on the pad page), teacher-forced; and replayed steps bitwise equal to the
@@ -10,6 +11,7 @@ same bucket's eager steps (the same kernels and shapes).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -75,16 +77,22 @@ def test_runner_replans_every_op_that_plans_for_replays(monkeypatch):
     assert all(b is batch for _, b in seen)
 
 
-def _runner(op: str, dtype: torch.dtype, graphs: bool, weights):
+def _small_config():
+    """The small preset with head_dim 64 (its own 32 is under what FlashInfer's paged kernels take)."""
     from ktrans.config import ModelConfig
-    from ktrans.inject import build_injected_model
     from ktrans.model.tiny import preset_config
+
+    return ModelConfig.from_hf_dict({**preset_config("small"), "head_dim": 64}, source="small")
+
+
+def _runner(op: str, dtype: torch.dtype, graphs: bool, weights):
+    from ktrans.inject import build_injected_model
     from ktrans.weights.source import StateDictSource
 
     from ..engine.test_graphs import _model_runner
     from ..inject.helpers import rules
 
-    config = ModelConfig.from_hf_dict(preset_config("small"), source="small")
+    config = _small_config()
     text = GPU_RULES.replace(ATTN_LINE, f'{ATTN_LINE}, prefill_op: "{op}", generate_op: "{op}"')
     model = build_injected_model(config, rules(text, op), StateDictSource(weights), dtype)[0]
     assert type(model.model.layers[config.full_attention_layers[0]].self_attn.op).__name__ == op
@@ -110,12 +118,11 @@ def _prefill_steps(runners):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not HAS_FLASHINFER, reason="needs CUDA and flashinfer-python")
 def test_flashinfer_op_matches_torch_op_teacher_forced():
-    from ktrans.config import ModelConfig
-    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.model.tiny import random_state_dict
 
     from ..engine.test_graphs import forced_decode
 
-    weights = random_state_dict(ModelConfig.from_hf_dict(preset_config("small"), source="small"), 3)
+    weights = random_state_dict(_small_config(), 3)
     runners = [_runner("KAttentionTorch", torch.float32, False, weights),
                _runner("KAttentionTorch", torch.bfloat16, False, weights),
                _runner("KAttentionFlashInfer", torch.bfloat16, True, weights)]
@@ -144,12 +151,11 @@ def _continued(prompts):
 def test_flashinfer_replays_equal_the_buckets_eager_steps():
     """Identical kernels and shapes: the replayed decode steps (planned before each replay) give bitwise the logits
     of the same bucket's steps run eagerly (DecodeGraphs.capture off: padded, planned in the forward)."""
-    from ktrans.config import ModelConfig
-    from ktrans.model.tiny import preset_config, random_state_dict
+    from ktrans.model.tiny import random_state_dict
 
     from ..engine.test_graphs import forced_decode
 
-    weights = random_state_dict(ModelConfig.from_hf_dict(preset_config("small"), source="small"), 3)
+    weights = random_state_dict(_small_config(), 3)
     replayed = _runner("KAttentionFlashInfer", torch.bfloat16, True, weights)
     eager = _runner("KAttentionFlashInfer", torch.bfloat16, True, weights)
     eager.graphs.capture = False
@@ -248,9 +254,12 @@ def fi_op(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.delitem(sys.modules, name, raising=False)
     info = ATTENTION_OPS.info("KAttentionFlashInfer")
-    monkeypatch.setitem(ATTENTION_OPS._ops, "KAttentionFlashInfer", info)  # restored: declared, not built
+    # declared only while the stand-in's module registers (a GPU run may have built the real one before), and
+    # restored as it was afterwards
+    monkeypatch.setitem(ATTENTION_OPS._ops, "KAttentionFlashInfer", dataclasses.replace(info, cls=None))
     module = importlib.import_module(name)
     monkeypatch.setattr(module, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(module, "HEAD_DIMS", (32, 64, 128, 256))  # the tiny models' 32
     monkeypatch.setattr(module, "DTYPES", (torch.float32, torch.bfloat16))
     monkeypatch.setattr(ATTENTION_OPS.info("KAttentionFlashInfer"), "devices", ("cuda", "cpu"))
     _Prefill.plans = _Decode.plans = _Decode.graph_plans = 0
@@ -382,6 +391,19 @@ def test_graph_buckets_past_the_sizing_or_wider_tables_are_refused(fi_op):
     planner._graph_decode(2, 5)
     with pytest.raises(ValueError, match="block tables 6 pages wide, its CUDA graphs' buffers hold 5"):
         planner._graph_decode(2, 6)
+
+
+def test_a_head_dim_flashinfer_lacks_is_refused_naming_the_op(fi_op, monkeypatch):
+    """The tiny model's head_dim 32 under FlashInfer's own head dims: the build fails naming the op, the head_dim and
+    the op to choose instead (FlashInfer's JIT would fail later, in nvcc, on a static assertion)."""
+    from ktrans.config import ModelConfig
+    from ktrans.model.tiny import preset_config, random_state_dict
+
+    monkeypatch.setattr(fi_op, "HEAD_DIMS", (64, 128, 256))
+    config = ModelConfig.from_hf_dict(preset_config("tiny"), source="tiny")
+    with pytest.raises(ValueError, match="KAttentionFlashInfer takes head_dim 64, 128, 256 .* this model's is 32: "
+                                         "choose KAttentionTriton"):
+        _cpu_runner("KAttentionFlashInfer", random_state_dict(config, 2), config)
 
 
 @pytest.mark.skipif(HAS_FLASHINFER, reason="flashinfer is installed here")

@@ -49,15 +49,9 @@ DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per blo
 # alternating). Compiled for sm_90 (Triton 3.9) the gate/up launch takes 104 registers uncapped (80 spills 40 B) and
 # the down launch 96 (80 without spills). KTRANS_MOE_LANES_MAXNREG=96,80 sets each, 80 one for both, 0 none.
 _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").split(",") if v.strip()] or [0]
-# gu_one (KTRANS_MOE_GU_ONE=1) and down_early (KTRANS_MOE_DOWN_EARLY=1, with PDL): _moe_lanes_kernel's GU_ONE and
-# EARLY, opt-in until the H200 has timed them (scripts/moe_sweep.py --gu_one 0,1 --down_early 0,1): the gate/up
-# program's sequential loads halved (its 2 BN rows' per super-block issued together), and the down launch's first
-# weights read while the gate/up launch still runs.
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
-         "maxnreg": (_CAPS[0], _CAPS[-1]),
-         "gu_one": os.environ.get("KTRANS_MOE_GU_ONE", "0") == "1",
-         "down_early": os.environ.get("KTRANS_MOE_DOWN_EARLY", "0") == "1"}
+         "maxnreg": (_CAPS[0], _CAPS[-1])}
 
 
 @triton.jit
@@ -99,8 +93,7 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
-                      GU_ONE: tl.constexpr = False, EARLY: tl.constexpr = False):
+                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -110,15 +103,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it.
     HAS_X: pairs whose id is E_X take an extra expert's planes (the shared expert), at element offsets x_lo, x_hi,
     x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come).
-    ROWS: row_dot's (the row-owning form where > 0).
-    GU_ONE (gated): the tile's gate and up rows in one row_dot of 2 BN rows, their loads issued together (LANES'
-    "gu_one"); else gate's, then up's.
-    EARLY (down, with PDL): the pair's expert id and its first super-block's weights read before the wait for the
-    predecessor (row_dot's PDL), as the GEMVs do: the predecessor is the gate/up launch, which writes neither; the
-    router that wrote the ids, and any kernel that wrote the planes, had finished before the gate/up launch let
-    this one start (it waited for them first)."""
-    if not EARLY:
-        enter(PDL)
+    ROWS: row_dot's (the row-owning form where > 0)."""
+    enter(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -139,14 +125,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
             sb0 = pid_k * SB_PER
             sb1 = tl.minimum(sb0 + SB_PER, NSB)
-            if GU_ONE:  # rows pid_n*BN.. of gate, then the same of up: [2 BN] in one pass over the super-blocks
-                r2 = tl.arange(0, 2 * BN)
-                col = pid_n * BN + r2 % BN
-                gu = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, col + (r2 // BN) * N, col < N, QT, 2 * BN, ROWS)
-                gate, up = tl.split(tl.permute(tl.reshape(gu, [2, BN]), [1, 0]))
-            else:
-                gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS)
-                up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS)
+            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS)
+            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS)
             if SPLIT == 1:
                 h = gate / (1.0 + tl.exp(-gate)) * up
                 tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -169,11 +149,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     else:
         acc = tl.zeros([BN], dtype=tl.float32)
         if e >= 0:
-            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN, ROWS,
-                          EARLY)  # EARLY: waits inside, after the first super-block's weights
+            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN, ROWS)
             acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)
-        elif EARLY:
-            enter(PDL)
         tl.store(part_ptr + pid_p * N + offs_n, acc, mask=mask_n)
         tl.debug_barrier()
         tok = pid_p // X_DIV
@@ -220,8 +197,6 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     if max(p * tiles_i, t * tiles_h) > _MAX_TILES:
         raise ValueError(f"moe_quant: {p} pairs are too many for the few-token path")
     cnt = counters(x.device)
-    pdl = launch()
-    early = bool(LANES["down_early"] and pdl["PDL"])
     part = torch.empty(max(split * p * 2 * inter if split > 1 else 0, p * hidden), dtype=torch.float32,
                        device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
@@ -237,9 +212,9 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
         _moe_lanes_kernel[(p, triton.cdiv(n, bns[j]), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
-            SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j], GU_ONE=gated and LANES["gu_one"],
-            EARLY=early and not gated, num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
-            **_lanes_cap(j, w.qtype, rows[j]), **pdl)
+            SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j],
+            num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
+            **_lanes_cap(j, w.qtype, rows[j]), **launch())
     return out
 
 

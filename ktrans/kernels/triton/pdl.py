@@ -14,9 +14,7 @@ predecessor, as before. The one exception is deliberate: the GEMVs (`quant_gemv.
 first weights before the wait, so that their latency passes while the predecessor runs. Their weights must be
 resident: written before the last synchronisation, never by a kernel just before (`dense_gemv` launches a copy it
 makes without PDL; `_SharedFused` synchronises after stacking its gate). The MoE kernels wait first: the experts'
-planes are written by kernels when they are streamed. Opt-in (`moe_quant.LANES["down_early"]`), the MoE's down
-launch reads its expert ids and first weights before the wait: its predecessor, the gate/up launch, writes neither,
-and whatever wrote them had finished before that launch let the down launch start.
+planes are written by kernels when they are streamed.
 
 Each kernel of the decode path takes `PDL: tl.constexpr` and calls `enter(PDL)` first; its launch passes
 `**launch()`: `PDL=True, launch_pdl=True` where PDL is on and the current CUDA device supports it (compute capability
