@@ -1,4 +1,5 @@
 """`ktrans bench kernels`: the case registry and the report, on the CPU (timings there are only a smoke run)."""
+import pytest
 import torch
 
 from ktrans.bench import kernels
@@ -17,13 +18,17 @@ def test_cases_run_and_report(monkeypatch, capsys):
     monkeypatch.setattr(kernels, "CASES", [kernels.KernelCase("demo", "sum n=1000", setup),
                                            kernels.KernelCase("demo", "broken", broken),
                                            kernels.KernelCase("other", "skipped by family", setup)])
+    # a family whose optional package is missing is reported skipped; a name missing from ktrans itself raises
     monkeypatch.setattr(kernels, "FAMILIES", ("ktrans.bench.no_such_family",))
+    with pytest.raises(ImportError, match="no_such_family"):
+        kernels.run(["demo"], None, reps=3, as_json=True, device="cpu")
+    monkeypatch.setattr(kernels, "FAMILIES", ("no_such_package_family",))
     rows = kernels.run(["demo"], None, reps=3, as_json=True, device="cpu")
     by_case = {r.get("case"): r for r in rows}
     assert by_case["sum n=1000"]["bytes"] == 4000 and by_case["sum n=1000"]["us"] > 0 and len(calls) == 1
     assert "ValueError: bad shape" in by_case["broken"]["error"]
     assert "skipped by family" not in by_case
-    assert any("skipped" in r and "no_such_family" in r["skipped"] for r in rows)
+    assert any("skipped" in r and "no_such_package_family" in r["skipped"] for r in rows)
     assert capsys.readouterr().out.count("\n") == len(rows)
     # --match A|B: cases whose name contains either
     picked = kernels.run(None, "n=1000|by family", reps=1, as_json=True, device="cpu")
