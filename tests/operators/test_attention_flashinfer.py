@@ -245,9 +245,12 @@ class _Decode:
 def fi_op(monkeypatch):
     """ktrans.operators.attention_flashinfer imported over the stand-in, placeable on the CPU in fp32; the registry
     and sys.modules as they were afterwards."""
+    import os
     import sys
     import types
 
+    if os.environ.get("TRITON_INTERPRET") != "1":  # on a GPU machine the real FlashInfer's tests run instead
+        pytest.skip("the stand-in's runners run the Triton write_kv on the CPU: interpreted runs only")
     fake = types.ModuleType("flashinfer")
     fake.BatchPrefillWithPagedKVCacheWrapper, fake.BatchDecodeWithPagedKVCacheWrapper = _Prefill, _Decode
     name = "ktrans.operators.attention_flashinfer"

@@ -140,6 +140,7 @@ def test_attention_prep_in_one_launch_gives_the_same_logits(models, monkeypatch)
     calls = []
     real = tri_prep.qk_prep
     monkeypatch.setattr(tri_prep, "qk_prep", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(tri_prep, "FUSED", False)  # the unfused ops (KTRANS_ATTN_PREP=0), the default's oracle
     want = _prefill_then_decode(tri, dev)
     assert not calls
     monkeypatch.setattr(tri_prep, "FUSED", True)
@@ -159,11 +160,11 @@ def test_attention_prep_fuses_only_the_triton_norms_and_rope(models, monkeypatch
     from ktrans.operators.rope import RopeTables
     from ktrans.runtime.batch import GENERATE
 
-    (_, tri), dev = models
-    dev = torch.device(dev)
+    (_, tri), _ = models
     monkeypatch.setattr(tri_prep, "FUSED", True)
     attn = tri.model.layers[tri.config.full_attention_layers[0]].self_attn
     op = attn.op_for(GENERATE)
+    dev = attn.q_norm.impl[GENERATE].weight.device  # as the forward names it (cuda:0, not cuda)
     cos = torch.ones(1, 8, device=dev)
     assert attn._prep(GENERATE, dev, op, TritonRopeTables(cos, cos)) is not None
     assert attn._prep(GENERATE, dev, op, RopeTables(cos, cos)) is None

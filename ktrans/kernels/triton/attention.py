@@ -236,8 +236,9 @@ PROGRAMS_PER_SM = 2
 # its values with its keys was tried in session 23 and removed: 37.5 against 33.2 us at 32k, even at 128k.)
 DECODE_OFF32 = os.environ.get("KTRANS_ATTN_OFF32", "1") == "1"
 # The output gate (sigmoid of q_proj's gate half) in the decode merge's store, bitwise output_gate's result, one launch
-# a layer fewer (KAttentionTriton.attend_gated); off until timed (KTRANS_ATTN_GATE_MERGE=1).
-DECODE_GATE = os.environ.get("KTRANS_ATTN_GATE_MERGE", "0") == "1"
+# a layer fewer (KAttentionTriton.attend_gated); on since session 25 (timed with attention_prep.FUSED, whose comment
+# gives the figures); KTRANS_ATTN_GATE_MERGE=0 opts out.
+DECODE_GATE = os.environ.get("KTRANS_ATTN_GATE_MERGE", "1") == "1"
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ import triton.language as tl
 from ktrans.kernels.triton import unaligned
 from ktrans.kernels.triton.pdl import enter, launch
 
-# Off until timed (KTRANS_ATTN_PREP=1): KQwen3NextAttention then hands q and k over as projected to an op that takes
-# them so (KAttentionTriton.takes_prep), which runs qk_prep: three launches a full-attention layer fewer.
-FUSED = os.environ.get("KTRANS_ATTN_PREP", "0") == "1"
+# On (KTRANS_ATTN_PREP=0 opts out): KQwen3NextAttention hands q and k over as projected to an op that takes them so
+# (KAttentionTriton.takes_prep), which runs qk_prep: three launches a full-attention layer fewer. Timed with the gate
+# in the merge under the serve rules at full size (H100, session 25, doc/benchmarks.md): 863 -> 815 device ops a
+# token, the GPU's share 3.096 -> 3.028 ms, batch 1 76.7 -> 78.5 tok/s.
+FUSED = os.environ.get("KTRANS_ATTN_PREP", "1") == "1"
 
 
 @triton.jit
