@@ -89,6 +89,7 @@ kernels)
     start_writer "$OUT/mk.log"
     start_llama /tmp/llb 8
   fi
+  start_fi_warm
   # the sweeps first (GDN_SWEEP=1, SWEEP=1), then the quantized kernels' benches (NO_BENCH=1: not those)
   if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
     echo "== gdn sweep"
@@ -124,6 +125,7 @@ kernels)
     done
   fi
   if python3 -c "import flashinfer" 2>/dev/null; then  # the optional attention backend beside ours (issue 15)
+    for _ in $(seq 300); do [ -n "$(busy fi_warm)" ] || break; sleep 1; done  # its JIT compiles, started above
     echo "== ktrans bench kernels --family attention,flashinfer --match 'decode 32k|prefill T'"
     timeout 150 ktrans bench kernels --json --reps 20 --family attention,flashinfer --match "decode 32k|prefill T" \
       > "$OUT/attn_fi.jsonl" 2> "$OUT/attn_fi.err"
