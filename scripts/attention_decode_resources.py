@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import subprocess
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from _sm90 import compile_sm90
 
 from ktrans.kernels.triton import attention as tri
 
@@ -33,27 +28,17 @@ def main() -> None:
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     fn = tri._decode_split_kernel
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for off32, block_n, warps, stages in itertools.product(ints(args.off32), ints(args.block_n), ints(args.warps),
                                                            ints(args.stages)):
         consts = {"PAGE": 16, "GROUP": 8, "GROUP_PAD": 16, "D": 256, "BLOCK_D": 256,
                   "PREC": tri._prec(torch.bfloat16), "BLOCK_N": block_n, "OFF32": bool(off32),
                   "PDL": False}
-        sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
-        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
         tag = f"off32={off32} BLOCK_N={block_n} warps={warps} stages={stages}"
         try:
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps, "num_stages": stages})
+            k, usage = compile_sm90(fn, SIGNATURE, consts, warps, stages)
         except Exception as exc:  # noqa: BLE001  (a shape that does not compile is reported)
             print(f"{tag}: {type(exc).__name__}: {str(exc)[:160]}")
             continue
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        usage = " ".join(w for line in out.splitlines() if "REG:" in line for w in line.split()
-                         if w.startswith(("REG:", "STACK:")))
         print(f"{tag}: {usage} shared={k.metadata.shared}")
 
 

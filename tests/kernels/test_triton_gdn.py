@@ -271,12 +271,13 @@ def test_prefill_then_decode_equals_one_prefill(triton_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_real_shapes_on_the_gpu(dtype):
+@pytest.mark.parametrize("dtype,normed", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_real_shapes_on_the_gpu(dtype, normed):
     """HK=16, HV=32, Dk=Dv=128: two sequences of prefill (one carried) and a decode batch of 5, against the
     references run in fp32 on the same (rounded) inputs. bf16: the kernels keep w, u and the chunk's q.k matrix in
     bf16 and multiply bf16 operands (the state too) on the tensor cores: half a dozen roundings of 2^-8 each, so
-    4e-2 of the outputs' largest value; fp32 multiplies exactly (input_precision ieee), so TOL."""
+    4e-2 of the outputs' largest value; fp32 multiplies exactly (input_precision ieee), so TOL. normed: the scan over
+    the prep's normalised q and k (KTRANS_GDN_NORMED), the same bounds."""
     dev = torch.device("cuda")
     hk, hv, dk, dv = 16, 32, 128, 128
     lens, slots, fresh = [200, 77], [2, 0], [False, True]
@@ -284,7 +285,7 @@ def test_real_shapes_on_the_gpu(dtype):
     q, k, v = (x.to(dtype) for x in (q, k, v))
     before = pool.clone()
     seqs = segments(lens, slots, fresh)
-    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, dev))
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, dev), normed=normed)
     g, beta = gates(a, b, A_log, dt_bias)
     scale_tol = 4e-2 if dtype == torch.bfloat16 else None
     for s, e, slot, f in seqs:
@@ -324,17 +325,23 @@ def test_bf16_inputs(triton_device):
     assert (pool[1] - ref_state).abs().max() <= 2e-2 * ref_state.abs().max()
 
 
+def _varlen_emit_case(dtype, device):
+    """Three sequences (one continued from its slot at cached length 30, partial chunks) with emits at two
+    boundaries: the rule's inputs (q, k, v in dtype), the pool, the segments and the plan."""
+    hk, hv, dk, dv = SHAPES[0]
+    lens, starts = [150, 40, 128], [30, 0, 0]
+    q, k, v, a, b, A_log, dt_bias, pool = rule_inputs(sum(lens), hk, hv, dk, dv, device, slots=9)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    seqs = segments(lens, [0, 1, 2], [False, True, True])
+    return q, k, v, a, b, A_log, dt_bias, pool, seqs, plan_chunks(seqs, device, starts, emit=[[5, 3], [], [6, 7]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_output_launch_equals_the_scan(triton_device, dtype):
     """KTRANS_GDN_SPLIT: the outputs by a launch parallel over chunks from the states and v_new the sequential
     launch stores give bitwise the one scan's outputs, final states and emitted states (varlen, a continued slot,
     partial chunks, emits at two boundaries)."""
-    hk, hv, dk, dv = SHAPES[0]
-    lens, starts = [150, 40, 128], [30, 0, 0]
-    q, k, v, a, b, A_log, dt_bias, pool = rule_inputs(sum(lens), hk, hv, dk, dv, triton_device, slots=9)
-    q, k, v = (x.to(dtype) for x in (q, k, v))
-    seqs = segments(lens, [0, 1, 2], [False, True, True])
-    plan = plan_chunks(seqs, triton_device, starts, emit=[[5, 3], [], [6, 7]])
+    q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
     got = {}
     for split in (False, True):
         p = pool.clone()
@@ -342,3 +349,26 @@ def test_split_output_launch_equals_the_scan(triton_device, dtype):
         got[split] = (o, p)
     assert torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1], got[True][1])
     assert not torch.equal(got[True][1][5], pool[5])  # the emits were written
+
+
+@pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_normed_scan_matches_reference(triton_device, dtype, split):
+    """KTRANS_GDN_NORMED: the prep stores the normalised q and k once and the scan reads them as the dots' operands,
+    the decays moved onto the products' and v_new's rows. Varlen with a continued slot, partial chunks and emits at
+    two boundaries, against the reference (fp32: TOL; bf16 inputs: 2e-2 of the largest value, as test_bf16_inputs)
+    and the plain scan's final and emitted states."""
+    q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
+    plain, normed = pool.clone(), pool.clone()
+    chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, plain, plan, split=split, normed=False)
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, normed, plan, split=split, normed=True)
+    if dtype == torch.float32:
+        check_against_reference(o, normed, pool, seqs, q, k, v, a, b, A_log, dt_bias)
+        torch.testing.assert_close(normed, plain, **TOL)
+        return
+    g, beta = gates(a, b, A_log, dt_bias)
+    for s, e, slot, fresh in seqs:
+        ref_o, ref_state = chunk_gated_delta_rule(q[s:e].float(), k[s:e].float(), v[s:e].float(), g[s:e], beta[s:e],
+                                                  None if fresh else pool[slot])
+        assert (o[s:e].float() - ref_o).abs().max() <= 2e-2 * ref_o.abs().max()
+        assert (normed[slot] - ref_state).abs().max() <= 2e-2 * ref_state.abs().max()
+    assert (normed - plain).abs().max() <= 2e-2 * plain.abs().max()

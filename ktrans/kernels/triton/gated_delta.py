@@ -43,6 +43,12 @@ PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 4, 4, 32
 # KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
 # as FLA splits its chunk_fwd_h and chunk_fwd_o; off until the H200 has timed it against the one scan
 SPLIT = os.environ.get("KTRANS_GDN_SPLIT", "0") == "1"
+# KTRANS_GDN_NORMED=1: the prep stores the normalised q and k once (qn, kn [T, HK, Dk] in the dots' dtype) and the
+# scan reads them as the dots' operands (_scan_kernel NORMED). Compiled for sm_90 on the dev box (Triton 3.9, 4 warps,
+# scripts/gdn_resources.py), the unsplit scan's spill stack goes from 1,208 to 504 bytes (the split scan's 512 -> 280;
+# both still at 255 registers) and the loop's asynchronous copies from 7 to 10; off until the H200 has timed it against
+# the plain scan (gdn_sweep --normed 0,1).
+NORMED = os.environ.get("KTRANS_GDN_NORMED", "0") == "1"
 _TORCH_DTYPES = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
 
 
@@ -119,15 +125,21 @@ def aligned_table(parts: list[list[int]], device: torch.device) -> list[torch.Te
 @triton.jit
 def _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_new, stride_qt, stride_qh,
                   stride_ot, stride_oh, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                  DT: tl.constexpr, PREC: tl.constexpr):
+                  DT: tl.constexpr, PREC: tl.constexpr, NORMED: tl.constexpr = False):
     """Chunk c's outputs of value head h, columns rv: o = (q exp(cum)) S + attn v_new, S the state entering the
-    chunk (in DT); the scan's (unsplit) and _output_kernel's (split) one body."""
+    chunk (in DT); the scan's (unsplit) and _output_kernel's (split) one body. NORMED: q_ptr is the prep's qn
+    (normalised, scaled, in DT; row stride stride_qt, head stride DK), the decay applied to the product's rows."""
     C: tl.constexpr = 64
     rows = (row0 + rc).to(tl.int64)
-    q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
     attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
-    o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
-         + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+    if NORMED:
+        q = _load_rows(q_ptr + kh * DK, row0, n, stride_qt, 0, DK, 0, C, BK, False)
+        o = (tl.dot(q, sd, input_precision=PREC) * tl.exp(cum)[:, None]
+             + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+    else:
+        q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+        o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
+             + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=(rc < n)[:, None] & (rv[None, :] < DV))
 
@@ -138,10 +150,14 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_ss, stride_sh,
                  HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                 SPLIT: tl.constexpr = False):
+                 SPLIT: tl.constexpr = False, NORMED: tl.constexpr = False):
     """SPLIT (KTRANS_GDN_SPLIT): no outputs here; each chunk's entering state (as the dots read it, in DT) goes to
     hs [NC, HV, Dk, Dv] and its v_new to vnew [T, HV, Dv] for _output_kernel, parallel over chunks: two dots a chunk
-    on the sequential path instead of four."""
+    on the sequential path instead of four.
+    NORMED (KTRANS_GDN_NORMED): q_ptr and k_ptr are the prep's qn and kn [T, HK, Dk] (normalised, in DT, row strides
+    stride_qt and stride_kt), read straight into the dots; the decays scale the products' rows (o) and v_new's rows
+    (the state update: (e k)^T v = k^T (e v) for a diagonal e), not a [64, Dk] operand: no per-chunk norms or fp32
+    copies of q and k on the sequential path."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -161,7 +177,10 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
         n = tl.load(chunk_len + c)
         valid = rc < n
         rows = (row0 + rc).to(tl.int64)
-        k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
+        if NORMED:
+            k = _load_rows(k_ptr + kh * DK, row0, n, stride_kt, 0, DK, 0, C, BK, False)
+        else:
+            k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
         w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK, False)
         u = _load_rows(u_ptr + h * DV, row0, n, HV * DV, vb * BV, DV - vb * BV, 0, C, BV)
         cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
@@ -174,9 +193,13 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
                      mask=valid[:, None] & (rv[None, :] < DV))
         else:
             _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_new, stride_qt, stride_qh,
-                          stride_ot, stride_oh, HV, DK, DV, BK, DT, PREC)
-        k_end = k * tl.where(valid, tl.exp(cum_last - cum), 0.0)[:, None]
-        state = state * tl.exp(cum_last) + tl.dot(tl.trans(k_end.to(DT)), v_new.to(DT), input_precision=PREC)
+                          stride_ot, stride_oh, HV, DK, DV, BK, DT, PREC, NORMED)
+        decay = tl.where(valid, tl.exp(cum_last - cum), 0.0)
+        if NORMED:
+            update = tl.dot(tl.trans(k), (v_new * decay[:, None]).to(DT), input_precision=PREC)
+        else:
+            update = tl.dot(tl.trans((k * decay[:, None]).to(DT)), v_new.to(DT), input_precision=PREC)
+        state = state * tl.exp(cum_last) + update
         e = tl.load(emit_slot + c)
         tl.store(state_ptr + tl.maximum(e, 0) * stride_ss + soff, state, mask=smask & (tl.zeros_like(soff) + e >= 0))
     tl.store(state_ptr + slot * stride_ss + soff, state, mask=smask)
@@ -186,7 +209,8 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
 def _output_kernel(q_ptr, cum_ptr, attn_ptr, vnew_ptr, hs_ptr, o_ptr, chunk_start, chunk_len,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                   BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                   NORMED: tl.constexpr = False):
     """One chunk's outputs from its entering state and v_new (stored by _scan_kernel with SPLIT): o = (q exp(cum)) S
     + attn v_new, the same products as the unsplit scan's, one program per (chunk, value head, value columns)."""
     c = tl.program_id(0)
@@ -207,7 +231,7 @@ def _output_kernel(q_ptr, cum_ptr, attn_ptr, vnew_ptr, hs_ptr, o_ptr, chunk_star
     v_new = tl.load(vnew_ptr + rows[:, None] * (HV * DV) + h * DV + rv[None, :],
                     mask=valid[:, None] & (rv[None, :] < DV), other=0.0)
     _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_new, stride_qt, stride_qh,
-                  stride_ot, stride_oh, HV, DK, DV, BK, DT, PREC)
+                  stride_ot, stride_oh, HV, DK, DV, BK, DT, PREC, NORMED)
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------------
@@ -224,7 +248,8 @@ def _dot_types(dtype: torch.dtype):
 def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                                   b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                                   state_pool: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | None = None,
-                                  block_v: int | None = None, split: bool | None = None) -> torch.Tensor:
+                                  block_v: int | None = None, split: bool | None = None,
+                                  normed: bool | None = None) -> torch.Tensor:
     """The gated delta rule over the planned sequences of a flat batch, with the gates computed here.
 
     q, k [T, HK, Dk] and v [T, HV, Dv] (any token and head strides, last dim contiguous: views into the conv's
@@ -233,7 +258,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     at its emit slots. Returns o [T, HV, Dv] in v's dtype; rows outside the plan's sequences are left untouched
     (`out` given) or unset. `split` (default SPLIT, KTRANS_GDN_SPLIT): the outputs by a third launch, parallel over
     chunks, from the states and v_new the sequential one stores (the same values bitwise; one chunk's state a value
-    head in the dots' dtype more memory, ~4 MiB a chunk at Qwen3-Next's shapes in bf16).
+    head in the dots' dtype more memory, ~4 MiB a chunk at Qwen3-Next's shapes in bf16). `normed` (default NORMED,
+    KTRANS_GDN_NORMED): the prep stores the normalised q and k for the scan (2 x T x HK x Dk more, in the dots' dtype).
     """
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -257,19 +283,25 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     cum = torch.empty(t, hv, dtype=torch.float32, device=v.device)
     attn = torch.empty(plan.num_chunks, hv, CHUNK, CHUNK, dtype=v.dtype, device=v.device)
     r = hv // hk
-    launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk, bvf, dt, prec, PREP_WARPS)
     split = SPLIT if split is None else split
+    normed = NORMED if normed is None else normed
     buf = _TORCH_DTYPES[dt]
+    qn = kn = None
+    if normed:
+        qn, kn = (torch.empty(t, hk, dk, dtype=buf, device=v.device) for _ in range(2))
+    launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk, bvf, dt, prec, PREP_WARPS, qn=qn, kn=kn)
+    qs, ks = (qn, kn) if normed else (q, k)  # what the scan and the output kernel read as q and k
     vnew = torch.empty(t, hv, dv, dtype=buf, device=v.device) if split else u  # (u: an unread stand-in)
     hs = torch.empty(plan.num_chunks, hv, dk, dv, dtype=buf, device=v.device) if split else u
     _scan_kernel[(plan.num_seqs, hv, triton.cdiv(dv, bv))](
-        q, k, w, u, cum, attn, out, state_pool, vnew, hs, plan.chunk_start, plan.chunk_len, plan.first_chunk,
-        plan.seq_slot, plan.seq_fresh, plan.emit_slot, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        qs, ks, w, u, cum, attn, out, state_pool, vnew, hs, plan.chunk_start, plan.chunk_len, plan.first_chunk,
+        plan.seq_slot, plan.seq_fresh, plan.emit_slot, qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1),
         out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1),
-        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, SPLIT=split, num_warps=SCAN_WARPS)
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, SPLIT=split, NORMED=normed, num_warps=SCAN_WARPS)
     if not split:
         return out
     _output_kernel[(plan.num_chunks, hv, triton.cdiv(dv, bv))](
-        q, cum, attn, vnew, hs, out, plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, num_warps=SCAN_WARPS)
+        qs, cum, attn, vnew, hs, out, plan.chunk_start, plan.chunk_len, qs.stride(0), qs.stride(1), out.stride(0),
+        out.stride(1), HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, NORMED=normed,
+        num_warps=SCAN_WARPS)
     return out

@@ -191,12 +191,14 @@ def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3,
 
 @triton.jit
 def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
-                      chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                      stride_at, stride_bt,
+                      qn_ptr, kn_ptr, chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                      stride_vh, stride_at, stride_bt,
                       HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                      NORMED: tl.constexpr = False):
     """One program per (chunk, value head), its phases ordered so that each one's values die before the next (see
-    the module's docstring)."""
+    the module's docstring). NORMED: the first value head of each key head also stores the chunk's normalised q
+    (times Dk^-1/2) and k to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as they are."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // R
@@ -212,6 +214,10 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
     kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
     qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
     _store_attn(attn_ptr, tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC), cf, c, h, HV)
+    if NORMED:
+        if h % R == 0:
+            _store_rows(qn_ptr + kh * DK, qf, row0, n, (HV // R) * DK, 0, DK, 0)
+            _store_rows(kn_ptr + kh * DK, kf, row0, n, (HV // R) * DK, 0, DK, 0)
 
     # A's blocks and the diagonal inverses from the normalised k at full width; only the rows' norms go on
     x0 = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK)
@@ -236,16 +242,18 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
-                warps: int, cols: int | None = None) -> None:
-    """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS)."""
+                warps: int, cols: int | None = None, qn=None, kn=None) -> None:
+    """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
+    (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED)."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
     if cols < 16 or cols & (cols - 1):
         raise ValueError(f"the DeltaNet prep's column block (gated_delta_prep.PREP_COLS, gdn_sweep --prep_cols) must "
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
+    normed = qn is not None
     _prep_kernel[(plan.num_chunks, hv)](
-        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan.chunk_start, plan.chunk_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf), DT=dt, PREC=prec,
-        num_warps=warps)
+        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, plan.chunk_start,
+        plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
+        b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf), DT=dt, PREC=prec,
+        NORMED=normed, num_warps=warps)

@@ -1,0 +1,58 @@
+"""The chunked DeltaNet scan's resources on sm_90 without a GPU: ktrans.kernels.triton.gated_delta._scan_kernel
+compiled by Triton for GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (HK 16, HV 32, Dk = Dv = 128, bf16 operands),
+one line per (normed, split, warps, stages, value columns): registers and spill stack (cuobjdump -res-usage), the
+shared memory Triton asks for, and how many of the loop's loads the pipeliner made asynchronous copies.
+
+    python3 scripts/gdn_resources.py [--normed 0,1] [--split 0,1] [--warps 4,8] [--stages 3] [--block_v 16,32]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import triton.language as tl
+from _sm90 import compile_sm90
+
+from ktrans.kernels.triton import gated_delta as gd
+
+_TABLES = ("chunk_start", "chunk_len", "first_chunk", "seq_slot", "seq_fresh", "emit_slot")
+_FP32 = ("cum_ptr", "state_ptr")
+
+
+def _signature(fn) -> dict[str, str]:
+    sig = {}
+    for a in fn.arg_names:
+        if a.endswith("_ptr"):
+            sig[a] = "*fp32" if a in _FP32 else "*bf16"
+        elif a in _TABLES:
+            sig[a] = "*i64"
+        elif a.startswith("stride"):
+            sig[a] = "i32"
+    return sig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("normed", "0,1"), ("split", "0,1"), ("warps", "4,8"), ("stages", "3"),
+                          ("block_v", "16,32")):
+        ap.add_argument(f"--{name}", default=default)
+    args = ap.parse_args()
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    fn = gd._scan_kernel
+    sig = _signature(fn)
+    for normed, split, warps, stages, bv in itertools.product(ints(args.normed), ints(args.split), ints(args.warps),
+                                                              ints(args.stages), ints(args.block_v)):
+        consts = {"HV": 32, "R": 2, "DK": 128, "DV": 128, "BK": 128, "BV": bv, "DT": tl.bfloat16, "PREC": "tf32",
+                  "SPLIT": bool(split), "NORMED": bool(normed)}
+        tag = f"normed={normed} split={split} warps={warps} stages={stages} block_v={bv}"
+        try:
+            k, usage = compile_sm90(fn, sig, consts, warps, stages)
+        except Exception as exc:  # noqa: BLE001  (a shape that does not compile is reported)
+            print(f"{tag}: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        copies = k.asm["ttgir"].count("async_copy_global_to_local")
+        print(f"{tag}: {usage} shared={k.metadata.shared} async_copies={copies}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
