@@ -19,14 +19,8 @@ import statistics
 import torch
 
 from ktrans.bench.kernels import _l2_bytes, hbm_gb_per_s, time_cuda
-from ktrans.bench.kernels_quant import E, H, I_MOE, TOP_K, random_blocks
+from ktrans.bench.kernels_quant import E, H, TOP_K, random_moe_layer
 from ktrans.kernels.triton import moe_quant as mq
-from ktrans.kernels.triton.quant_layout import concat_rows, repack
-
-
-def _stack(qtype: str, rows: int, cols: int, seed: int, dev: torch.device):
-    raw = torch.stack([random_blocks(qtype, rows, cols, dev, seed + 7 * e) for e in range(E)])
-    return repack(raw, qtype, (E, rows, cols), dev)
 
 
 def main() -> None:
@@ -45,8 +39,7 @@ def main() -> None:
     hbm = hbm_gb_per_s(dev)
     flush = torch.empty(2 * _l2_bytes(dev), dtype=torch.uint8, device=dev)
     print(f"HBM {hbm:.0f} GB/s (device-to-device copy)")
-    gate_up = concat_rows([_stack("Q4_K", I_MOE, H, 1, dev), _stack("Q4_K", I_MOE, H, 2, dev)])
-    down = _stack(args.down, H, I_MOE, 3, dev)
+    gate_up, down = random_moe_layer(dev, args.down)
     per_expert = (gate_up.nbytes + down.nbytes) // E
     cases = []
     for t in ints(args.tokens):

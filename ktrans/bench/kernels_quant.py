@@ -50,6 +50,22 @@ def _packed(qtype: str, n: int, k: int, device: torch.device, seed: int = 0):
     return repack(random_blocks(qtype, n, k, device, seed), qtype, (n, k), device)
 
 
+def random_stack(qtype: str, n: int, rows: int, cols: int, device: torch.device, seed: int):
+    """n experts' [rows, cols] random blocks (expert e drawn from seed + 7 e), repacked on the device."""
+    from ktrans.kernels.triton.quant_layout import repack
+
+    raw = torch.stack([random_blocks(qtype, rows, cols, device, seed + 7 * e) for e in range(n)])
+    return repack(raw, qtype, (n, rows, cols), device)
+
+
+def random_moe_layer(device: torch.device, down_type: str = "Q4_K"):
+    """One 80B MoE layer's routed experts: (gate and up as one [E, 2 I, H] Q4_K stack, down [E, H, I])."""
+    from ktrans.kernels.triton.quant_layout import concat_rows
+
+    gate_up = concat_rows([random_stack("Q4_K", E, I_MOE, H, device, 1), random_stack("Q4_K", E, I_MOE, H, device, 2)])
+    return gate_up, random_stack(down_type, E, H, I_MOE, device, 3)
+
+
 def _gemv_case(shapes, m: int, qtype: str = "Q4_K"):
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton.quant import qlinear
@@ -120,7 +136,6 @@ case("quant", "gemv bf16 router gate [512x2048] M=1", ("decode",))(_dense_gemv_c
 def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton import moe_quant as mq
-        from ktrans.kernels.triton.quant_layout import concat_rows, repack
 
         def moe_quant(*args):  # lanes: the few-token path through the GEMV's lane-wise decoding (moe_quant.LANES),
             # at any of these token counts (False: the tile path, also at 1-4 tokens)
@@ -132,12 +147,7 @@ def _moe_case(tokens: int, down_type: str = "Q4_K", lanes: bool = False):
                 mq.LANES.update(was)
 
         _full_size_only(device)
-        def stack(qtype, rows, cols, seed):
-            raw = torch.stack([random_blocks(qtype, rows, cols, device, seed + 7 * e) for e in range(E)])
-            return repack(raw, qtype, (E, rows, cols), device)
-
-        gate_up = concat_rows([stack("Q4_K", I_MOE, H, 1), stack("Q4_K", I_MOE, H, 2)])
-        down = stack(down_type, H, I_MOE, 3)
+        gate_up, down = random_moe_layer(device, down_type)
         g = torch.Generator(device="cpu").manual_seed(tokens)
         ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)]).to(device)
         weights = torch.rand(tokens, TOP_K, device=device)
@@ -180,20 +190,16 @@ def _block_case(tokens: int):
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton import moe_quant as mq
         from ktrans.kernels.triton.dense_gemv import dense_gemv
-        from ktrans.kernels.triton.quant_layout import concat_rows, repack
+        from ktrans.kernels.triton.quant_layout import concat_rows
         from ktrans.kernels.triton.router import gated_sum_dot, route, route_with_shared
 
         _full_size_only(device)
         if not (mq.LANES["on"] and tokens <= mq.LANES["max_tokens"]):
             raise ValueError(f"the fused block takes the lanes path's steps (<= {mq.LANES['max_tokens']} tokens)")
 
-        def stack(n, rows, cols, seed):
-            raw = torch.stack([random_blocks("Q4_K", rows, cols, device, seed + 7 * e) for e in range(n)])
-            return repack(raw, "Q4_K", (n, rows, cols), device)
-
-        gate_up = concat_rows([stack(E, I_MOE, H, 1), stack(E, I_MOE, H, 2)])
-        down = stack(E, H, I_MOE, 3)
-        sh = (concat_rows([stack(1, I_MOE, H, 4), stack(1, I_MOE, H, 5)]), stack(1, H, I_MOE, 6))  # one-expert stacks
+        gate_up, down = random_moe_layer(device)
+        sh = (concat_rows([random_stack("Q4_K", 1, I_MOE, H, device, 4), random_stack("Q4_K", 1, I_MOE, H, device, 5)]),
+              random_stack("Q4_K", 1, H, I_MOE, device, 6))  # one-expert stacks
         router = torch.randn(E, H, device=device, dtype=torch.bfloat16) * 0.02
         shared_gate = torch.randn(1, H, device=device, dtype=torch.bfloat16) * 0.02
         both = torch.cat([router, shared_gate])
