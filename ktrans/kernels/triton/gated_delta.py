@@ -128,18 +128,16 @@ def _chunk_output(q_ptr, attn_ptr, o_ptr, c, h, kh, row0, n, rc, rv, cum, sd, v_
                   DT: tl.constexpr, PREC: tl.constexpr, NORMED: tl.constexpr = False):
     """Chunk c's outputs of value head h, columns rv: o = (q exp(cum)) S + attn v_new, S the state entering the
     chunk (in DT); the scan's (unsplit) and _output_kernel's (split) one body. NORMED: q_ptr is the prep's qn
-    (normalised, scaled, in DT; row stride stride_qt, head stride DK), the decay applied to the product's rows."""
+    (normalised, scaled, in DT), read as stored; the decay applied to the product's rows."""
     C: tl.constexpr = 64
     rows = (row0 + rc).to(tl.int64)
     attn = tl.load(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :])  # as stored
+    q = _load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK, not NORMED)
     if NORMED:
-        q = _load_rows(q_ptr + kh * DK, row0, n, stride_qt, 0, DK, 0, C, BK, False)
-        o = (tl.dot(q, sd, input_precision=PREC) * tl.exp(cum)[:, None]
-             + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+        qs = tl.dot(q, sd, input_precision=PREC) * tl.exp(cum)[:, None]
     else:
-        q = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
-        o = (tl.dot((q * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
-             + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC))
+        qs = tl.dot((_l2norm_rows(q) * (DK ** -0.5) * tl.exp(cum)[:, None]).to(DT), sd, input_precision=PREC)
+    o = qs + tl.dot(attn.to(DT), v_new.to(DT), input_precision=PREC)
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + rv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=(rc < n)[:, None] & (rv[None, :] < DV))
 
@@ -154,8 +152,8 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
     """SPLIT (KTRANS_GDN_SPLIT): no outputs here; each chunk's entering state (as the dots read it, in DT) goes to
     hs [NC, HV, Dk, Dv] and its v_new to vnew [T, HV, Dv] for _output_kernel, parallel over chunks: two dots a chunk
     on the sequential path instead of four.
-    NORMED (KTRANS_GDN_NORMED): q_ptr and k_ptr are the prep's qn and kn [T, HK, Dk] (normalised, in DT, row strides
-    stride_qt and stride_kt), read straight into the dots; the decays scale the products' rows (o) and v_new's rows
+    NORMED (KTRANS_GDN_NORMED): q_ptr and k_ptr are the prep's qn and kn [T, HK, Dk] (normalised, in DT), read
+    straight into the dots; the decays scale the products' rows (o) and v_new's rows
     (the state update: (e k)^T v = k^T (e v) for a diagonal e), not a [64, Dk] operand: no per-chunk norms or fp32
     copies of q and k on the sequential path."""
     s = tl.program_id(0)
@@ -177,10 +175,9 @@ def _scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, o_ptr, state_ptr
         n = tl.load(chunk_len + c)
         valid = rc < n
         rows = (row0 + rc).to(tl.int64)
-        if NORMED:
-            k = _load_rows(k_ptr + kh * DK, row0, n, stride_kt, 0, DK, 0, C, BK, False)
-        else:
-            k = _l2norm_rows(_load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK))
+        k = _load_rows(k_ptr + kh * stride_kh, row0, n, stride_kt, 0, DK, 0, C, BK, not NORMED)
+        if not NORMED:
+            k = _l2norm_rows(k)
         w = _load_rows(w_ptr + h * DK, row0, n, HV * DK, 0, DK, 0, C, BK, False)
         u = _load_rows(u_ptr + h * DV, row0, n, HV * DV, vb * BV, DV - vb * BV, 0, C, BV)
         cum = tl.load(cum_ptr + rows * HV + h, mask=valid, other=0.0)
