@@ -18,7 +18,7 @@ import torch
 from ktrans.bench.kernels import Timed, case
 from ktrans.bench.kernels_attention import PAGE, _paged_cache, prefill_timed, real_config
 from ktrans.operators.attention import page_lists
-from ktrans.operators.attention_flashinfer import workspace_bytes
+from ktrans.operators.attention_flashinfer import MIN_WORKSPACE_BYTES, workspace_bytes
 
 
 def _lists(tables: torch.Tensor, lens: list[int]):
@@ -64,7 +64,7 @@ def _prefill(new: int, prefix: int, dev: torch.device, peer: bool) -> Timed:
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q = torch.randn(new, hq, d, dtype=k.dtype, device=dev)
     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-        torch.zeros(workspace_bytes(1, hq, hkv, d, 1), dtype=torch.uint8, device=dev), "NHD")
+        torch.zeros(MIN_WORKSPACE_BYTES, dtype=torch.uint8, device=dev), "NHD")  # no graph-mode decode sizing
     indptr, ids, last = _lists(tables, [kv_len])
     wrapper.plan(torch.tensor([0, new], dtype=torch.int32), indptr, ids, last, hq, hkv, d, PAGE, causal=True,
                  sm_scale=d ** -0.5, q_data_type=k.dtype, kv_data_type=k.dtype)
