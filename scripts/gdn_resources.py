@@ -1,9 +1,11 @@
-"""The chunked DeltaNet scan's resources on sm_90 without a GPU: ktrans.kernels.triton.gated_delta._scan_kernel
-compiled by Triton for GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (HK 16, HV 32, Dk = Dv = 128, bf16 operands),
-one line per (normed, split, warps, stages, value columns): registers and spill stack (cuobjdump -res-usage), the
-shared memory Triton asks for, and how many of the loop's loads the pipeliner made asynchronous copies.
+"""The chunked DeltaNet's resources on sm_90 without a GPU: ktrans.kernels.triton.gated_delta._scan_kernel (or,
+--kernel prep, gated_delta_prep._prep_kernel) compiled by Triton for GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes
+(HK 16, HV 32, Dk = Dv = 128, bf16 operands), one line per (normed, split or full, warps, stages, value columns):
+registers and spill stack (cuobjdump -res-usage), the shared memory Triton asks for, and how many of the loads the
+pipeliner made asynchronous copies.
 
-    python3 scripts/gdn_resources.py [--normed 0,1] [--split 0,1] [--warps 4,8] [--stages 3] [--block_v 16,32]
+    python3 scripts/gdn_resources.py [--kernel scan|prep] [--normed 0,1] [--split 0,1] [--full 0,1] [--warps 4,8]
+                                     [--stages 3] [--block_v 16,32] [--prep_cols 64]
 """
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import triton.language as tl
 from _sm90 import compile_sm90
 
 from ktrans.kernels.triton import gated_delta as gd
+from ktrans.kernels.triton import gated_delta_prep as gdp
 
 _TABLES = ("chunk_start", "chunk_len", "first_chunk", "seq_slot", "seq_fresh", "emit_slot")
-_FP32 = ("cum_ptr", "state_ptr")
+_FP32 = ("cum_ptr", "state_ptr", "alog_ptr", "dtb_ptr", "scr_ptr")
 
 
 def _signature(fn) -> dict[str, str]:
@@ -33,18 +36,27 @@ def _signature(fn) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("normed", "0,1"), ("split", "0,1"), ("warps", "4,8"), ("stages", "3"),
-                          ("block_v", "16,32")):
+    ap.add_argument("--kernel", choices=("scan", "prep"), default="scan")
+    for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1"), ("warps", "4,8"), ("stages", "3"),
+                          ("block_v", "16,32"), ("prep_cols", "64")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    fn = gd._scan_kernel
+    prep = args.kernel == "prep"
+    fn = gdp._prep_kernel if prep else gd._scan_kernel
     sig = _signature(fn)
-    for normed, split, warps, stages, bv in itertools.product(ints(args.normed), ints(args.split), ints(args.warps),
-                                                              ints(args.stages), ints(args.block_v)):
-        consts = {"HV": 32, "R": 2, "DK": 128, "DV": 128, "BK": 128, "BV": bv, "DT": tl.bfloat16, "PREC": "tf32",
-                  "SPLIT": bool(split), "NORMED": bool(normed)}
-        tag = f"normed={normed} split={split} warps={warps} stages={stages} block_v={bv}"
+    # the prep's second flag is FULL and its column block PREP_COLS; the scan's SPLIT and BV
+    flags, widths = (args.full, args.prep_cols) if prep else (args.split, args.block_v)
+    for normed, flag, warps, stages, width in itertools.product(ints(args.normed), ints(flags), ints(args.warps),
+                                                                ints(args.stages), ints(widths)):
+        consts = {"HV": 32, "R": 2, "DK": 128, "DV": 128, "BK": 128, "DT": tl.bfloat16, "PREC": "tf32",
+                  "NORMED": bool(normed)}
+        if prep:
+            consts.update(BVF=128, BC=width, FULL=bool(flag))
+            tag = f"prep normed={normed} full={flag} warps={warps} stages={stages} prep_cols={width}"
+        else:
+            consts.update(BV=width, SPLIT=bool(flag))
+            tag = f"scan normed={normed} split={flag} warps={warps} stages={stages} block_v={width}"
         try:
             k, usage = compile_sm90(fn, sig, consts, warps, stages)
         except Exception as exc:  # noqa: BLE001  (a shape that does not compile is reported)
@@ -52,7 +64,6 @@ def main() -> None:
             continue
         copies = k.asm["ttgir"].count("async_copy_global_to_local")
         print(f"{tag}: {usage} shared={k.metadata.shared} async_copies={copies}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -6,11 +6,12 @@ per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_de
 imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
-                                 [--split 0,1] [--prep_cols 32,64] [--normed 0,1]
+                                 [--split 0,1] [--prep_cols 32,64] [--normed 0,1] [--prep_full 0,1]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. --normed 1:
-the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). "prep" times the launch
+the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). --prep_full 1: the prep's A
+as one product through scratch (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL). "prep" times the launch
 before the scan.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--split", default="0,1")
     ap.add_argument("--prep_cols", default="64", help="the prep's column blocks for w and u")
     ap.add_argument("--normed", default="0", help="1: the scan reads the prep's normalised q and k")
+    ap.add_argument("--prep_full", default="0", help="1: the prep's A as one product through scratch")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -58,16 +60,16 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        for prep_w, scan_w, bv, split, cols, normed in itertools.product(
+        for prep_w, scan_w, bv, split, cols, normed, full in itertools.product(
                 ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split),
-                ints(args.prep_cols), ints(args.normed)):
+                ints(args.prep_cols), ints(args.normed), ints(args.prep_full)):
             gd.PREP_WARPS, gd.SCAN_WARPS, gdp.PREP_COLS = prep_w, scan_w, cols
             name = (f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split} "
-                    f"normed={normed}")
+                    f"normed={normed} full={full}")
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split),
-                                                            normed=bool(normed))
-            key = (cols, prep_w, scan_w, bv, split, normed)
+                                                            normed=bool(normed), full=bool(full))
+            key = (cols, prep_w, scan_w, bv, split, normed, full)
             try:
                 whole = median(call)
                 later = {k_: getattr(gd, k_) for k_ in ("_scan_kernel", "_output_kernel")}  # the prep's stay
@@ -85,7 +87,7 @@ def main() -> None:
             if t not in best or whole < best[t][0]:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
-        print(f"best T={t}: prep_cols, prep_warps, scan_warps, block_v, split, normed = {key}, {us:.1f} us")
+        print(f"best T={t}: prep_cols, prep_warps, scan_warps, block_v, split, normed, full = {key}, {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.test_triton_gdn import SHAPES, check_against_reference, rule_inputs, segments
+import torch
+
+from tests.kernels.test_triton_gdn import (SHAPES, _varlen_emit_case, check_against_reference,
+                                           check_form_against_reference, rule_inputs, segments)
 
 pytest.importorskip("triton")
 
@@ -29,6 +32,17 @@ def test_column_blocks_rule_matches_reference(triton_device, monkeypatch, cols):
         o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, triton_device))
         check_against_reference(o, pool, before, seqs, q, k, v, a, b, A_log, dt_bias)
 
+
+@pytest.mark.parametrize("dtype,normed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+def test_full_product_form_matches_reference(triton_device, dtype, normed):
+    """KTRANS_GDN_PREP_FULL: A as one [64, 64] product of k as stored, through the program's scratch, the diagonal
+    inverses from rows read back from there. Varlen with a continued slot, partial chunks and emits at two
+    boundaries, against the reference and the block form's pool (check_form_against_reference)."""
+    q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
+    block, full = pool.clone(), pool.clone()
+    chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, block, plan, normed=normed, full=False)
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, full, plan, normed=normed, full=True)
+    check_form_against_reference(o, full, block, pool, seqs, q, k, v, a, b, A_log, dt_bias)
 
 def test_bad_column_blocks_are_refused(triton_device):
     hk, hv, dk, dv = SHAPES[0]

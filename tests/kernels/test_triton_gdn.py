@@ -271,13 +271,16 @@ def test_prefill_then_decode_equals_one_prefill(triton_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,normed", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_real_shapes_on_the_gpu(dtype, normed):
+@pytest.mark.parametrize("dtype,normed,full", [(torch.float32, False, False), (torch.bfloat16, False, False),
+                                               (torch.bfloat16, True, False), (torch.float32, False, True),
+                                               (torch.bfloat16, True, True)])
+def test_real_shapes_on_the_gpu(dtype, normed, full):
     """HK=16, HV=32, Dk=Dv=128: two sequences of prefill (one carried) and a decode batch of 5, against the
     references run in fp32 on the same (rounded) inputs. bf16: the kernels keep w, u and the chunk's q.k matrix in
     bf16 and multiply bf16 operands (the state too) on the tensor cores: half a dozen roundings of 2^-8 each, so
     4e-2 of the outputs' largest value; fp32 multiplies exactly (input_precision ieee), so TOL. normed: the scan over
-    the prep's normalised q and k (KTRANS_GDN_NORMED), the same bounds."""
+    the prep's normalised q and k (KTRANS_GDN_NORMED), the same bounds; full: the prep's A as one product through
+    scratch (KTRANS_GDN_PREP_FULL), the same bounds."""
     dev = torch.device("cuda")
     hk, hv, dk, dv = 16, 32, 128, 128
     lens, slots, fresh = [200, 77], [2, 0], [False, True]
@@ -285,7 +288,8 @@ def test_real_shapes_on_the_gpu(dtype, normed):
     q, k, v = (x.to(dtype) for x in (q, k, v))
     before = pool.clone()
     seqs = segments(lens, slots, fresh)
-    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, dev), normed=normed)
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan_chunks(seqs, dev), normed=normed,
+                                      full=full)
     g, beta = gates(a, b, A_log, dt_bias)
     scale_tol = 4e-2 if dtype == torch.bfloat16 else None
     for s, e, slot, f in seqs:
@@ -361,14 +365,20 @@ def test_normed_scan_matches_reference(triton_device, dtype, split):
     plain, normed = pool.clone(), pool.clone()
     chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, plain, plan, split=split, normed=False)
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, normed, plan, split=split, normed=True)
-    if dtype == torch.float32:
-        check_against_reference(o, normed, pool, seqs, q, k, v, a, b, A_log, dt_bias)
-        torch.testing.assert_close(normed, plain, **TOL)
+    check_form_against_reference(o, normed, plain, pool, seqs, q, k, v, a, b, A_log, dt_bias)
+
+
+def check_form_against_reference(o, after, plain, before, seqs, q, k, v, a, b, A_log, dt_bias):
+    """A form of the rule (o, the pool `after` it) against the reference from `before`, and against the plain form's
+    pool: fp32 inputs within TOL of both; bf16 inputs within 2e-2 of the largest value (as test_bf16_inputs)."""
+    if q.dtype == torch.float32:
+        check_against_reference(o, after, before, seqs, q, k, v, a, b, A_log, dt_bias)
+        torch.testing.assert_close(after, plain, **TOL)
         return
     g, beta = gates(a, b, A_log, dt_bias)
     for s, e, slot, fresh in seqs:
         ref_o, ref_state = chunk_gated_delta_rule(q[s:e].float(), k[s:e].float(), v[s:e].float(), g[s:e], beta[s:e],
-                                                  None if fresh else pool[slot])
+                                                  None if fresh else before[slot])
         assert (o[s:e].float() - ref_o).abs().max() <= 2e-2 * ref_o.abs().max()
-        assert (normed[slot] - ref_state).abs().max() <= 2e-2 * ref_state.abs().max()
-    assert (normed - plain).abs().max() <= 2e-2 * plain.abs().max()
+        assert (after[slot] - ref_state).abs().max() <= 2e-2 * ref_state.abs().max()
+    assert (after - plain).abs().max() <= 2e-2 * plain.abs().max()

@@ -16,13 +16,26 @@ time, scaled by the rows' norms kept from the previous phase). Timed on the H200
 session 20): 454 us, against 659 for one program per (chunk, key head) holding the group's two heads at full width
 (255 registers and a 1.9 KB spill stack at sm_90) and 466 for storing (I + A)^-1 and making w and u by a second launch
 (FLA's solve_tril, then recompute_w_u); those two forms are gone. 64-column blocks beat 32 (528 us).
+
+The FULL form (KTRANS_GDN_PREP_FULL, opt-in until timed) makes A as FLA's chunk_scaled_dot_kkt does, one [64, 64]
+product of the chunk's k, here of k as stored beside q.k with the rows' inverse norms applied to the products, and
+passes it through a per-program fp32 scratch: the diagonal inverses read their rows back from there and the solve its
+off-diagonal blocks. Compiled for sm_90 (scripts/gdn_resources.py --kernel prep) the block form's ten 16x16 products
+over [16, Dk] row blocks were the registers' peak (255 with a 1,080-byte stack at 4 warps); the FULL form's stack is
+632 bytes (40 at 8 warps, against 256).
 """
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
+# KTRANS_GDN_PREP_FULL=1: A as one [64, 64] product through a scratch buffer (_prep_kernel FULL); off until the H200
+# has timed it against the block form (gdn_sweep --prep_full 0,1).
+FULL = os.environ.get("KTRANS_GDN_PREP_FULL", "0") == "1"
 
 
 @triton.jit
@@ -80,6 +93,14 @@ def _kkt(ki, kj, beta_i, ci, cj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.
 
 
 @triton.jit
+def _unstack4(t):
+    """[4, 16, 16] -> its four [16, 16] blocks."""
+    blk = tl.arange(0, 4)[:, None, None]
+    return (tl.sum(tl.where(blk == 0, t, 0.0), axis=0), tl.sum(tl.where(blk == 1, t, 0.0), axis=0),
+            tl.sum(tl.where(blk == 2, t, 0.0), axis=0), tl.sum(tl.where(blk == 3, t, 0.0), axis=0))
+
+
+@triton.jit
 def _inv_unit_lower4(a0, a1, a2, a3):
     """(I + a_b)^-1 for four strictly lower-triangular 16x16 blocks, by forward substitution row by row, the four
     side by side as one [4, 16, 16] tensor (one chain of 15 steps, not four)."""
@@ -94,8 +115,30 @@ def _inv_unit_lower4(a0, a1, a2, a3):
         is_i = (r == i)[None, :, None]
         a_i = tl.sum(tl.where(is_i, a, 0.0), axis=1)
         t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
-    return (tl.sum(tl.where(blk == 0, t, 0.0), axis=0), tl.sum(tl.where(blk == 1, t, 0.0), axis=0),
-            tl.sum(tl.where(blk == 2, t, 0.0), axis=0), tl.sum(tl.where(blk == 3, t, 0.0), axis=0))
+    return _unstack4(t)
+
+
+@triton.jit
+def _inv_diag_from(scr):
+    """The same four inverses for the diagonal 16x16 blocks of the chunk's A stored at scr ([64, 64] fp32, strictly
+    lower), each step's rows loaded from there (L1) rather than picked out of registers."""
+    S: tl.constexpr = 16
+    r = tl.arange(0, S)
+    blk = tl.arange(0, 4)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    t = eye + tl.zeros([4, S, S], tl.float32)
+    for i in tl.static_range(1, S):
+        a_i = tl.load(scr + (blk[:, None] * S + i) * (4 * S) + blk[:, None] * S + r[None, :])  # [4, 16]
+        is_i = (r == i)[None, :, None]
+        t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
+    return _unstack4(t)
+
+
+@triton.jit
+def _block_at(scr, I: tl.constexpr, J: tl.constexpr):
+    """Block (I, J) of the [64, 64] fp32 matrix at scr, as 16x16."""
+    r = tl.arange(0, 16)
+    return tl.load(scr + (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :])
 
 
 @triton.jit
@@ -123,14 +166,14 @@ def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
 @triton.jit
 def _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h, stride_at, stride_bt, HV: tl.constexpr):
     """Value head h's gates over a chunk: the cumulative log-decay of each 16-row block (c0..c3) and of the whole
-    chunk (cf, stored to cum), and beta by block."""
+    chunk (cf, stored to cum), and beta by block and for the whole chunk (bf)."""
     S: tl.constexpr = 16
     C: tl.constexpr = 64
     g0, be0 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, S)
     g1, be1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, S, S)
     g2, be2 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 2 * S, S)
     g3, be3 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 3 * S, S)
-    gf, _ = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
+    gf, bf = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
     # Log-decay from the chunk's start through each token; all <= 0, so every exp below is of a non-positive number
     # for j <= i.
     c0 = tl.cumsum(g0, axis=0)
@@ -140,7 +183,7 @@ def _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h, stride_at
     cf = tl.cumsum(gf, axis=0)
     rc = tl.arange(0, C)
     tl.store(cum_ptr + (row0 + rc).to(tl.int64) * HV + h, cf, mask=rc < n)
-    return c0, c1, c2, c3, be0, be1, be2, be3, cf
+    return c0, c1, c2, c3, be0, be1, be2, be3, cf, bf
 
 
 @triton.jit
@@ -191,14 +234,18 @@ def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3,
 
 @triton.jit
 def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
-                      qn_ptr, kn_ptr, chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                      stride_vh, stride_at, stride_bt,
-                      HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                      NORMED: tl.constexpr = False):
+                 qn_ptr, kn_ptr, scr_ptr, chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh,
+                 stride_vt, stride_vh, stride_at, stride_bt,
+                 HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                 NORMED: tl.constexpr = False, FULL: tl.constexpr = False):
     """One program per (chunk, value head), its phases ordered so that each one's values die before the next (see
     the module's docstring). NORMED: the first value head of each key head also stores the chunk's normalised q
-    (times Dk^-1/2) and k to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as they are."""
+    (times Dk^-1/2) and k to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as they are.
+    FULL (KTRANS_GDN_PREP_FULL): A for the whole chunk as one [64, 64] product of k as stored beside q.k (the rows'
+    inverse norms applied to the products), stored with those norms to the program's scratch (scr, fp32
+    [64 * 64 + 64]) and read back by blocks (L1/L2) for the diagonal inverses and the solve: no [16, Dk] row blocks of
+    k and no ten 16x16 products held in registers."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // R
@@ -206,31 +253,58 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
     n = tl.load(chunk_len + c)
     S: tl.constexpr = 16
     C: tl.constexpr = 64
-    c0, c1, c2, c3, be0, be1, be2, be3, cf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
-                                                          stride_at, stride_bt, HV)
-
-    # the attention matrix: q and the whole chunk's k die here
+    c0, c1, c2, c3, be0, be1, be2, be3, cf, bf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
+                                                              stride_at, stride_bt, HV)
     kp = k_ptr + kh * stride_kh
-    kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
-    qf = _l2norm_rows(_load_rows(q_ptr + kh * stride_qh, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
-    _store_attn(attn_ptr, tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC), cf, c, h, HV)
-    if NORMED:
-        if h % R == 0:
-            _store_rows(qn_ptr + kh * DK, qf, row0, n, (HV // R) * DK, 0, DK, 0)
-            _store_rows(kn_ptr + kh * DK, kf, row0, n, (HV // R) * DK, 0, DK, 0)
+    qp = q_ptr + kh * stride_qh
+    one = tl.full((S,), 1.0, tl.float32)
+    if FULL:
+        # q.k and k.k from q and k as stored (exact products), the rows' inverse norms applied to the [64, 64]s
+        kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False)
+        qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False)
+        rk = _rnorm(kr.to(tl.float32))
+        rq = _rnorm(qr.to(tl.float32)) * (DK ** -0.5)
+        kt = tl.trans(kr.to(DT))
+        _store_attn(attn_ptr, tl.dot(qr.to(DT), kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
+        if NORMED:
+            if h % R == 0:
+                _store_rows(qn_ptr + kh * DK, qr.to(tl.float32) * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+                _store_rows(kn_ptr + kh * DK, kr.to(tl.float32) * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+        rc = tl.arange(0, C)
+        # Masked before exp: the upper half's exponents are positive and never become numbers.
+        dec = tl.where(rc[:, None] > rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
+        a_full = tl.dot(kr.to(DT), kt, input_precision=PREC) * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
+        scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
+        tl.store(scr + rc[:, None] * C + rc[None, :], a_full)
+        tl.store(scr + C * C + rc, rk)
+        tl.debug_barrier()  # the program's threads read back what others stored
+        t0, t1, t2, t3 = _inv_diag_from(scr)
+        a10, a20, a21 = _block_at(scr, 1, 0), _block_at(scr, 2, 0), _block_at(scr, 2, 1)
+        a30, a31, a32 = _block_at(scr, 3, 0), _block_at(scr, 3, 1), _block_at(scr, 3, 2)
+        rs = tl.arange(0, S)
+        f0, f1 = tl.load(scr + C * C + rs), tl.load(scr + C * C + S + rs)
+        f2, f3 = tl.load(scr + C * C + 2 * S + rs), tl.load(scr + C * C + 3 * S + rs)
+    else:
+        # the attention matrix: q and the whole chunk's k die here
+        kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
+        qf = _l2norm_rows(_load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+        _store_attn(attn_ptr, tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC), cf, c, h, HV)
+        if NORMED:
+            if h % R == 0:
+                _store_rows(qn_ptr + kh * DK, qf, row0, n, (HV // R) * DK, 0, DK, 0)
+                _store_rows(kn_ptr + kh * DK, kf, row0, n, (HV // R) * DK, 0, DK, 0)
 
-    # A's blocks and the diagonal inverses from the normalised k at full width; only the rows' norms go on
-    x0 = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK)
-    x1 = _load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK)
-    x2 = _load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK)
-    x3 = _load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK)
-    f0, f1, f2, f3 = _rnorm(x0), _rnorm(x1), _rnorm(x2), _rnorm(x3)
-    k0, k1, k2, k3 = x0 * f0[:, None], x1 * f1[:, None], x2 * f2[:, None], x3 * f3[:, None]
-    a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(k0, k1, k2, k3, be0, be1, be2, be3, c0, c1, c2, c3,
-                                                               DT, PREC)
+        # A's blocks and the diagonal inverses from the normalised k at full width; only the rows' norms go on
+        x0 = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK)
+        x1 = _load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK)
+        x2 = _load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK)
+        x3 = _load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK)
+        f0, f1, f2, f3 = _rnorm(x0), _rnorm(x1), _rnorm(x2), _rnorm(x3)
+        a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(
+            x0 * f0[:, None], x1 * f1[:, None], x2 * f2[:, None], x3 * f3[:, None], be0, be1, be2, be3, c0, c1, c2,
+            c3, DT, PREC)
 
     # w = (I + A)^-1 (beta k exp(cum)) and u = (I + A)^-1 (beta v), a column block at a time
-    one = tl.full((S,), 1.0, tl.float32)
     for col in tl.static_range(0, BK, BC):
         _solve_cols(kp, stride_kt, col, DK - col, row0, n, f0, be0 * tl.exp(c0), f1, be1 * tl.exp(c1),
                     f2, be2 * tl.exp(c2), f3, be3 * tl.exp(c3), t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
@@ -242,9 +316,11 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
-                warps: int, cols: int | None = None, qn=None, kn=None) -> None:
+                warps: int, cols: int | None = None, qn=None, kn=None, full: bool | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
-    (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED)."""
+    (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
+    `full` (default FULL): A as one product through a scratch buffer (_prep_kernel's FULL, 16.3 KiB a chunk and
+    value head)."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
@@ -252,8 +328,11 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
         raise ValueError(f"the DeltaNet prep's column block (gated_delta_prep.PREP_COLS, gdn_sweep --prep_cols) must "
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
     normed = qn is not None
+    full = FULL if full is None else full
+    scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
     _prep_kernel[(plan.num_chunks, hv)](
-        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, plan.chunk_start,
+        q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
+        plan.chunk_start,
         plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
         b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf), DT=dt, PREC=prec,
-        NORMED=normed, num_warps=warps)
+        NORMED=normed, FULL=full, num_warps=warps)
