@@ -4,7 +4,7 @@
 registers and spill stack (cuobjdump -res-usage), the shared memory Triton asks for, and how many of the loads the
 pipeliner made asynchronous copies.
 
-    python3 scripts/gdn_resources.py [--kernel scan|prep] [--normed 0,1] [--split 0,1] [--full 0,1] [--warps 4,8]
+    python3 scripts/gdn_resources.py [--kernel scan|prep] [--normed 0,1] [--split 0,1] [--full 0,1,2] [--warps 4,8]
                                      [--stages 3] [--block_v 16,32] [--prep_cols 64]
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _signature(fn) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("scan", "prep"), default="scan")
-    for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1"), ("warps", "4,8"), ("stages", "3"),
+    for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1,2"), ("warps", "4,8"), ("stages", "3"),
                           ("block_v", "16,32"), ("prep_cols", "64")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
@@ -52,7 +52,7 @@ def main() -> None:
         consts = {"HV": 32, "R": 2, "DK": 128, "DV": 128, "BK": 128, "DT": tl.bfloat16, "PREC": "tf32",
                   "NORMED": bool(normed)}
         if prep:
-            consts.update(BVF=128, BC=width, FULL=bool(flag))
+            consts.update(BVF=128, BC=width, FULL=flag)
             tag = f"prep normed={normed} full={flag} warps={warps} stages={stages} prep_cols={width}"
         else:
             consts.update(BV=width, SPLIT=bool(flag))

@@ -246,7 +246,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                                   state_pool: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | None = None,
                                   block_v: int | None = None, split: bool | None = None,
-                                  normed: bool | None = None, full: bool | None = None) -> torch.Tensor:
+                                  normed: bool | None = None, full: int | None = None) -> torch.Tensor:
     """The gated delta rule over the planned sequences of a flat batch, with the gates computed here.
 
     q, k [T, HK, Dk] and v [T, HV, Dv] (any token and head strides, last dim contiguous: views into the conv's
@@ -257,7 +257,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     chunks, from the states and v_new the sequential one stores (the same values bitwise; one chunk's state a value
     head in the dots' dtype more memory, ~4 MiB a chunk at Qwen3-Next's shapes in bf16). `normed` (default NORMED,
     KTRANS_GDN_NORMED): the prep stores the normalised q and k for the scan (2 x T x HK x Dk more, in the dots' dtype).
-    `full` (default gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL): the prep's A as one product through a scratch buffer.
+    `full` (default gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL, 0..2): the prep's A (2: and its inverse) through a
+    scratch buffer.
     """
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]

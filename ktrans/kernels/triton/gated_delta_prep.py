@@ -33,9 +33,10 @@ import triton
 import triton.language as tl
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
-# KTRANS_GDN_PREP_FULL=1: A as one [64, 64] product through a scratch buffer (_prep_kernel FULL); off until the H200
-# has timed it against the block form (gdn_sweep --prep_full 0,1).
-FULL = os.environ.get("KTRANS_GDN_PREP_FULL", "0") == "1"
+# KTRANS_GDN_PREP_FULL=1: A as one [64, 64] product through a scratch buffer (_prep_kernel FULL); =2: also the whole
+# inverse there, w and u as whole-chunk products; off (0) until the H200 has timed them against the block form
+# (gdn_sweep --prep_full 0,1,2).
+FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "0"))
 
 
 @triton.jit
@@ -132,6 +133,40 @@ def _inv_diag_from(scr):
         is_i = (r == i)[None, :, None]
         t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
     return _unstack4(t)
+
+
+@triton.jit
+def _store_block(scr, x, I: tl.constexpr, J: tl.constexpr):
+    r = tl.arange(0, 16)
+    tl.store(scr + (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :], x)
+
+
+@triton.jit
+def _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32):
+    """(I + A)^-1 over A's scratch, from the diagonal blocks' inverses t_i and A's blocks a_ij: block (i, j) below the
+    diagonal is -t_i sum_{j <= m < i} a_im X_mj (X_jj = t_j), by fp32 16x16 products (A's zero upper blocks stay)."""
+    x10 = -_dot32(_dot32(t1, a10), t0)
+    x21 = -_dot32(_dot32(t2, a21), t1)
+    x32 = -_dot32(_dot32(t3, a32), t2)
+    x20 = -_dot32(t2, _dot32(a20, t0) + _dot32(a21, x10))
+    x31 = -_dot32(t3, _dot32(a31, t1) + _dot32(a32, x21))
+    x30 = -_dot32(t3, _dot32(a30, t0) + _dot32(a31, x10) + _dot32(a32, x20))
+    tl.debug_barrier()  # every thread's reads of A's blocks are done before they are overwritten
+    _store_block(scr, t0, 0, 0)
+    _store_block(scr, t1, 1, 1)
+    _store_block(scr, t2, 2, 2)
+    _store_block(scr, t3, 3, 3)
+    _store_block(scr, x10, 1, 0)
+    _store_block(scr, x20, 2, 0)
+    _store_block(scr, x21, 2, 1)
+    _store_block(scr, x30, 3, 0)
+    _store_block(scr, x31, 3, 1)
+    _store_block(scr, x32, 3, 2)
+
+
+@triton.jit
+def _dot32(x, y):
+    return tl.dot(x, y, input_precision="ieee")
 
 
 @triton.jit
@@ -238,14 +273,16 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
                  stride_vt, stride_vh, stride_at, stride_bt,
                  HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                 NORMED: tl.constexpr = False, FULL: tl.constexpr = False):
+                 NORMED: tl.constexpr = False, FULL: tl.constexpr = 0):
     """One program per (chunk, value head), its phases ordered so that each one's values die before the next (see
     the module's docstring). NORMED: the first value head of each key head also stores the chunk's normalised q
     (times Dk^-1/2) and k to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as they are.
     FULL (KTRANS_GDN_PREP_FULL): A for the whole chunk as one [64, 64] product of k as stored beside q.k (the rows'
     inverse norms applied to the products), stored with those norms to the program's scratch (scr, fp32
     [64 * 64 + 64]) and read back by blocks (L1/L2) for the diagonal inverses and the solve: no [16, Dk] row blocks of
-    k and no ten 16x16 products held in registers."""
+    k and no ten 16x16 products held in registers. FULL=2: the whole (I + A)^-1 assembled from the blocks (fp32
+    16x16 products) into the scratch, then w and u as [64, 64] x [64, BC] products of k and v as stored, the
+    coefficients (beta exp(cum) / the norm, beta) folded into the inverse's columns."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // R
@@ -281,6 +318,22 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         t0, t1, t2, t3 = _inv_diag_from(scr)
         a10, a20, a21 = _block_at(scr, 1, 0), _block_at(scr, 2, 0), _block_at(scr, 2, 1)
         a30, a31, a32 = _block_at(scr, 3, 0), _block_at(scr, 3, 1), _block_at(scr, 3, 2)
+        if FULL == 2:
+            _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32)
+            tl.debug_barrier()  # the whole inverse, written by all the program's threads
+            ainv = tl.load(scr + rc[:, None] * C + rc[None, :])
+            wk = (ainv * (bf * tl.exp(cf) * rk)[None, :]).to(DT)
+            for col in tl.static_range(0, BK, BC):
+                kb = _load_rows(kp, row0, n, stride_kt, col, DK - col, 0, C, BC, False)
+                _store_rows(w_ptr + h * DK, tl.dot(wk, kb.to(DT), input_precision=PREC), row0, n, HV * DK, col,
+                            DK - col, 0)
+            uv = (ainv * bf[None, :]).to(DT)
+            vp2 = v_ptr + h * stride_vh
+            for col in tl.static_range(0, BVF, BC):
+                vb = _load_rows(vp2, row0, n, stride_vt, col, DV - col, 0, C, BC, False)
+                _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col,
+                            DV - col, 0)
+            return
         rs = tl.arange(0, S)
         f0, f1 = tl.load(scr + C * C + rs), tl.load(scr + C * C + S + rs)
         f2, f3 = tl.load(scr + C * C + 2 * S + rs), tl.load(scr + C * C + 3 * S + rs)
@@ -316,11 +369,11 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
-                warps: int, cols: int | None = None, qn=None, kn=None, full: bool | None = None) -> None:
+                warps: int, cols: int | None = None, qn=None, kn=None, full: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
-    `full` (default FULL): A as one product through a scratch buffer (_prep_kernel's FULL, 16.3 KiB a chunk and
-    value head)."""
+    `full` (default FULL, 0..2): A (and with 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
+    a chunk and value head)."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
@@ -335,4 +388,4 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
         plan.chunk_start,
         plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
         b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf), DT=dt, PREC=prec,
-        NORMED=normed, FULL=full, num_warps=warps)
+        NORMED=normed, FULL=int(full), num_warps=warps)
