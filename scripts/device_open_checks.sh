@@ -94,7 +94,7 @@ kernels)
   if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
     echo "== gdn sweep"
     # shellcheck disable=SC2086
-    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 0,1 --prep_full 0,1} \
+    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 0,1 --prep_full 0,1,2} \
       > "$OUT/gdn_sweep.txt" 2>&1
     grep -E "T=|best" "$OUT/gdn_sweep.txt"
   fi
