@@ -65,5 +65,6 @@ def main() -> None:
         copies = k.asm["ttgir"].count("async_copy_global_to_local")
         print(f"{tag}: {usage} shared={k.metadata.shared} async_copies={copies}", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -6,13 +6,13 @@ per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_de
 imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
-                                 [--split 0,1] [--prep_cols 32,64] [--normed 0,1] [--prep_full 0,1]
+                                 [--split 0,1] [--prep_cols 32,64] [--normed 0,1] [--prep_full 0,1,2]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. --normed 1:
-the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). --prep_full 1: the prep's A
-as one product through scratch (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL). "prep" times the launch
-before the scan.
+the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). --prep_full 1: the
+prep's A as one product through scratch, 2: its inverse too (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL). "prep"
+times the launch before the scan.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--split", default="0,1")
     ap.add_argument("--prep_cols", default="64", help="the prep's column blocks for w and u")
     ap.add_argument("--normed", default="0", help="1: the scan reads the prep's normalised q and k")
-    ap.add_argument("--prep_full", default="0", help="1: the prep's A as one product through scratch")
+    ap.add_argument("--prep_full", default="0",
+                    help="1: the prep's A as one product through scratch, 2: its inverse too")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -68,7 +69,7 @@ def main() -> None:
                     f"normed={normed} full={full}")
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split),
-                                                            normed=bool(normed), full=bool(full))
+                                                            normed=bool(normed), full=full)
             key = (cols, prep_w, scan_w, bv, split, normed, full)
             try:
                 whole = median(call)

@@ -38,13 +38,14 @@ def test_column_blocks_rule_matches_reference(triton_device, monkeypatch, cols):
 def test_full_product_form_matches_reference(triton_device, dtype, normed, full):
     """KTRANS_GDN_PREP_FULL: A as one [64, 64] product of k as stored, through the program's scratch, the diagonal
     inverses from rows read back from there (full=2: and the whole inverse assembled there, w and u as whole-chunk
-    products). Varlen with a continued slot, partial chunks and emits at two
-    boundaries, against the reference and the block form's pool (check_form_against_reference)."""
+    products). Varlen with a continued slot, partial chunks and emits at two boundaries, against the reference and
+    the block form's pool (check_form_against_reference)."""
     q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
     block, after = pool.clone(), pool.clone()
     chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, block, plan, normed=normed, full=0)
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, after, plan, normed=normed, full=full)
     check_form_against_reference(o, after, block, pool, seqs, q, k, v, a, b, A_log, dt_bias)
+
 
 def test_bad_column_blocks_are_refused(triton_device):
     hk, hv, dk, dv = SHAPES[0]

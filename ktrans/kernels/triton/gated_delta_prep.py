@@ -136,9 +136,15 @@ def _inv_diag_from(scr):
 
 
 @triton.jit
-def _store_block(scr, x, I: tl.constexpr, J: tl.constexpr):
+def _block_offs(I: tl.constexpr, J: tl.constexpr):
+    """The offsets of block (I, J), 16x16, in a [64, 64] row-major matrix."""
     r = tl.arange(0, 16)
-    tl.store(scr + (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :], x)
+    return (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
+
+
+@triton.jit
+def _store_block(scr, x, I: tl.constexpr, J: tl.constexpr):
+    tl.store(scr + _block_offs(I, J), x)
 
 
 @triton.jit
@@ -172,8 +178,7 @@ def _dot32(x, y):
 @triton.jit
 def _block_at(scr, I: tl.constexpr, J: tl.constexpr):
     """Block (I, J) of the [64, 64] fp32 matrix at scr, as 16x16."""
-    r = tl.arange(0, 16)
-    return tl.load(scr + (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :])
+    return tl.load(scr + _block_offs(I, J))
 
 
 @triton.jit
@@ -294,6 +299,7 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
                                                               stride_at, stride_bt, HV)
     kp = k_ptr + kh * stride_kh
     qp = q_ptr + kh * stride_qh
+    vp = v_ptr + h * stride_vh
     one = tl.full((S,), 1.0, tl.float32)
     if FULL:
         # q.k and k.k from q and k as stored (exact products), the rows' inverse norms applied to the [64, 64]s
@@ -313,7 +319,8 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         a_full = tl.dot(kr.to(DT), kt, input_precision=PREC) * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
         scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
         tl.store(scr + rc[:, None] * C + rc[None, :], a_full)
-        tl.store(scr + C * C + rc, rk)
+        if FULL == 1:  # the solve by blocks reads the norms back by blocks; FULL=2 keeps them in registers
+            tl.store(scr + C * C + rc, rk)
         tl.debug_barrier()  # the program's threads read back what others stored
         t0, t1, t2, t3 = _inv_diag_from(scr)
         a10, a20, a21 = _block_at(scr, 1, 0), _block_at(scr, 2, 0), _block_at(scr, 2, 1)
@@ -328,9 +335,8 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
                 _store_rows(w_ptr + h * DK, tl.dot(wk, kb.to(DT), input_precision=PREC), row0, n, HV * DK, col,
                             DK - col, 0)
             uv = (ainv * bf[None, :]).to(DT)
-            vp2 = v_ptr + h * stride_vh
             for col in tl.static_range(0, BVF, BC):
-                vb = _load_rows(vp2, row0, n, stride_vt, col, DV - col, 0, C, BC, False)
+                vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False)
                 _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col,
                             DV - col, 0)
             return
@@ -362,7 +368,6 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         _solve_cols(kp, stride_kt, col, DK - col, row0, n, f0, be0 * tl.exp(c0), f1, be1 * tl.exp(c1),
                     f2, be2 * tl.exp(c2), f3, be3 * tl.exp(c3), t0, t1, t2, t3, a10, a20, a21, a30, a31, a32,
                     w_ptr + h * DK, HV * DK, BC, DT, PREC)
-    vp = v_ptr + h * stride_vh
     for col in tl.static_range(0, BVF, BC):
         _solve_cols(vp, stride_vt, col, DV - col, row0, n, one, be0, one, be1, one, be2, one, be3,
                     t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, u_ptr + h * DV, HV * DV, BC, DT, PREC)
@@ -385,7 +390,6 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
     scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
     _prep_kernel[(plan.num_chunks, hv)](
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
-        plan.chunk_start,
-        plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0),
-        b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf), DT=dt, PREC=prec,
-        NORMED=normed, FULL=int(full), num_warps=warps)
+        plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf),
+        DT=dt, PREC=prec, NORMED=normed, FULL=int(full), num_warps=warps)
