@@ -33,6 +33,8 @@
 #                                                each; writes the file first when it is missing; TESTS="files":
 #                                                those GPU tests first, beside the writer; SERVE_RULES=FILE: other
 #                                                rules (GPU_EXPERTS=N: the shipped ones with `gpu_experts: N`)
+#   bash scripts/device_open_checks.sh gdn       the real-shape DeltaNet tests, then all-GPU batch-1 prefill under each
+#                                                GDN_AB environment (issue 15's prep forms end to end); ~6 min
 #   bash scripts/device_open_checks.sh hot       the skewed-router file (written first, ~50 s): serve batch 1 recording
 #                                                routing statistics, then GPU_EXPERTS (64) of each layer's experts on
 #                                                the GPU, 0..N-1 and the N most-routed; ~6 min
@@ -210,6 +212,25 @@ serve)
     env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-110} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
       e2e serve${local_i}_${v//[^A-Za-z0-9]/_} --optimize_config_path ${SERVE_RULES:-ktrans/optimize_rules/Qwen3Next-serve.yaml} --prompt_len 256 \
       --gen_len 48 --batch_sizes ${SERVE_BATCHES:-1} --profile_steps 4 --use_cuda_graph"
+  done
+  ;;
+gdn)
+  # issue 15's chunked DeltaNet forms end to end: the real-shape GDN tests beside the file writer, then all on the
+  # GPU (the Triton layer ops), batch-1 prefill of PREFILL_LENS (default 8192, one chunk) under each environment of
+  # GDN_AB (default: the shipped forms, then the prep's normalised q/k and whole inverse); ~6 min
+  start_writer "$OUT/mk.log"
+  TESTS=${TESTS:-tests/kernels/test_triton_gdn.py::test_real_shapes_on_the_gpu} TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
+  while [ -n "$(busy make-tiny)" ]; do sleep 2; done
+  [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
+  python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-gpu.yaml /tmp/gpu-triton.yaml triton
+  local_i=0
+  for v in ${GDN_AB:-KTRANS_GDN_NORMED=0 KTRANS_GDN_NORMED=1+KTRANS_GDN_PREP_FULL=2}; do
+    local_i=$((local_i + 1))
+    # shellcheck disable=SC2086  # A=1+B=2: two variables
+    env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-150} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+      e2e gdn${local_i}_${v//[^A-Za-z0-9]/_} --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 64 \
+      --gen_len 8 --batch_sizes 1 --prefill_lens ${PREFILL_LENS:-8192} --chunk_size ${CHUNK:-8192} \
+      --profile_steps 0 --use_cuda_graph"
   done
   ;;
 hot)
