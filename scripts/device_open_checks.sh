@@ -219,7 +219,10 @@ gdn)
   # GPU (the Triton layer ops), batch-1 prefill of PREFILL_LENS (default 8192, one chunk) under each environment of
   # GDN_AB (default: the shipped forms, then the prep's normalised q/k and whole inverse); ~6 min
   start_writer "$OUT/mk.log"
-  TESTS=${TESTS:-tests/kernels/test_triton_gdn.py::test_real_shapes_on_the_gpu} TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests
+  # TEST_ENV="A=1 B=2": the tests (only) under that environment, e.g. a form the A/B below is to make the default
+  # shellcheck disable=SC2086
+  (export ${TEST_ENV:-}; TESTS=${TESTS:-tests/kernels/test_triton_gdn.py::test_real_shapes_on_the_gpu} \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests)
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
   python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-gpu.yaml /tmp/gpu-triton.yaml triton
