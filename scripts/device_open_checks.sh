@@ -221,7 +221,7 @@ gdn)
   start_writer "$OUT/mk.log"
   # TEST_ENV="A=1 B=2": the tests (only) under that environment, e.g. a form the A/B below is to make the default
   # shellcheck disable=SC2086
-  (export ${TEST_ENV:-}; TESTS=${TESTS:-tests/kernels/test_triton_gdn.py::test_real_shapes_on_the_gpu} \
+  ([ -z "${TEST_ENV:-}" ] || export ${TEST_ENV}; TESTS=${TESTS:-tests/kernels/test_triton_gdn.py::test_real_shapes_on_the_gpu} \
     TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests)
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
