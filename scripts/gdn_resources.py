@@ -6,6 +6,7 @@ pipeliner made asynchronous copies.
 
     python3 scripts/gdn_resources.py [--kernel scan|prep] [--normed 0,1] [--split 0,1] [--full 0,1,2] [--warps 4,8]
                                      [--stages 3] [--block_v 16,32] [--prep_cols 64]
+                                     [--maxnreg 0,168]  (a register cap a thread; 0: none)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("scan", "prep"), default="scan")
     for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1,2"), ("warps", "4,8"), ("stages", "3"),
-                          ("block_v", "16,32"), ("prep_cols", "64")):
+                          ("block_v", "16,32"), ("prep_cols", "64"), ("maxnreg", "0")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
@@ -47,8 +48,9 @@ def main() -> None:
     sig = _signature(fn)
     # the prep's second flag is FULL and its column block PREP_COLS; the scan's SPLIT and BV
     flags, widths = (args.full, args.prep_cols) if prep else (args.split, args.block_v)
-    for normed, flag, warps, stages, width in itertools.product(ints(args.normed), ints(flags), ints(args.warps),
-                                                                ints(args.stages), ints(widths)):
+    for normed, flag, warps, stages, width, regs in itertools.product(ints(args.normed), ints(flags), ints(args.warps),
+                                                                      ints(args.stages), ints(widths),
+                                                                      ints(args.maxnreg)):
         consts = {"HV": 32, "R": 2, "DK": 128, "DV": 128, "BK": 128, "DT": tl.bfloat16, "PREC": "tf32",
                   "NORMED": bool(normed)}
         if prep:
@@ -57,8 +59,9 @@ def main() -> None:
         else:
             consts.update(BV=width, SPLIT=bool(flag))
             tag = f"scan normed={normed} split={flag} warps={warps} stages={stages} block_v={width}"
+        tag += f" maxnreg={regs}" if regs else ""
         try:
-            k, usage = compile_sm90(fn, sig, consts, warps, stages)
+            k, usage = compile_sm90(fn, sig, consts, warps, stages, regs)
         except Exception as exc:  # noqa: BLE001  (a shape that does not compile is reported)
             print(f"{tag}: {type(exc).__name__}: {str(exc)[:160]}")
             continue

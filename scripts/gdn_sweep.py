@@ -7,12 +7,14 @@ imports. Prints one line per (shape, T) and, last, the best per T: what to write
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
                                  [--split 0,1] [--prep_cols 32,64] [--normed 0,1] [--prep_full 0,1,2]
+                                 [--prep_maxnreg 0,168]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. --normed 1:
 the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). --prep_full 1: the
-prep's A as one product through scratch, 2: its inverse too (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL). "prep"
-times the launch before the scan.
+prep's A as one product through scratch, 2: its inverse too (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL).
+--prep_maxnreg: a register cap a thread for the prep (gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG; 0: none).
+"prep" times the launch before the scan.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--normed", default="0", help="1: the scan reads the prep's normalised q and k")
     ap.add_argument("--prep_full", default="0",
                     help="1: the prep's A as one product through scratch, 2: its inverse too")
+    ap.add_argument("--prep_maxnreg", default="0", help="the prep's register cap a thread (0: none)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -61,16 +64,17 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        for prep_w, scan_w, bv, split, cols, normed, full in itertools.product(
+        for prep_w, scan_w, bv, split, cols, normed, full, regs in itertools.product(
                 ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split),
-                ints(args.prep_cols), ints(args.normed), ints(args.prep_full)):
+                ints(args.prep_cols), ints(args.normed), ints(args.prep_full), ints(args.prep_maxnreg)):
             gd.PREP_WARPS, gd.SCAN_WARPS, gdp.PREP_COLS = prep_w, scan_w, cols
             name = (f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split} "
-                    f"normed={normed} full={full}")
+                    f"normed={normed} full={full} prep_maxnreg={regs}")
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split),
-                                                            normed=bool(normed), full=full)
-            key = (cols, prep_w, scan_w, bv, split, normed, full)
+                                                            normed=bool(normed), full=full,
+                                                            prep_maxnreg=regs)
+            key = (cols, prep_w, scan_w, bv, split, normed, full, regs)
             try:
                 whole = median(call)
                 later = {k_: getattr(gd, k_) for k_ in ("_scan_kernel", "_output_kernel")}  # the prep's stay
@@ -88,7 +92,8 @@ def main() -> None:
             if t not in best or whole < best[t][0]:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
-        print(f"best T={t}: prep_cols, prep_warps, scan_warps, block_v, split, normed, full = {key}, {us:.1f} us")
+        print(f"best T={t}: prep_cols, prep_warps, scan_warps, block_v, split, normed, full, prep_maxnreg = {key}, "
+              f"{us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -246,7 +246,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                                   state_pool: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | None = None,
                                   block_v: int | None = None, split: bool | None = None,
-                                  normed: bool | None = None, full: int | None = None) -> torch.Tensor:
+                                  normed: bool | None = None, full: int | None = None,
+                                  prep_maxnreg: int | None = None) -> torch.Tensor:
     """The gated delta rule over the planned sequences of a flat batch, with the gates computed here.
 
     q, k [T, HK, Dk] and v [T, HV, Dv] (any token and head strides, last dim contiguous: views into the conv's
@@ -258,7 +259,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     head in the dots' dtype more memory, ~4 MiB a chunk at Qwen3-Next's shapes in bf16). `normed` (default NORMED,
     KTRANS_GDN_NORMED): the prep stores the normalised q and k for the scan (2 x T x HK x Dk more, in the dots' dtype).
     `full` (default gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL, 0..2): the prep's A (2: and its inverse) through a
-    scratch buffer.
+    scratch buffer. `prep_maxnreg` (default gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG): the prep's register cap.
     """
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -289,7 +290,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if normed:
         qn, kn = (torch.empty(t, hk, dk, dtype=buf, device=v.device) for _ in range(2))
     launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk, bvf, dt, prec, PREP_WARPS, qn=qn, kn=kn,
-                full=full)
+                full=full, maxnreg=prep_maxnreg)
     qs, ks = (qn, kn) if normed else (q, k)  # what the scan and the output kernel read as q and k
     vnew = torch.empty(t, hv, dv, dtype=buf, device=v.device) if split else u  # (u: an unread stand-in)
     hs = torch.empty(plan.num_chunks, hv, dk, dv, dtype=buf, device=v.device) if split else u

@@ -37,17 +37,28 @@ PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
 # inverse there, w and u as whole-chunk products; off (0) until the H200 has timed them against the block form
 # (gdn_sweep --prep_full 0,1,2).
 FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "0"))
+# KTRANS_GDN_PREP_MAXNREG=n: cap the prep's registers a thread at n (ptxas spills the rest) so that more programs share
+# an SM (4 warps: 255 registers fit two, 168 three, 128 four); 0, the default, leaves ptxas free (gdn_sweep
+# --prep_maxnreg).
+MAXNREG = int(os.environ.get("KTRANS_GDN_PREP_MAXNREG", "0"))
 
 
 @triton.jit
 def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-               F32: tl.constexpr = True):
+               F32: tl.constexpr = True, WIDE: tl.constexpr = True):
     """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid); zeros past them. In
-    fp32, or as stored (F32=False: operands that go straight into a tl.dot)."""
+    fp32, or as stored (F32=False: operands that go straight into a tl.dot). WIDE: every element's address in int64
+    (the scan's form); else one int64 base for the chunk and int32 offsets inside it (the prep's: per-element int64
+    arithmetic was most of the FULL prep's registers at sm_90, a 992-byte stack against 352 (gdn_resources), while
+    the scan, whose loads the pipeliner makes asynchronous copies, spills more with it: 1,440 bytes against 864)."""
     r = R0 + tl.arange(0, ROWS)
     c = tl.arange(0, COLS)
     mask = (r[:, None] < n) & (c[None, :] < ncols)
-    x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
+    if WIDE:
+        x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
+    else:
+        x = tl.load(ptr + row0.to(tl.int64) * stride_t + (r[:, None] * stride_t + col0 + c[None, :]), mask=mask,
+                    other=0.0)
     if F32:
         x = x.to(tl.float32)
     return x
@@ -57,6 +68,13 @@ def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.c
 def _rnorm(x):
     """1 / the L2 norm of each row (the eps inside the root, as the torch oracle)."""
     return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
+
+
+@triton.jit
+def _rnorm_diag(xx):
+    """_rnorm of the rows of x from the diagonal of x.x^T ([n, n])."""
+    r = tl.arange(0, xx.shape[0])
+    return tl.rsqrt(tl.sum(tl.where(r[:, None] == r[None, :], xx, 0.0), axis=1) + 1e-6)
 
 
 @triton.jit
@@ -199,8 +217,8 @@ def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
     r = R0 + tl.arange(0, x.shape[0])
     c = tl.arange(0, x.shape[1])
     mask = (r[:, None] < n) & (c[None, :] < ncols)
-    tl.store(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], x.to(ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(ptr + row0.to(tl.int64) * stride_t + (r[:, None] * stride_t + col0 + c[None, :]),
+             x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -232,8 +250,8 @@ def _store_attn(attn_ptr, qk, cf, c, h, HV: tl.constexpr):
     C: tl.constexpr = 64
     rc = tl.arange(0, C)
     dec = tl.where(rc[:, None] >= rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
-    tl.store(attn_ptr + ((c * HV + h) * C + rc[:, None]).to(tl.int64) * C + rc[None, :],
-             (qk * tl.exp(dec)).to(attn_ptr.dtype.element_ty))
+    base = attn_ptr + (c * HV + h).to(tl.int64) * (C * C)
+    tl.store(base + rc[:, None] * C + rc[None, :], (qk * tl.exp(dec)).to(attn_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -259,10 +277,10 @@ def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3,
     """Columns col0 .. col0+COLS of X with (I + A) X = B, B's row blocks x_i loaded from ptr and scaled by a norm,
     then a coefficient: B_i = (x_i f_i) s_i; stored to out_ptr."""
     S: tl.constexpr = 16
-    b0 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 0, S, COLS)
-    b1 = _load_rows(ptr, row0, n, stride_t, col0, ncols, S, S, COLS)
-    b2 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 2 * S, S, COLS)
-    b3 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 3 * S, S, COLS)
+    b0 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 0, S, COLS, WIDE=False)
+    b1 = _load_rows(ptr, row0, n, stride_t, col0, ncols, S, S, COLS, WIDE=False)
+    b2 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 2 * S, S, COLS, WIDE=False)
+    b3 = _load_rows(ptr, row0, n, stride_t, col0, ncols, 3 * S, S, COLS, WIDE=False)
     x0, x1, x2, x3 = _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, (b0 * f0[:, None]) * s0[:, None],
                             (b1 * f1[:, None]) * s1[:, None], (b2 * f2[:, None]) * s2[:, None],
                             (b3 * f3[:, None]) * s3[:, None], DT, PREC)
@@ -302,21 +320,25 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
     vp = v_ptr + h * stride_vh
     one = tl.full((S,), 1.0, tl.float32)
     if FULL:
-        # q.k and k.k from q and k as stored (exact products), the rows' inverse norms applied to the [64, 64]s
-        kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False)
-        qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False)
-        rk = _rnorm(kr.to(tl.float32))
-        rq = _rnorm(qr.to(tl.float32)) * (DK ** -0.5)
-        kt = tl.trans(kr.to(DT))
-        _store_attn(attn_ptr, tl.dot(qr.to(DT), kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
+        # q.k and k.k from q and k as stored (exact products), the rows' inverse norms applied to the [64, 64]s and
+        # taken from the diagonals of k.k and q.q (the sums of squares, fp32-accumulated products of the stored
+        # values): no fp32 copy of q or k is held (gdn_resources: 255 registers and a 144-byte stack at 4 warps,
+        # against 352 bytes with the norms from fp32 copies).
+        kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
+        qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
+        rc = tl.arange(0, C)
+        kt = tl.trans(kr)
+        kk = tl.dot(kr, kt, input_precision=PREC)
+        rk = _rnorm_diag(kk)
+        rq = _rnorm_diag(tl.dot(qr, tl.trans(qr), input_precision=PREC)) * (DK ** -0.5)
+        _store_attn(attn_ptr, tl.dot(qr, kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
         if NORMED:
             if h % R == 0:
-                _store_rows(qn_ptr + kh * DK, qr.to(tl.float32) * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
-                _store_rows(kn_ptr + kh * DK, kr.to(tl.float32) * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
-        rc = tl.arange(0, C)
+                _store_rows(qn_ptr + kh * DK, qr * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+                _store_rows(kn_ptr + kh * DK, kr * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
         # Masked before exp: the upper half's exponents are positive and never become numbers.
         dec = tl.where(rc[:, None] > rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
-        a_full = tl.dot(kr.to(DT), kt, input_precision=PREC) * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
+        a_full = kk * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
         scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
         tl.store(scr + rc[:, None] * C + rc[None, :], a_full)
         if FULL == 1:  # the solve by blocks reads the norms back by blocks; FULL=2 keeps them in registers
@@ -331,12 +353,12 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
             ainv = tl.load(scr + rc[:, None] * C + rc[None, :])
             wk = (ainv * (bf * tl.exp(cf) * rk)[None, :]).to(DT)
             for col in tl.static_range(0, BK, BC):
-                kb = _load_rows(kp, row0, n, stride_kt, col, DK - col, 0, C, BC, False)
+                kb = _load_rows(kp, row0, n, stride_kt, col, DK - col, 0, C, BC, False, WIDE=False)
                 _store_rows(w_ptr + h * DK, tl.dot(wk, kb.to(DT), input_precision=PREC), row0, n, HV * DK, col,
                             DK - col, 0)
             uv = (ainv * bf[None, :]).to(DT)
             for col in tl.static_range(0, BVF, BC):
-                vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False)
+                vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False, WIDE=False)
                 _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col,
                             DV - col, 0)
             return
@@ -345,8 +367,8 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         f2, f3 = tl.load(scr + C * C + 2 * S + rs), tl.load(scr + C * C + 3 * S + rs)
     else:
         # the attention matrix: q and the whole chunk's k die here
-        kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK))
-        qf = _l2norm_rows(_load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK)) * (DK ** -0.5)
+        kf = _l2norm_rows(_load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, WIDE=False))
+        qf = _l2norm_rows(_load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, WIDE=False)) * (DK ** -0.5)
         _store_attn(attn_ptr, tl.dot(qf.to(DT), tl.trans(kf.to(DT)), input_precision=PREC), cf, c, h, HV)
         if NORMED:
             if h % R == 0:
@@ -354,10 +376,10 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
                 _store_rows(kn_ptr + kh * DK, kf, row0, n, (HV // R) * DK, 0, DK, 0)
 
         # A's blocks and the diagonal inverses from the normalised k at full width; only the rows' norms go on
-        x0 = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK)
-        x1 = _load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK)
-        x2 = _load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK)
-        x3 = _load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK)
+        x0 = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, S, BK, WIDE=False)
+        x1 = _load_rows(kp, row0, n, stride_kt, 0, DK, S, S, BK, WIDE=False)
+        x2 = _load_rows(kp, row0, n, stride_kt, 0, DK, 2 * S, S, BK, WIDE=False)
+        x3 = _load_rows(kp, row0, n, stride_kt, 0, DK, 3 * S, S, BK, WIDE=False)
         f0, f1, f2, f3 = _rnorm(x0), _rnorm(x1), _rnorm(x2), _rnorm(x3)
         a10, a20, a21, a30, a31, a32, t0, t1, t2, t3 = _wy_blocks(
             x0 * f0[:, None], x1 * f1[:, None], x2 * f2[:, None], x3 * f3[:, None], be0, be1, be2, be3, c0, c1, c2,
@@ -374,11 +396,12 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
-                warps: int, cols: int | None = None, qn=None, kn=None, full: int | None = None) -> None:
+                warps: int, cols: int | None = None, qn=None, kn=None, full: int | None = None,
+                maxnreg: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
     `full` (default FULL, 0..2): A (and with 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
-    a chunk and value head)."""
+    a chunk and value head); `maxnreg` (default MAXNREG, 0: none): the registers a thread may use."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
@@ -392,4 +415,13 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
         plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf),
-        DT=dt, PREC=prec, NORMED=normed, FULL=int(full), num_warps=warps)
+        DT=dt, PREC=prec, NORMED=normed, FULL=int(full), num_warps=warps, **_reg_cap(maxnreg))
+
+
+def _reg_cap(maxnreg: int | None) -> dict:
+    """The launch's maxnreg option, if any (Triton's CUDA backend; its interpreter drops it)."""
+    maxnreg = MAXNREG if maxnreg is None else maxnreg
+    if maxnreg and not 24 <= maxnreg <= 255:
+        raise ValueError(f"the DeltaNet prep's register cap (KTRANS_GDN_PREP_MAXNREG, gdn_sweep --prep_maxnreg) must "
+                         f"be 0 (none) or 24..255, got {maxnreg}")
+    return {"maxnreg": maxnreg} if maxnreg else {}
