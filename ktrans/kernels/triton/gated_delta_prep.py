@@ -299,7 +299,8 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
                  NORMED: tl.constexpr = False, FULL: tl.constexpr = 0):
     """One program per (chunk, value head), its phases ordered so that each one's values die before the next (see
     the module's docstring). NORMED: the first value head of each key head also stores the chunk's normalised q
-    (times Dk^-1/2) and k to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as they are.
+    (times Dk^-1/2) and the last its normalised k, to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as
+    they are.
     FULL (KTRANS_GDN_PREP_FULL): A for the whole chunk as one [64, 64] product of k as stored beside q.k (the rows'
     inverse norms applied to the products), stored with those norms to the program's scratch (scr, fp32
     [64 * 64 + 64]) and read back by blocks (L1/L2) for the diagonal inverses and the solve: no [16, Dk] row blocks of
@@ -333,8 +334,9 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         rq = _rnorm_diag(tl.dot(qr, tl.trans(qr), input_precision=PREC)) * (DK ** -0.5)
         _store_attn(attn_ptr, tl.dot(qr, kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
         if NORMED:
-            if h % R == 0:
+            if h % R == 0:  # q by the key head's first value head, k by its last (one fp32 copy a program)
                 _store_rows(qn_ptr + kh * DK, qr * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+            if h % R == R - 1:
                 _store_rows(kn_ptr + kh * DK, kr * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
         # Masked before exp: the upper half's exponents are positive and never become numbers.
         dec = tl.where(rc[:, None] > rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
@@ -373,6 +375,7 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         if NORMED:
             if h % R == 0:
                 _store_rows(qn_ptr + kh * DK, qf, row0, n, (HV // R) * DK, 0, DK, 0)
+            if h % R == R - 1:
                 _store_rows(kn_ptr + kh * DK, kf, row0, n, (HV // R) * DK, 0, DK, 0)
 
         # A's blocks and the diagonal inverses from the normalised k at full width; only the rows' norms go on
