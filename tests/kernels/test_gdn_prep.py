@@ -58,3 +58,20 @@ def test_bad_column_blocks_are_refused(triton_device):
     for cols in (8, 48):
         with pytest.raises(ValueError, match="PREP_COLS"):
             prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, cols=cols)
+    for regs in (16, 300):
+        with pytest.raises(ValueError, match="KTRANS_GDN_PREP_MAXNREG"):
+            prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, maxnreg=regs)
+
+
+@pytest.mark.parametrize("full", [0, 2])
+def test_register_cap_changes_no_bits(triton_device, full):
+    """KTRANS_GDN_PREP_MAXNREG: a register cap only spills (on a GPU; the interpreter ignores it), so the rule's
+    outputs and state are bitwise those without it."""
+    q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(torch.bfloat16, triton_device)
+    free, capped = pool.clone(), pool.clone()
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, free, plan, normed=True, full=full,
+                                      prep_maxnreg=0)
+    o_cap = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, capped, plan, normed=True, full=full,
+                                          prep_maxnreg=128)
+    assert torch.equal(o_cap, o)
+    assert torch.equal(capped, free)
