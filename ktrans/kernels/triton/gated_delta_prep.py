@@ -54,14 +54,18 @@ def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.c
     r = R0 + tl.arange(0, ROWS)
     c = tl.arange(0, COLS)
     mask = (r[:, None] < n) & (c[None, :] < ncols)
-    if WIDE:
-        x = tl.load(ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :], mask=mask, other=0.0)
-    else:
-        x = tl.load(ptr + row0.to(tl.int64) * stride_t + (r[:, None] * stride_t + col0 + c[None, :]), mask=mask,
-                    other=0.0)
+    x = tl.load(_rows_ptrs(ptr, row0, r, stride_t, col0, c, WIDE), mask=mask, other=0.0)
     if F32:
         x = x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _rows_ptrs(ptr, row0, r, stride_t, col0, c, WIDE: tl.constexpr):
+    """The addresses of rows row0 + r, columns col0 + c: WIDE as _load_rows says."""
+    if WIDE:
+        return ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :]
+    return ptr + row0.to(tl.int64) * stride_t + (r[:, None] * stride_t + col0 + c[None, :])
 
 
 @triton.jit
@@ -217,8 +221,7 @@ def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
     r = R0 + tl.arange(0, x.shape[0])
     c = tl.arange(0, x.shape[1])
     mask = (r[:, None] < n) & (c[None, :] < ncols)
-    tl.store(ptr + row0.to(tl.int64) * stride_t + (r[:, None] * stride_t + col0 + c[None, :]),
-             x.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(_rows_ptrs(ptr, row0, r, stride_t, col0, c, False), x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
