@@ -41,14 +41,13 @@ CHUNK = 64
 # at HV=32, Dv=128).
 PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 4, 4, 32
 # KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
-# as FLA splits its chunk_fwd_h and chunk_fwd_o; off until the H200 has timed it against the one scan
+# as FLA splits its chunk_fwd_h and chunk_fwd_o; off: slower on the H200 (1,242 against 1,151 us at T=8192)
 SPLIT = os.environ.get("KTRANS_GDN_SPLIT", "0") == "1"
-# KTRANS_GDN_NORMED=1: the prep stores the normalised q and k once (qn, kn [T, HK, Dk] in the dots' dtype) and the
-# scan reads them as the dots' operands (_scan_kernel NORMED). Compiled for sm_90 on the dev box (Triton 3.9, 4 warps,
-# scripts/gdn_resources.py), the unsplit scan's spill stack goes from 1,208 to 504 bytes (the split scan's 512 -> 280;
-# both still at 255 registers) and the loop's asynchronous copies from 7 to 10; off until the H200 has timed it against
-# the plain scan (gdn_sweep --normed 0,1).
-NORMED = os.environ.get("KTRANS_GDN_NORMED", "0") == "1"
+# KTRANS_GDN_NORMED (default 1): the prep stores the normalised q and k once (qn, kn [T, HK, Dk] in the dots' dtype)
+# and the scan reads them as the dots' operands (_scan_kernel NORMED); at sm_90 the unsplit scan's spill stack goes
+# from 1,208 to 504 bytes. Timed on an H100 (doc/benchmarks.md, session 29, one 80B layer with the prep's FULL=2): the
+# scan 331.6 against 501.7 us at T=8192, the layer 694.4 against 846.9; 0 keeps the plain scan for the sweep.
+NORMED = os.environ.get("KTRANS_GDN_NORMED", "1") == "1"
 _TORCH_DTYPES = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
 
 

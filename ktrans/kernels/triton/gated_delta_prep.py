@@ -17,12 +17,13 @@ session 20): 454 us, against 659 for one program per (chunk, key head) holding t
 (255 registers and a 1.9 KB spill stack at sm_90) and 466 for storing (I + A)^-1 and making w and u by a second launch
 (FLA's solve_tril, then recompute_w_u); those two forms are gone. 64-column blocks beat 32 (528 us).
 
-The FULL form (KTRANS_GDN_PREP_FULL, opt-in until timed) makes A as FLA's chunk_scaled_dot_kkt does, one [64, 64]
+The FULL form (KTRANS_GDN_PREP_FULL, the default: 2) makes A as FLA's chunk_scaled_dot_kkt does, one [64, 64]
 product of the chunk's k, here of k as stored beside q.k with the rows' inverse norms applied to the products, and
 passes it through a per-program fp32 scratch: the diagonal inverses read their rows back from there and the solve its
-off-diagonal blocks. Compiled for sm_90 (scripts/gdn_resources.py --kernel prep) the block form's ten 16x16 products
-over [16, Dk] row blocks were the registers' peak (255 with a 1,080-byte stack at 4 warps); the FULL form's stack is
-632 bytes (40 at 8 warps, against 256).
+off-diagonal blocks; FULL=2 also assembles the whole inverse there and makes w and u as whole-chunk products.
+Compiled for sm_90 (scripts/gdn_resources.py --kernel prep) the block form's ten 16x16 products over [16, Dk] row
+blocks were the registers' peak (255 with a 1,080-byte stack at 4 warps). On an H100 at T=8192 (doc/benchmarks.md,
+session 29) the FULL=2 prep took 362.8 us against the block form's 480.8.
 """
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ import triton
 import triton.language as tl
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
-# KTRANS_GDN_PREP_FULL=1: A as one [64, 64] product through a scratch buffer (_prep_kernel FULL); =2: also the whole
-# inverse there, w and u as whole-chunk products; off (0) until the H200 has timed them against the block form
-# (gdn_sweep --prep_full 0,1,2).
-FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "0"))
+# KTRANS_GDN_PREP_FULL (default 2): the whole (I + A)^-1 through a scratch buffer, w and u as whole-chunk products;
+# 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL). Timed on an H100 (session 29, T=8192,
+# NORMED scan): the prep 362.8 (2) against 480.8 us (0).
+FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "2"))
 # KTRANS_GDN_PREP_MAXNREG=n: cap the prep's registers a thread at n (ptxas spills the rest) so that more programs share
 # an SM (4 warps: 255 registers fit two, 168 three, 128 four); 0, the default, leaves ptxas free (gdn_sweep
 # --prep_maxnreg).
