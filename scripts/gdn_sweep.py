@@ -1,13 +1,13 @@
 """The chunked gated delta rule's launch shapes (ktrans.kernels.triton.gated_delta: PREP_WARPS, SCAN_WARPS,
-SCAN_BLOCK_V; gated_delta_prep: the column block PREP_COLS of w and u) under a grid, on the GPU at Qwen3-Next's
-shapes (HK 16, HV 32, d 128, one sequence): device time by
+SCAN_STAGES, SCAN_BLOCK_V; gated_delta_prep: the column block PREP_COLS of w and u) under a grid, on the GPU at
+Qwen3-Next's shapes (HK 16, HV 32, d 128, one sequence): device time by
 CUDA-graph replay with a cold L2 (ktrans.bench.kernels.time_cuda), the whole call and its first launch alone (the
 per-chunk solve; the rest is the sequential scan), and fla-core's chunk_gated_delta_rule on the same inputs where it
 imports. Prints one line per (shape, T) and, last, the best per T: what to write into gated_delta.py.
 
-    python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8] [--block_v 16,32,64]
-                                 [--split 0,1] [--prep_cols 32,64] [--normed 0,1] [--prep_full 0,1,2]
-                                 [--prep_maxnreg 0,168]
+    python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8]
+                                 [--scan_stages 2,3,4] [--block_v 16,32,64] [--split 0,1] [--prep_cols 32,64]
+                                 [--normed 0,1] [--prep_full 0,1,2] [--prep_maxnreg 0,168]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. --normed 1:
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--prep_warps", default="4,8")
     ap.add_argument("--scan_warps", default="2,4,8")
+    ap.add_argument("--scan_stages", default="3", help="the scan loop's pipelining stages")
     ap.add_argument("--block_v", default="16,32,64")
     ap.add_argument("--split", default="0,1")
     ap.add_argument("--prep_cols", default="64", help="the prep's column blocks for w and u")
@@ -64,17 +65,18 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        for prep_w, scan_w, bv, split, cols, normed, full, regs in itertools.product(
-                ints(args.prep_warps), ints(args.scan_warps), ints(args.block_v), ints(args.split),
-                ints(args.prep_cols), ints(args.normed), ints(args.prep_full), ints(args.prep_maxnreg)):
-            gd.PREP_WARPS, gd.SCAN_WARPS, gdp.PREP_COLS = prep_w, scan_w, cols
-            name = (f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} block_v={bv} split={split} "
-                    f"normed={normed} full={full} prep_maxnreg={regs}")
+        for prep_w, scan_w, stages, bv, split, cols, normed, full, regs in itertools.product(
+                ints(args.prep_warps), ints(args.scan_warps), ints(args.scan_stages), ints(args.block_v),
+                ints(args.split), ints(args.prep_cols), ints(args.normed), ints(args.prep_full),
+                ints(args.prep_maxnreg)):
+            gd.PREP_WARPS, gd.SCAN_WARPS, gd.SCAN_STAGES, gdp.PREP_COLS = prep_w, scan_w, stages, cols
+            name = (f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} scan_stages={stages} "
+                    f"block_v={bv} split={split} normed={normed} full={full} prep_maxnreg={regs}")
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split),
                                                             normed=bool(normed), full=full,
                                                             prep_maxnreg=regs)
-            key = (cols, prep_w, scan_w, bv, split, normed, full, regs)
+            key = (cols, prep_w, scan_w, stages, bv, split, normed, full, regs)
             try:
                 whole = median(call)
                 later = {k_: getattr(gd, k_) for k_ in ("_scan_kernel", "_output_kernel")}  # the prep's stay
@@ -92,8 +94,8 @@ def main() -> None:
             if t not in best or whole < best[t][0]:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
-        print(f"best T={t}: prep_cols, prep_warps, scan_warps, block_v, split, normed, full, prep_maxnreg = {key}, "
-              f"{us:.1f} us")
+        print(f"best T={t}: prep_cols, prep_warps, scan_warps, scan_stages, block_v, split, normed, full, "
+              f"prep_maxnreg = {key}, {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ CHUNK = 64
 # warps of the prep and the scan, and the value columns one scan program carries (32: 128 programs for one sequence
 # at HV=32, Dv=128).
 PREP_WARPS, SCAN_WARPS, SCAN_BLOCK_V = 4, 4, 32
+# The software pipeliner's stages of the scan's loop over chunks (Triton's default on CUDA; gdn_sweep --scan_stages).
+SCAN_STAGES = 3
 # KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
 # as FLA splits its chunk_fwd_h and chunk_fwd_o; off: slower on the H200 (1,242 against 1,151 us at T=8192)
 SPLIT = os.environ.get("KTRANS_GDN_SPLIT", "0") == "1"
@@ -297,7 +299,8 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         qs, ks, w, u, cum, attn, out, state_pool, vnew, hs, plan.chunk_start, plan.chunk_len, plan.first_chunk,
         plan.seq_slot, plan.seq_fresh, plan.emit_slot, qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1),
         out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1),
-        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, SPLIT=split, NORMED=normed, num_warps=SCAN_WARPS)
+        HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, SPLIT=split, NORMED=normed, num_warps=SCAN_WARPS,
+        num_stages=SCAN_STAGES)
     if not split:
         return out
     _output_kernel[(plan.num_chunks, hv, triton.cdiv(dv, bv))](
