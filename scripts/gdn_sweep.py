@@ -7,13 +7,14 @@ imports. Prints one line per (shape, T) and, last, the best per T: what to write
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8]
                                  [--scan_stages 2,3,4] [--block_v 16,32,64] [--split 0,1] [--prep_cols 32,64]
-                                 [--normed 0,1] [--prep_full 0,1,2] [--prep_maxnreg 0,168]
+                                 [--normed 0,1] [--prep_full 0,1,2,3] [--prep_maxnreg 0,168] [--wu_warps 4,8]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. --normed 1:
 the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). --prep_full 1: the
 prep's A as one product through scratch, 2: its inverse too (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL).
 --prep_maxnreg: a register cap a thread for the prep (gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG; 0: none).
+--prep_full 3: q's products, w and u by a second launch of --wu_warps warps (gated_delta_prep.WU_WARPS).
 "prep" times the launch before the scan.
 """
 from __future__ import annotations
@@ -49,8 +50,10 @@ def main() -> None:
     ap.add_argument("--prep_cols", default="64", help="the prep's column blocks for w and u")
     ap.add_argument("--normed", default="0", help="1: the scan reads the prep's normalised q and k")
     ap.add_argument("--prep_full", default="0",
-                    help="1: the prep's A as one product through scratch, 2: its inverse too")
+                    help="1: the prep's A as one product through scratch, 2: its inverse too, 3: as 2 with q's "
+                         "products, w and u by a second launch")
     ap.add_argument("--prep_maxnreg", default="0", help="the prep's register cap a thread (0: none)")
+    ap.add_argument("--wu_warps", default="4", help="warps of --prep_full 3's second launch")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -65,18 +68,21 @@ def main() -> None:
         peer = _fla_peer(q, k, v, a, b, A_log, dt_bias, pool)
         fla = f"fla-core {median(peer):.1f} us" if peer else "fla-core: not importable"
         print(f"T={t}: {fla}", flush=True)
-        for prep_w, scan_w, stages, bv, split, cols, normed, full, regs in itertools.product(
+        for prep_w, scan_w, stages, bv, split, cols, normed, full, regs, wu_w in itertools.product(
                 ints(args.prep_warps), ints(args.scan_warps), ints(args.scan_stages), ints(args.block_v),
                 ints(args.split), ints(args.prep_cols), ints(args.normed), ints(args.prep_full),
-                ints(args.prep_maxnreg)):
-            gd.PREP_WARPS, gd.SCAN_WARPS, gd.SCAN_STAGES, gdp.PREP_COLS = prep_w, scan_w, stages, cols
+                ints(args.prep_maxnreg), ints(args.wu_warps)):
+            if wu_w != ints(args.wu_warps)[0] and full != 3:
+                continue  # the second launch's warps matter to FULL=3 only
+            gd.PREP_WARPS, gd.SCAN_WARPS, gd.SCAN_STAGES = prep_w, scan_w, stages
+            gdp.PREP_COLS, gdp.WU_WARPS = cols, wu_w
             name = (f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} scan_stages={stages} "
-                    f"block_v={bv} split={split} normed={normed} full={full} prep_maxnreg={regs}")
+                    f"block_v={bv} split={split} normed={normed} full={full} prep_maxnreg={regs} wu_warps={wu_w}")
             call = lambda: gd.chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, pool, plan,  # noqa: E731
                                                             out=out, block_v=bv, split=bool(split),
                                                             normed=bool(normed), full=full,
                                                             prep_maxnreg=regs)
-            key = (cols, prep_w, scan_w, stages, bv, split, normed, full, regs)
+            key = (cols, prep_w, scan_w, stages, bv, split, normed, full, regs, wu_w)
             try:
                 whole = median(call)
                 later = {k_: getattr(gd, k_) for k_ in ("_scan_kernel", "_output_kernel")}  # the prep's stay
@@ -95,7 +101,7 @@ def main() -> None:
                 best[t] = (whole, key)
     for t, (us, key) in best.items():
         print(f"best T={t}: prep_cols, prep_warps, scan_warps, scan_stages, block_v, split, normed, full, "
-              f"prep_maxnreg = {key}, {us:.1f} us")
+              f"prep_maxnreg, wu_warps = {key}, {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -9,21 +9,17 @@ attn = (q k^T) exp(cum_i - cum_j) (causal). The design is FLA's chunked WY form 
 fla/ops/gated_delta_rule/wy_fast.py, fla/ops/common/chunk_scaled_dot_kkt.py, fla/ops/utils/solve_tril.py), there
 spread over several launches.
 
-One program per (chunk, value head); q.k and the normalised k are made once a head. Its phases run in order so
-that each one's values die before the next: the attention matrix (q, k, q.k), then the A blocks and inverses from
-the normalised k (full width), then w and u by column blocks of PREP_COLS (k and v reloaded from L2 a block at a
-time, scaled by the rows' norms kept from the previous phase). Timed on the H200 at T=8192 (doc/benchmarks.md,
-session 20): 454 us, against 659 for one program per (chunk, key head) holding the group's two heads at full width
-(255 registers and a 1.9 KB spill stack at sm_90) and 466 for storing (I + A)^-1 and making w and u by a second launch
-(FLA's solve_tril, then recompute_w_u); those two forms are gone. 64-column blocks beat 32 (528 us).
+One program per (chunk, value head). The block form (FULL=0) runs its phases in order so that each one's values die
+before the next: the attention matrix (q, k, q.k), then A's blocks and inverses from the normalised k, then w and u
+by column blocks of PREP_COLS (k and v reloaded from L2). Timed on the H200 at T=8192 (doc/benchmarks.md, session
+20): 454 us, against 659 for a program per (chunk, key head) holding both heads (a 1.9 KB spill stack at sm_90) and
+466 for the inverse stored and w and u made by a second launch; 64-column blocks beat 32 (528 us).
 
 The FULL form (KTRANS_GDN_PREP_FULL, the default: 2) makes A as FLA's chunk_scaled_dot_kkt does, one [64, 64]
-product of the chunk's k, here of k as stored beside q.k with the rows' inverse norms applied to the products, and
-passes it through a per-program fp32 scratch: the diagonal inverses read their rows back from there and the solve its
-off-diagonal blocks; FULL=2 also assembles the whole inverse there and makes w and u as whole-chunk products.
-Compiled for sm_90 (scripts/gdn_resources.py --kernel prep) the block form's ten 16x16 products over [16, Dk] row
-blocks were the registers' peak (255 with a 1,080-byte stack at 4 warps). On an H100 at T=8192 (doc/benchmarks.md,
-session 29) the FULL=2 prep took 362.8 us against the block form's 480.8.
+product of k as stored beside q.k, the rows' inverse norms applied to the products, through a per-program fp32
+scratch: the diagonal inverses read their rows back from there, and the whole inverse is assembled there; w and u
+are whole-chunk products. On an H100 at T=8192 (session 29) it took 362.8 us against the block form's 480.8. FULL=3
+leaves q's products, w and u to a second launch (_wu_kernel; the first then holds 172 registers, not 255).
 """
 from __future__ import annotations
 
@@ -34,9 +30,11 @@ import triton
 import triton.language as tl
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
+WU_WARPS = 4  # FULL=3's second launch (gdn_sweep --wu_warps; at sm_90 255 registers at 4 warps, 244 at 8)
 # KTRANS_GDN_PREP_FULL (default 2): the whole (I + A)^-1 through a scratch buffer, w and u as whole-chunk products;
-# 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL). Timed on an H100 (session 29, T=8192,
-# NORMED scan): the prep 362.8 (2) against 480.8 us (0).
+# 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with q's products, w and u
+# by a second launch (_wu_kernel, the same bits; opt-in until timed against 2: gdn_sweep --prep_full 2,3). Timed on
+# an H100 (session 29, T=8192, NORMED scan): the prep 362.8 (2) against 480.8 us (0).
 FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "2"))
 # KTRANS_GDN_PREP_MAXNREG=n: cap the prep's registers a thread at n (ptxas spills the rest) so that more programs share
 # an SM (4 warps: 255 registers fit two, 168 three, 128 four); 0, the default, leaves ptxas free (gdn_sweep
@@ -295,6 +293,72 @@ def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3,
 
 
 @triton.jit
+def _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr, kn_ptr, HV: tl.constexpr,
+                R: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                NORMED: tl.constexpr):
+    """The FULL forms' attention matrix from q as stored and k (kr, its transpose kt, its rows' inverse norms rk),
+    q's norms from the diagonal of q.q; with NORMED, the normalised q and k stored too."""
+    C: tl.constexpr = 64
+    qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
+    rq = _rnorm_diag(tl.dot(qr, tl.trans(qr), input_precision=PREC)) * (DK ** -0.5)
+    _store_attn(attn_ptr, tl.dot(qr, kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
+    if NORMED:
+        if h % R == 0:  # q by the key head's first value head, k by its last (one fp32 copy a program)
+            _store_rows(qn_ptr + kh * DK, qr * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+        if h % R == R - 1:
+            _store_rows(kn_ptr + kh * DK, kr * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+
+
+@triton.jit
+def _wu_full(ainv, bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n, stride_kt, stride_vt, HV: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr,
+             DT: tl.constexpr, PREC: tl.constexpr):
+    """w and u of one chunk and value head as whole-chunk products of (I + A)^-1 (ainv, fp32 [64, 64]) and k and v
+    as stored, the coefficients (beta exp(cum) / the k row's norm, beta) folded into the inverse's columns; by
+    column blocks of BC."""
+    C: tl.constexpr = 64
+    wk = (ainv * (bf * tl.exp(cf) * rk)[None, :]).to(DT)
+    for col in tl.static_range(0, BK, BC):
+        kb = _load_rows(kp, row0, n, stride_kt, col, DK - col, 0, C, BC, False, WIDE=False)
+        _store_rows(w_ptr + h * DK, tl.dot(wk, kb.to(DT), input_precision=PREC), row0, n, HV * DK, col, DK - col, 0)
+    uv = (ainv * bf[None, :]).to(DT)
+    for col in tl.static_range(0, BVF, BC):
+        vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False, WIDE=False)
+        _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col, DV - col, 0)
+
+
+@triton.jit
+def _wu_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, qn_ptr, kn_ptr,
+               scr_ptr, chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               stride_at, stride_bt, HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+               NORMED: tl.constexpr):
+    """FULL=3's second launch, one program per (chunk, value head): the attention matrix (and with NORMED the
+    normalised q and k), then w and u, from what _prep_kernel left: the inverse and the k rows' inverse norms in the
+    program's scratch, cum; beta made again from b. The same fp32 values into the same products as FULL=2's one
+    launch (_q_products, _wu_full), so the same bits, while the first launch holds only k's products and the inverse
+    (FLA splits its prep likewise: chunk_scaled_dot_kkt and solve_tril, then recompute_w_u)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // R
+    row0 = tl.load(chunk_start + c)
+    n = tl.load(chunk_len + c)
+    C: tl.constexpr = 64
+    rc = tl.arange(0, C)
+    _, bf = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
+    # rows past the chunk's end carry its last cum on, as the first launch's cumsum over zero gates did
+    cf = tl.load(cum_ptr + (row0 + tl.minimum(rc, n - 1)).to(tl.int64) * HV + h)
+    scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
+    rk = tl.load(scr + C * C + rc)
+    kp = k_ptr + kh * stride_kh
+    kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
+    _q_products(q_ptr + kh * stride_qh, kr, tl.trans(kr), rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr,
+                kn_ptr, HV, R, DK, BK, DT, PREC, NORMED)
+    _wu_full(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kp, v_ptr + h * stride_vh, w_ptr, u_ptr, h,
+             row0, n, stride_kt, stride_vt, HV, DK, DV, BK, BVF, BC, DT, PREC)
+
+
+@triton.jit
 def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr,
                  qn_ptr, kn_ptr, scr_ptr, chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh,
                  stride_vt, stride_vh, stride_at, stride_bt,
@@ -330,43 +394,31 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         # values): no fp32 copy of q or k is held (gdn_resources: 255 registers and a 144-byte stack at 4 warps,
         # against 352 bytes with the norms from fp32 copies).
         kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
-        qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
         rc = tl.arange(0, C)
         kt = tl.trans(kr)
         kk = tl.dot(kr, kt, input_precision=PREC)
         rk = _rnorm_diag(kk)
-        rq = _rnorm_diag(tl.dot(qr, tl.trans(qr), input_precision=PREC)) * (DK ** -0.5)
-        _store_attn(attn_ptr, tl.dot(qr, kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
-        if NORMED:
-            if h % R == 0:  # q by the key head's first value head, k by its last (one fp32 copy a program)
-                _store_rows(qn_ptr + kh * DK, qr * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
-            if h % R == R - 1:
-                _store_rows(kn_ptr + kh * DK, kr * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
+        if FULL != 3:  # 3: q's products are the second launch's, off this one's register peak (255 -> 172 at sm_90)
+            _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr, kn_ptr, HV, R, DK, BK, DT,
+                        PREC, NORMED)
         # Masked before exp: the upper half's exponents are positive and never become numbers.
         dec = tl.where(rc[:, None] > rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
         a_full = kk * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
         scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
         tl.store(scr + rc[:, None] * C + rc[None, :], a_full)
-        if FULL == 1:  # the solve by blocks reads the norms back by blocks; FULL=2 keeps them in registers
+        if FULL != 2:  # the solve by blocks (1) and the second launch (3) read the norms back; 2 keeps them
             tl.store(scr + C * C + rc, rk)
         tl.debug_barrier()  # the program's threads read back what others stored
         t0, t1, t2, t3 = _inv_diag_from(scr)
         a10, a20, a21 = _block_at(scr, 1, 0), _block_at(scr, 2, 0), _block_at(scr, 2, 1)
         a30, a31, a32 = _block_at(scr, 3, 0), _block_at(scr, 3, 1), _block_at(scr, 3, 2)
-        if FULL == 2:
+        if FULL >= 2:
             _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32)
+            if FULL == 3:  # the rest by _wu_kernel, a second launch, from the inverse and the norms in scratch
+                return
             tl.debug_barrier()  # the whole inverse, written by all the program's threads
-            ainv = tl.load(scr + rc[:, None] * C + rc[None, :])
-            wk = (ainv * (bf * tl.exp(cf) * rk)[None, :]).to(DT)
-            for col in tl.static_range(0, BK, BC):
-                kb = _load_rows(kp, row0, n, stride_kt, col, DK - col, 0, C, BC, False, WIDE=False)
-                _store_rows(w_ptr + h * DK, tl.dot(wk, kb.to(DT), input_precision=PREC), row0, n, HV * DK, col,
-                            DK - col, 0)
-            uv = (ainv * bf[None, :]).to(DT)
-            for col in tl.static_range(0, BVF, BC):
-                vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False, WIDE=False)
-                _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col,
-                            DV - col, 0)
+            _wu_full(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n,
+                     stride_kt, stride_vt, HV, DK, DV, BK, BVF, BC, DT, PREC)
             return
         rs = tl.arange(0, S)
         f0, f1 = tl.load(scr + C * C + rs), tl.load(scr + C * C + S + rs)
@@ -404,11 +456,12 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
                 warps: int, cols: int | None = None, qn=None, kn=None, full: int | None = None,
-                maxnreg: int | None = None) -> None:
+                maxnreg: int | None = None, wu_warps: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
-    `full` (default FULL, 0..2): A (and with 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
-    a chunk and value head); `maxnreg` (default MAXNREG, 0: none): the registers a thread may use."""
+    `full` (default FULL, 0..3): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
+    a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel); `maxnreg` (default MAXNREG,
+    0: none): the registers a thread of the first launch may use; `wu_warps` (default WU_WARPS): the second's warps."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
@@ -416,13 +469,23 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
         raise ValueError(f"the DeltaNet prep's column block (gated_delta_prep.PREP_COLS, gdn_sweep --prep_cols) must "
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
     normed = qn is not None
-    full = FULL if full is None else full
+    full = FULL if full is None else int(full)
+    if full not in (0, 1, 2, 3):
+        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0, 1, 2 or "
+                         f"3, got {full}")
     scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
+    bc = min(cols, bk, bvf)
     _prep_kernel[(plan.num_chunks, hv)](
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
         plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=min(cols, bk, bvf),
-        DT=dt, PREC=prec, NORMED=normed, FULL=int(full), num_warps=warps, **_reg_cap(maxnreg))
+        a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=bc,
+        DT=dt, PREC=prec, NORMED=normed, FULL=full, num_warps=warps, **_reg_cap(maxnreg))
+    if full == 3:
+        _wu_kernel[(plan.num_chunks, hv)](
+            q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
+            plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=bc,
+            DT=dt, PREC=prec, NORMED=normed, num_warps=wu_warps or WU_WARPS)
 
 
 def _reg_cap(maxnreg: int | None) -> dict:
