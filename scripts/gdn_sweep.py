@@ -7,14 +7,15 @@ imports. Prints one line per (shape, T) and, last, the best per T: what to write
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8]
                                  [--scan_stages 2,3,4] [--block_v 16,32,64] [--split 0,1] [--prep_cols 32,64]
-                                 [--normed 0,1] [--prep_full 0,1,2,3] [--prep_maxnreg 0,168] [--wu_warps 4,8]
+                                 [--normed 0,1] [--prep_full 0,1,2,3,4] [--prep_maxnreg 0,168] [--wu_warps 4,8]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
 sequential launch and the output launch together. --prep_cols: the prep's column blocks for w and u. --normed 1:
 the prep stores the normalised q and k for the scan (gated_delta.NORMED, KTRANS_GDN_NORMED). --prep_full 1: the
 prep's A as one product through scratch, 2: its inverse too (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL).
 --prep_maxnreg: a register cap a thread for the prep (gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG; 0: none).
---prep_full 3: q's products, w and u by a second launch of --wu_warps warps (gated_delta_prep.WU_WARPS).
+--prep_full 3: q's products, w and u by a second launch of --wu_warps warps (gated_delta_prep.WU_WARPS); 4: q's
+products once a key head by a second, w and u by a third.
 "prep" times the launch before the scan.
 """
 from __future__ import annotations
@@ -51,9 +52,10 @@ def main() -> None:
     ap.add_argument("--normed", default="0", help="1: the scan reads the prep's normalised q and k")
     ap.add_argument("--prep_full", default="0",
                     help="1: the prep's A as one product through scratch, 2: its inverse too, 3: as 2 with q's "
-                         "products, w and u by a second launch")
+                         "products, w and u by a second launch, 4: q's products a key head by a second, w and u by a "
+                         "third")
     ap.add_argument("--prep_maxnreg", default="0", help="the prep's register cap a thread (0: none)")
-    ap.add_argument("--wu_warps", default="4", help="warps of --prep_full 3's second launch")
+    ap.add_argument("--wu_warps", default="4", help="warps of --prep_full 3's and 4's later launches")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -72,8 +74,8 @@ def main() -> None:
                 ints(args.prep_warps), ints(args.scan_warps), ints(args.scan_stages), ints(args.block_v),
                 ints(args.split), ints(args.prep_cols), ints(args.normed), ints(args.prep_full),
                 ints(args.prep_maxnreg), ints(args.wu_warps)):
-            if wu_w != ints(args.wu_warps)[0] and full != 3:
-                continue  # the second launch's warps matter to FULL=3 only
+            if wu_w != ints(args.wu_warps)[0] and full < 3:
+                continue  # the later launches' warps matter to FULL=3 and 4 only
             gd.PREP_WARPS, gd.SCAN_WARPS, gd.SCAN_STAGES = prep_w, scan_w, stages
             gdp.PREP_COLS, gdp.WU_WARPS = cols, wu_w
             name = (f"T={t} prep_cols={cols} prep_warps={prep_w} scan_warps={scan_w} scan_stages={stages} "

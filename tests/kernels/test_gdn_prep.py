@@ -33,13 +33,14 @@ def test_column_blocks_rule_matches_reference(triton_device, monkeypatch, cols):
         check_against_reference(o, pool, before, seqs, q, k, v, a, b, A_log, dt_bias)
 
 
-@pytest.mark.parametrize("full", [1, 2, 3])
+@pytest.mark.parametrize("full", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype,normed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 def test_full_product_form_matches_reference(triton_device, dtype, normed, full):
     """KTRANS_GDN_PREP_FULL: A as one [64, 64] product of k as stored, through the program's scratch, the diagonal
     inverses from rows read back from there (full=2: and the whole inverse assembled there, w and u as whole-chunk
-    products; full=3: those by a second launch). Varlen with a continued slot, partial chunks and emits at two
-    boundaries, against the reference and the block form's pool (check_form_against_reference)."""
+    products; full=3: those by a second launch; 4: q's products by a second, w and u by a third). Varlen with a
+    continued slot, partial chunks and emits at two boundaries, against the reference and the block form's pool
+    (check_form_against_reference)."""
     q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
     block, after = pool.clone(), pool.clone()
     chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, block, plan, normed=normed, full=0)
@@ -47,17 +48,19 @@ def test_full_product_form_matches_reference(triton_device, dtype, normed, full)
     check_form_against_reference(o, after, block, pool, seqs, q, k, v, a, b, A_log, dt_bias)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_second_launch_gives_the_same_bits(triton_device, dtype):
-    """KTRANS_GDN_PREP_FULL=3: w and u made by _wu_kernel from the inverse, the k rows' norms and cum the first
-    launch left, beta made again from b: the same fp32 values into the same products as FULL=2's in-kernel tail, so
-    the rule's outputs, final and emitted states are bitwise FULL=2's (varlen, a continued slot, partial chunks)."""
+@pytest.mark.parametrize("full", [3, 4])
+@pytest.mark.parametrize("dtype,normed", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_later_launches_give_the_same_bits(triton_device, dtype, normed, full):
+    """KTRANS_GDN_PREP_FULL=3 and 4: q's products, w and u made by later launches (gated_delta_wu; 4: q.k once a key
+    head) from the inverse, the k rows' norms and cum the first launch left, beta made again from b: the same fp32
+    values into the same products as FULL=2's one launch, so the rule's outputs, final and emitted states are
+    bitwise FULL=2's (varlen, a continued slot, partial chunks)."""
     q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
-    one, two = pool.clone(), pool.clone()
-    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, one, plan, normed=True, full=2)
-    o_two = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, two, plan, normed=True, full=3)
-    assert torch.equal(o_two, o)
-    assert torch.equal(two, one)
+    one, later = pool.clone(), pool.clone()
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, one, plan, normed=normed, full=2)
+    o_later = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, later, plan, normed=normed, full=full)
+    assert torch.equal(o_later, o)
+    assert torch.equal(later, one)
 
 
 def test_bad_column_blocks_are_refused(triton_device):
@@ -71,7 +74,7 @@ def test_bad_column_blocks_are_refused(triton_device):
     for cols in (8, 48):
         with pytest.raises(ValueError, match="PREP_COLS"):
             prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, cols=cols)
-    for full in (-1, 4):
+    for full in (-1, 5):
         with pytest.raises(ValueError, match="KTRANS_GDN_PREP_FULL"):
             prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, full=full)
     for regs in (16, 300):
@@ -79,7 +82,7 @@ def test_bad_column_blocks_are_refused(triton_device):
             prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, maxnreg=regs)
 
 
-@pytest.mark.parametrize("full", [0, 2, 3])
+@pytest.mark.parametrize("full", [0, 2, 4])
 def test_register_cap_changes_no_bits(triton_device, full):
     """KTRANS_GDN_PREP_MAXNREG: a register cap only spills (on a GPU; the interpreter ignores it), so the rule's
     outputs and state are bitwise those without it."""

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
-from ktrans.kernels.triton.gated_delta_prep import _l2norm_rows, _load_rows, launch_prep
+from ktrans.kernels.triton.gated_delta_prep import launch_prep
+from ktrans.kernels.triton.gated_delta_rows import _l2norm_rows, _load_rows
 
 CHUNK = 64
 # Launch shapes, from scripts/gdn_sweep.py on the H200 (doc/benchmarks.md, T=8192: the prep 454 us at 4 warps, session

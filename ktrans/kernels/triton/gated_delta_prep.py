@@ -19,7 +19,7 @@ The FULL form (KTRANS_GDN_PREP_FULL, the default: 2) makes A as FLA's chunk_scal
 product of k as stored beside q.k, the rows' inverse norms applied to the products, through a per-program fp32
 scratch: the diagonal inverses read their rows back from there, and the whole inverse is assembled there; w and u
 are whole-chunk products. On an H100 at T=8192 (session 29) it took 362.8 us against the block form's 480.8. FULL=3
-leaves q's products, w and u to a second launch (_wu_kernel; the first then holds 172 registers, not 255).
+and 4 leave q's products, w and u to later launches (gated_delta_wu; the first then holds 172 registers, not 255).
 """
 from __future__ import annotations
 
@@ -29,77 +29,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.gated_delta_rows import (_gates, _l2norm_rows, _load_rows, _rnorm, _rnorm_diag, _store_attn,
+                                                    _store_rows)
+from ktrans.kernels.triton.gated_delta_wu import _q_products, _qk_kernel, _wu_full, _wu_kernel
+
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
-WU_WARPS = 4  # FULL=3's second launch (gdn_sweep --wu_warps; at sm_90 255 registers at 4 warps, 244 at 8)
+WU_WARPS = 4  # FULL=3's and 4's later launches (gdn_sweep --wu_warps)
 # KTRANS_GDN_PREP_FULL (default 2): the whole (I + A)^-1 through a scratch buffer, w and u as whole-chunk products;
 # 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with q's products, w and u
-# by a second launch (_wu_kernel, the same bits; opt-in until timed against 2: gdn_sweep --prep_full 2,3). Timed on
-# an H100 (session 29, T=8192, NORMED scan): the prep 362.8 (2) against 480.8 us (0).
+# by a second launch; 4: q's products once a key head by a second, w and u by a third (gated_delta_wu; the same bits
+# as 2; opt-in until timed: gdn_sweep --prep_full 2,3,4). Timed on an H100 (session 29, T=8192, NORMED scan): the
+# prep 362.8 (2) against 480.8 us (0).
 FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "2"))
 # KTRANS_GDN_PREP_MAXNREG=n: cap the prep's registers a thread at n (ptxas spills the rest) so that more programs share
 # an SM (4 warps: 255 registers fit two, 168 three, 128 four); 0, the default, leaves ptxas free (gdn_sweep
 # --prep_maxnreg).
 MAXNREG = int(os.environ.get("KTRANS_GDN_PREP_MAXNREG", "0"))
-
-
-@triton.jit
-def _load_rows(ptr, row0, n, stride_t, col0, ncols, R0: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-               F32: tl.constexpr = True, WIDE: tl.constexpr = True):
-    """Rows R0 .. R0+ROWS of a chunk (row0, n valid rows) and columns 0..COLS (ncols valid); zeros past them. In
-    fp32, or as stored (F32=False: operands that go straight into a tl.dot). WIDE: every element's address in int64
-    (the scan's form); else one int64 base for the chunk and int32 offsets inside it (the prep's: per-element int64
-    arithmetic was most of the FULL prep's registers at sm_90, a 992-byte stack against 352 (gdn_resources), while
-    the scan, whose loads the pipeliner makes asynchronous copies, spills more with it: 1,440 bytes against 864)."""
-    r = R0 + tl.arange(0, ROWS)
-    c = tl.arange(0, COLS)
-    mask = (r[:, None] < n) & (c[None, :] < ncols)
-    x = tl.load(_rows_ptrs(ptr, row0, r, stride_t, col0, c, WIDE), mask=mask, other=0.0)
-    if F32:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _rows_ptrs(ptr, row0, r, stride_t, col0, c, WIDE: tl.constexpr):
-    """The addresses of rows row0 + r, columns col0 + c: WIDE as _load_rows says."""
-    if WIDE:
-        return ptr + (row0 + r)[:, None].to(tl.int64) * stride_t + col0 + c[None, :]
-    return ptr + row0.to(tl.int64) * stride_t + (r[:, None] * stride_t + col0 + c[None, :])
-
-
-@triton.jit
-def _rnorm(x):
-    """1 / the L2 norm of each row (the eps inside the root, as the torch oracle)."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
-
-
-@triton.jit
-def _rnorm_diag(xx):
-    """_rnorm of the rows of x from the diagonal of x.x^T ([n, n])."""
-    r = tl.arange(0, xx.shape[0])
-    return tl.rsqrt(tl.sum(tl.where(r[:, None] == r[None, :], xx, 0.0), axis=1) + 1e-6)
-
-
-@triton.jit
-def _l2norm_rows(x):
-    return x * _rnorm(x)[:, None]
-
-
-@triton.jit
-def _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, R0: tl.constexpr, ROWS: tl.constexpr):
-    """g and beta of value head h for rows R0 .. R0+ROWS of a chunk; 0 for rows past its end (they then write and
-    decay nothing)."""
-    r = R0 + tl.arange(0, ROWS)
-    valid = r < n
-    rows = (row0 + r).to(tl.int64)
-    a = tl.load(a_ptr + rows * stride_at + h, mask=valid, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + rows * stride_bt + h, mask=valid, other=0.0).to(tl.float32)
-    x = a + tl.load(dtb_ptr + h).to(tl.float32)
-    # softplus as torch computes it (threshold 20: linear above), so the gates match F.softplus.
-    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * sp
-    beta = 1.0 / (1.0 + tl.exp(-b))
-    return tl.where(valid, g, 0.0), tl.where(valid, beta, 0.0)
 
 
 @triton.jit
@@ -216,14 +161,6 @@ def _solve(t0, t1, t2, t3, a10, a20, a21, a30, a31, a32, b0, b1, b2, b3, DT: tl.
 
 
 @triton.jit
-def _store_rows(ptr, x, row0, n, stride_t, col0, ncols, R0: tl.constexpr):
-    r = R0 + tl.arange(0, x.shape[0])
-    c = tl.arange(0, x.shape[1])
-    mask = (r[:, None] < n) & (c[None, :] < ncols)
-    tl.store(_rows_ptrs(ptr, row0, r, stride_t, col0, c, False), x.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h, stride_at, stride_bt, HV: tl.constexpr):
     """Value head h's gates over a chunk: the cumulative log-decay of each 16-row block (c0..c3) and of the whole
     chunk (cf, stored to cum), and beta by block and for the whole chunk (bf)."""
@@ -244,16 +181,6 @@ def _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h, stride_at
     rc = tl.arange(0, C)
     tl.store(cum_ptr + (row0 + rc).to(tl.int64) * HV + h, cf, mask=rc < n)
     return c0, c1, c2, c3, be0, be1, be2, be3, cf, bf
-
-
-@triton.jit
-def _store_attn(attn_ptr, qk, cf, c, h, HV: tl.constexpr):
-    """Chunk c's causal q.k decay matrix of value head h: qk exp(cf_i - cf_j) for j <= i, else 0."""
-    C: tl.constexpr = 64
-    rc = tl.arange(0, C)
-    dec = tl.where(rc[:, None] >= rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
-    base = attn_ptr + (c * HV + h).to(tl.int64) * (C * C)
-    tl.store(base + rc[:, None] * C + rc[None, :], (qk * tl.exp(dec)).to(attn_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -290,72 +217,6 @@ def _solve_cols(ptr, stride_t, col0, ncols, row0, n, f0, s0, f1, s1, f2, s2, f3,
     _store_rows(out_ptr, x1, row0, n, out_stride_t, col0, ncols, S)
     _store_rows(out_ptr, x2, row0, n, out_stride_t, col0, ncols, 2 * S)
     _store_rows(out_ptr, x3, row0, n, out_stride_t, col0, ncols, 3 * S)
-
-
-@triton.jit
-def _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr, kn_ptr, HV: tl.constexpr,
-                R: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                NORMED: tl.constexpr):
-    """The FULL forms' attention matrix from q as stored and k (kr, its transpose kt, its rows' inverse norms rk),
-    q's norms from the diagonal of q.q; with NORMED, the normalised q and k stored too."""
-    C: tl.constexpr = 64
-    qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
-    rq = _rnorm_diag(tl.dot(qr, tl.trans(qr), input_precision=PREC)) * (DK ** -0.5)
-    _store_attn(attn_ptr, tl.dot(qr, kt, input_precision=PREC) * rq[:, None] * rk[None, :], cf, c, h, HV)
-    if NORMED:
-        if h % R == 0:  # q by the key head's first value head, k by its last (one fp32 copy a program)
-            _store_rows(qn_ptr + kh * DK, qr * rq[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
-        if h % R == R - 1:
-            _store_rows(kn_ptr + kh * DK, kr * rk[:, None], row0, n, (HV // R) * DK, 0, DK, 0)
-
-
-@triton.jit
-def _wu_full(ainv, bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n, stride_kt, stride_vt, HV: tl.constexpr,
-             DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr,
-             DT: tl.constexpr, PREC: tl.constexpr):
-    """w and u of one chunk and value head as whole-chunk products of (I + A)^-1 (ainv, fp32 [64, 64]) and k and v
-    as stored, the coefficients (beta exp(cum) / the k row's norm, beta) folded into the inverse's columns; by
-    column blocks of BC."""
-    C: tl.constexpr = 64
-    wk = (ainv * (bf * tl.exp(cf) * rk)[None, :]).to(DT)
-    for col in tl.static_range(0, BK, BC):
-        kb = _load_rows(kp, row0, n, stride_kt, col, DK - col, 0, C, BC, False, WIDE=False)
-        _store_rows(w_ptr + h * DK, tl.dot(wk, kb.to(DT), input_precision=PREC), row0, n, HV * DK, col, DK - col, 0)
-    uv = (ainv * bf[None, :]).to(DT)
-    for col in tl.static_range(0, BVF, BC):
-        vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False, WIDE=False)
-        _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col, DV - col, 0)
-
-
-@triton.jit
-def _wu_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, cum_ptr, attn_ptr, qn_ptr, kn_ptr,
-               scr_ptr, chunk_start, chunk_len, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-               stride_at, stride_bt, HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-               NORMED: tl.constexpr):
-    """FULL=3's second launch, one program per (chunk, value head): the attention matrix (and with NORMED the
-    normalised q and k), then w and u, from what _prep_kernel left: the inverse and the k rows' inverse norms in the
-    program's scratch, cum; beta made again from b. The same fp32 values into the same products as FULL=2's one
-    launch (_q_products, _wu_full), so the same bits, while the first launch holds only k's products and the inverse
-    (FLA splits its prep likewise: chunk_scaled_dot_kkt and solve_tril, then recompute_w_u)."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    kh = h // R
-    row0 = tl.load(chunk_start + c)
-    n = tl.load(chunk_len + c)
-    C: tl.constexpr = 64
-    rc = tl.arange(0, C)
-    _, bf = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row0, n, h, stride_at, stride_bt, 0, C)
-    # rows past the chunk's end carry its last cum on, as the first launch's cumsum over zero gates did
-    cf = tl.load(cum_ptr + (row0 + tl.minimum(rc, n - 1)).to(tl.int64) * HV + h)
-    scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
-    rk = tl.load(scr + C * C + rc)
-    kp = k_ptr + kh * stride_kh
-    kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
-    _q_products(q_ptr + kh * stride_qh, kr, tl.trans(kr), rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr,
-                kn_ptr, HV, R, DK, BK, DT, PREC, NORMED)
-    _wu_full(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kp, v_ptr + h * stride_vh, w_ptr, u_ptr, h,
-             row0, n, stride_kt, stride_vt, HV, DK, DV, BK, BVF, BC, DT, PREC)
 
 
 @triton.jit
@@ -398,9 +259,9 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         kt = tl.trans(kr)
         kk = tl.dot(kr, kt, input_precision=PREC)
         rk = _rnorm_diag(kk)
-        if FULL != 3:  # 3: q's products are the second launch's, off this one's register peak (255 -> 172 at sm_90)
-            _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr, kn_ptr, HV, R, DK, BK, DT,
-                        PREC, NORMED)
+        if FULL < 3:  # 3, 4: q's products are a later launch's, off this one's register peak (255 -> 172 at sm_90)
+            _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr, kn_ptr, cum_ptr, HV, R,
+                        DK, BK, DT, PREC, NORMED)
         # Masked before exp: the upper half's exponents are positive and never become numbers.
         dec = tl.where(rc[:, None] > rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
         a_full = kk * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
@@ -414,7 +275,7 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         a30, a31, a32 = _block_at(scr, 3, 0), _block_at(scr, 3, 1), _block_at(scr, 3, 2)
         if FULL >= 2:
             _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32)
-            if FULL == 3:  # the rest by _wu_kernel, a second launch, from the inverse and the norms in scratch
+            if FULL >= 3:  # the rest by later launches (gated_delta_wu) from the inverse and the norms in scratch
                 return
             tl.debug_barrier()  # the whole inverse, written by all the program's threads
             _wu_full(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n,
@@ -459,8 +320,9 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                 maxnreg: int | None = None, wu_warps: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
-    `full` (default FULL, 0..3): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
-    a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel); `maxnreg` (default MAXNREG,
+    `full` (default FULL, 0..4): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
+    a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel; 4: q's products once a key head
+    by a second, _qk_kernel, w and u by a third); `maxnreg` (default MAXNREG,
     0: none): the registers a thread of the first launch may use; `wu_warps` (default WU_WARPS): the second's warps."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
@@ -470,9 +332,9 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
     normed = qn is not None
     full = FULL if full is None else int(full)
-    if full not in (0, 1, 2, 3):
-        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0, 1, 2 or "
-                         f"3, got {full}")
+    if full not in range(5):
+        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 4, got "
+                         f"{full}")
     scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
     bc = min(cols, bk, bvf)
     _prep_kernel[(plan.num_chunks, hv)](
@@ -480,12 +342,17 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
         plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=bc,
         DT=dt, PREC=prec, NORMED=normed, FULL=full, num_warps=warps, **_reg_cap(maxnreg))
-    if full == 3:
+    if full == 4:
+        _qk_kernel[(plan.num_chunks, hk)](
+            q, k, cum, attn, qn if normed else w, kn if normed else w, scr, plan.chunk_start, plan.chunk_len,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), HV=hv, R=hv // hk, DK=k.shape[2], BK=bk, DT=dt,
+            PREC=prec, NORMED=normed, num_warps=wu_warps or WU_WARPS)
+    if full >= 3:
         _wu_kernel[(plan.num_chunks, hv)](
             q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
             plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=bc,
-            DT=dt, PREC=prec, NORMED=normed, num_warps=wu_warps or WU_WARPS)
+            DT=dt, PREC=prec, NORMED=normed, QK=full == 3, num_warps=wu_warps or WU_WARPS)
 
 
 def _reg_cap(maxnreg: int | None) -> dict:
