@@ -1,10 +1,11 @@
-"""The chunked DeltaNet's resources on sm_90 without a GPU: ktrans.kernels.triton.gated_delta._scan_kernel (or, --kernel
-prep, gated_delta_prep._prep_kernel; --kernel wu or qk, the FULL=3/4 later launches of gated_delta_wu) compiled by
-Triton for GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (HK 16, HV 32, Dk = Dv = 128, bf16 operands), one line
-per (normed, split or full, warps, stages, value columns): registers and spill stack (cuobjdump -res-usage), the
-shared memory Triton asks for, and how many of the loads the pipeliner made asynchronous copies.
+"""The chunked DeltaNet's resources on sm_90 without a GPU: ktrans.kernels.triton.gated_delta._scan_kernel (--kernel
+out: the split form's _output_kernel; --kernel prep, gated_delta_prep._prep_kernel; --kernel wu or qk, the FULL=3/4
+later launches of gated_delta_wu) compiled by Triton for GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (HK 16, HV
+32, Dk = Dv = 128, bf16 operands), one line per (normed, split or full, warps, stages, value columns): registers and
+spill stack (cuobjdump -res-usage), the shared memory Triton asks for, and how many of the loads the pipeliner made
+asynchronous copies.
 
-    python3 scripts/gdn_resources.py [--kernel scan|prep|wu|qk] [--normed 0,1] [--split 0,1] [--full 0,1,2,3,4]
+    python3 scripts/gdn_resources.py [--kernel scan|out|prep|wu|qk] [--normed 0,1] [--split 0,1] [--full 0,1,2,3,4]
                                      [--warps 4,8] [--stages 3] [--block_v 16,32] [--prep_cols 64]
                                      [--maxnreg 0,168]  (a register cap a thread; 0: none)
 """
@@ -38,14 +39,15 @@ def _signature(fn) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("scan", "prep", "wu", "qk"), default="scan")
+    ap.add_argument("--kernel", choices=("scan", "out", "prep", "wu", "qk"), default="scan")
     for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1,2"), ("warps", "4,8"), ("stages", "3"),
                           ("block_v", "16,32"), ("prep_cols", "64"), ("maxnreg", "0")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    prep = args.kernel != "scan"
-    fn = {"scan": gd._scan_kernel, "prep": gdp._prep_kernel, "wu": gdw._wu_kernel, "qk": gdw._qk_kernel}[args.kernel]
+    prep = args.kernel not in ("scan", "out")
+    fn = {"scan": gd._scan_kernel, "out": gd._output_kernel, "prep": gdp._prep_kernel, "wu": gdw._wu_kernel,
+          "qk": gdw._qk_kernel}[args.kernel]
     sig = _signature(fn)
     # the prep's second flag is FULL (none for FULL=3's second launch) and its column block PREP_COLS; the scan's
     # SPLIT and BV
@@ -64,7 +66,7 @@ def main() -> None:
             tag = f"{args.kernel} normed={normed} full={flag} warps={warps} stages={stages} prep_cols={width}"
         else:
             consts.update(BV=width, SPLIT=bool(flag))
-            tag = f"scan normed={normed} split={flag} warps={warps} stages={stages} block_v={width}"
+            tag = f"{args.kernel} normed={normed} split={flag} warps={warps} stages={stages} block_v={width}"
         tag += f" maxnreg={regs}" if regs else ""
         try:
             consts = {name: value for name, value in consts.items() if name in fn.arg_names}

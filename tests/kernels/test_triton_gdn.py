@@ -357,6 +357,23 @@ def test_split_output_launch_equals_the_scan(triton_device, dtype):
     assert not torch.equal(got[True][1][5], pool[5])  # the emits were written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_output_launch_any_width(triton_device, dtype):
+    """The split form's output launch with all value columns in one program (out_block_v 64, capped at Dv 24's
+    padded 32) where the scan takes 16 (OUT_BLOCK_V): each output is the same sums of the same products, only tiled differently, so within TOL of the one scan (fp32) or a
+    bf16 rounding of it (bf16 outputs, 2^-8 of the largest); the states are bitwise (the same sequential launch)."""
+    q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
+    one, split = pool.clone(), pool.clone()
+    o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, one, plan, block_v=16)
+    o_split = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, split, plan, block_v=16, split=True,
+                                            out_block_v=64)
+    assert torch.equal(split, one)
+    if dtype == torch.float32:
+        torch.testing.assert_close(o_split, o, **TOL)
+    else:
+        assert (o_split.float() - o.float()).abs().max() <= 2 ** -8 * o.float().abs().max()
+
+
 @pytest.mark.parametrize("dtype,split", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 def test_normed_scan_matches_reference(triton_device, dtype, split):
     """KTRANS_GDN_NORMED: the prep stores the normalised q and k once and the scan reads them as the dots' operands,

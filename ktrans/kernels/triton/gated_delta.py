@@ -46,6 +46,9 @@ SCAN_STAGES = 3
 # KTRANS_GDN_SPLIT=1: the scan's outputs by a separate launch parallel over chunks (_scan_kernel SPLIT, _output_kernel),
 # as FLA splits its chunk_fwd_h and chunk_fwd_o; off: slower on the H200 (1,242 against 1,151 us at T=8192)
 SPLIT = os.environ.get("KTRANS_GDN_SPLIT", "0") == "1"
+# The split form's output launch's value columns a program (0: the scan's); wider reads each chunk's q and q.k matrix
+# fewer times (FLA's chunk_fwd_o takes 64 or 128), untimed (gdn_sweep --split 1 --out_block_v 32,64,128).
+OUT_BLOCK_V = 0
 # KTRANS_GDN_NORMED (default 1): the prep stores the normalised q and k once (qn, kn [T, HK, Dk] in the dots' dtype)
 # and the scan reads them as the dots' operands (_scan_kernel NORMED); at sm_90 the unsplit scan's spill stack goes
 # from 1,208 to 504 bytes. Timed on an H100 (doc/benchmarks.md, session 29, one 80B layer with the prep's FULL=2): the
@@ -249,7 +252,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   state_pool: torch.Tensor, plan: ChunkPlan, out: torch.Tensor | None = None,
                                   block_v: int | None = None, split: bool | None = None,
                                   normed: bool | None = None, full: int | None = None,
-                                  prep_maxnreg: int | None = None) -> torch.Tensor:
+                                  prep_maxnreg: int | None = None, out_block_v: int | None = None) -> torch.Tensor:
     """The gated delta rule over the planned sequences of a flat batch, with the gates computed here.
 
     q, k [T, HK, Dk] and v [T, HV, Dv] (any token and head strides, last dim contiguous: views into the conv's
@@ -262,6 +265,7 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     KTRANS_GDN_NORMED): the prep stores the normalised q and k for the scan (2 x T x HK x Dk more, in the dots' dtype).
     `full` (default gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL, 0..2): the prep's A (2: and its inverse) through a
     scratch buffer. `prep_maxnreg` (default gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG): the prep's register cap.
+    `out_block_v` (default OUT_BLOCK_V, 0: block_v's): the split form's output launch's value columns a program.
     """
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -304,8 +308,9 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         num_stages=SCAN_STAGES)
     if not split:
         return out
-    _output_kernel[(plan.num_chunks, hv, triton.cdiv(dv, bv))](
+    obv = min(bvf, (OUT_BLOCK_V if out_block_v is None else out_block_v) or bv)
+    _output_kernel[(plan.num_chunks, hv, triton.cdiv(dv, obv))](
         qs, cum, attn, vnew, hs, out, plan.chunk_start, plan.chunk_len, qs.stride(0), qs.stride(1), out.stride(0),
-        out.stride(1), HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=bv, DT=dt, PREC=prec, NORMED=normed,
+        out.stride(1), HV=hv, R=r, DK=dk, DV=dv, BK=bk, BV=obv, DT=dt, PREC=prec, NORMED=normed,
         num_warps=SCAN_WARPS)
     return out

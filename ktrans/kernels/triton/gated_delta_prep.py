@@ -34,7 +34,9 @@ from ktrans.kernels.triton.gated_delta_rows import (_gates, _l2norm_rows, _load_
 from ktrans.kernels.triton.gated_delta_wu import _q_products, _qk_kernel, _wu_full, _wu_kernel
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
-WU_WARPS = 4  # FULL=3's and 4's later launches (gdn_sweep --wu_warps)
+# FULL=3's and 4's later launches (gdn_sweep --wu_warps): at sm_90 they spill at 4 warps (464, 568 and 208 bytes a
+# thread), not at 8 (244, 245 and 152 registers; gdn_resources --kernel wu|qk); untimed
+WU_WARPS = 8
 # KTRANS_GDN_PREP_FULL (default 2): the whole (I + A)^-1 through a scratch buffer, w and u as whole-chunk products;
 # 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with q's products, w and u
 # by a second launch; 4: q's products once a key head by a second, w and u by a third (gated_delta_wu; the same bits
