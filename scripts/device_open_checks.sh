@@ -93,10 +93,12 @@ kernels)
   fi
   start_fi_warm
   # the sweeps first (GDN_SWEEP=1, SWEEP=1), then the quantized kernels' benches (NO_BENCH=1: not those)
-  if [ -n "${GDN_SWEEP:-}" ]; then  # the chunked gated delta rule's launch shapes against fla-core (issue 15)
+  # the chunked gated delta rule's forms against fla-core (issue 15); by default the prep's one launch (FULL=2) against
+  # its splits (3, 4) with and without a cap; GDN_SWEEP_ARGS="... --split 1 --out_block_v 32,64,128" for the scan's
+  if [ -n "${GDN_SWEEP:-}" ]; then
     echo "== gdn sweep"
     # shellcheck disable=SC2086
-    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4,8 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 0,1 --prep_full 0,1,2} \
+    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 1 --prep_full 2,3,4 --prep_maxnreg 0,168} \
       > "$OUT/gdn_sweep.txt" 2>&1
     grep -E "T=|best" "$OUT/gdn_sweep.txt"
   fi
