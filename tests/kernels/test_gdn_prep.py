@@ -33,14 +33,13 @@ def test_column_blocks_rule_matches_reference(triton_device, monkeypatch, cols):
         check_against_reference(o, pool, before, seqs, q, k, v, a, b, A_log, dt_bias)
 
 
-@pytest.mark.parametrize("full", [1, 2, 3, 4])
+@pytest.mark.parametrize("full", [1, 2])
 @pytest.mark.parametrize("dtype,normed", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 def test_full_product_form_matches_reference(triton_device, dtype, normed, full):
     """KTRANS_GDN_PREP_FULL: A as one [64, 64] product of k as stored, through the program's scratch, the diagonal
     inverses from rows read back from there (full=2: and the whole inverse assembled there, w and u as whole-chunk
-    products; full=3: those by a second launch; 4: q's products by a second, w and u by a third). Varlen with a
-    continued slot, partial chunks and emits at two boundaries, against the reference and the block form's pool
-    (check_form_against_reference)."""
+    products). Varlen with a continued slot, partial chunks and emits at two boundaries, against the reference and
+    the block form's pool (check_form_against_reference). The split forms (3, 4) are held to FULL=2's bits below."""
     q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
     block, after = pool.clone(), pool.clone()
     chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, block, plan, normed=normed, full=0)
@@ -49,7 +48,7 @@ def test_full_product_form_matches_reference(triton_device, dtype, normed, full)
 
 
 @pytest.mark.parametrize("full", [3, 4])
-@pytest.mark.parametrize("dtype,normed", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("dtype,normed", [(torch.bfloat16, True), (torch.float32, False)])
 def test_later_launches_give_the_same_bits(triton_device, dtype, normed, full):
     """KTRANS_GDN_PREP_FULL=3 and 4: q's products, w and u made by later launches (gated_delta_wu; 4: q.k once a key
     head) from the inverse, the k rows' norms and cum the first launch left, beta made again from b: the same fp32

@@ -254,8 +254,8 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
     if FULL:
         # q.k and k.k from q and k as stored (exact products), the rows' inverse norms applied to the [64, 64]s and
         # taken from the diagonals of k.k and q.q (the sums of squares, fp32-accumulated products of the stored
-        # values): no fp32 copy of q or k is held (gdn_resources: 255 registers and a 144-byte stack at 4 warps,
-        # against 352 bytes with the norms from fp32 copies).
+        # values): no fp32 copy of q or k is held (gdn_resources, session 28: FULL=2's stack 144 bytes against 352
+        # with the norms from fp32 copies).
         kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
         rc = tl.arange(0, C)
         kt = tl.trans(kr)
@@ -269,7 +269,7 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         a_full = kk * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
         scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
         tl.store(scr + rc[:, None] * C + rc[None, :], a_full)
-        if FULL != 2:  # the solve by blocks (1) and the second launch (3) read the norms back; 2 keeps them
+        if FULL != 2:  # the solve by blocks (1) and the later launches (3, 4) read the norms back; 2 keeps them
             tl.store(scr + C * C + rc, rk)
         tl.debug_barrier()  # the program's threads read back what others stored
         t0, t1, t2, t3 = _inv_diag_from(scr)
