@@ -324,8 +324,8 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
     `full` (default FULL, 0..4): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
     a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel; 4: q's products once a key head
-    by a second, _qk_kernel, w and u by a third); `maxnreg` (default MAXNREG,
-    0: none): the registers a thread of the first launch may use; `wu_warps` (default WU_WARPS): the second's warps."""
+    by a second, _qk_kernel, w and u by a third); `maxnreg` (default MAXNREG, 0: none): the registers a thread of
+    the first launch may use; `wu_warps` (default WU_WARPS): the later launches' warps."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
