@@ -8,6 +8,7 @@ asynchronous copies.
     python3 scripts/gdn_resources.py [--kernel scan|out|prep|wu|qk] [--normed 0,1] [--split 0,1] [--full 0,1,2,3,4]
                                      [--warps 4,8] [--stages 3] [--block_v 16,32] [--prep_cols 64]
                                      [--maxnreg 0,168]  (a register cap a thread; 0: none)
+                                     [--inv 0,1]  (the prep's diagonal inverses row by row / by doubling)
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=("scan", "out", "prep", "wu", "qk"), default="scan")
     for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1,2"), ("warps", "4,8"), ("stages", "3"),
-                          ("block_v", "16,32"), ("prep_cols", "64"), ("maxnreg", "0")):
+                          ("block_v", "16,32"), ("prep_cols", "64"), ("maxnreg", "0"), ("inv", "0")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
@@ -53,17 +54,19 @@ def main() -> None:
     # SPLIT and BV
     flags, widths = (args.full, args.prep_cols) if prep else (args.split, args.block_v)
     flags = {"wu": "3,4", "qk": "4"}.get(args.kernel, flags)
-    for normed, flag, warps, stages, width, regs in itertools.product(ints(args.normed), ints(flags), ints(args.warps),
-                                                                      ints(args.stages), ints(widths),
-                                                                      ints(args.maxnreg)):
+    invs = ints(args.inv) if args.kernel == "prep" else [0]  # the diagonal inverses' form: the first launch's
+    for normed, flag, warps, stages, width, regs, inv in itertools.product(ints(args.normed), ints(flags),
+                                                                           ints(args.warps), ints(args.stages),
+                                                                           ints(widths), ints(args.maxnreg), invs):
         consts = {"HV": 32, "R": 2, "DK": 128, "DV": 128, "BK": 128, "DT": tl.bfloat16, "PREC": "tf32",
                   "NORMED": bool(normed)}
         if prep:
             if args.kernel == "wu":
                 consts.update(BVF=128, BC=width, QK=flag == 3)
             else:
-                consts.update(BVF=128, BC=width, FULL=flag)
+                consts.update(BVF=128, BC=width, FULL=flag, INV=inv)
             tag = f"{args.kernel} normed={normed} full={flag} warps={warps} stages={stages} prep_cols={width}"
+            tag += f" inv={inv}" if args.kernel == "prep" else ""
         else:
             consts.update(BV=width, SPLIT=bool(flag))
             tag = f"{args.kernel} normed={normed} split={flag} warps={warps} stages={stages} block_v={width}"
@@ -72,7 +75,7 @@ def main() -> None:
             consts = {name: value for name, value in consts.items() if name in fn.arg_names}
             k, usage = compile_sm90(fn, sig, consts, warps, stages, regs)
         except Exception as exc:  # noqa: BLE001  (a shape that does not compile is reported)
-            print(f"{tag}: {type(exc).__name__}: {str(exc)[:160]}")
+            print(f"{tag}: {type(exc).__name__}: {str(exc)[-600:]}")
             continue
         copies = k.asm["ttgir"].count("async_copy_global_to_local")
         print(f"{tag}: {usage} shared={k.metadata.shared} async_copies={copies}", flush=True)

@@ -263,9 +263,9 @@ def chunk_gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     chunks, from the states and v_new the sequential one stores (the same values bitwise; one chunk's state a value
     head in the dots' dtype more memory, ~4 MiB a chunk at Qwen3-Next's shapes in bf16). `normed` (default NORMED,
     KTRANS_GDN_NORMED): the prep stores the normalised q and k for the scan (2 x T x HK x Dk more, in the dots' dtype).
-    `full` (default gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL, 0..4): the prep's A (from 2: and its inverse)
-    through a scratch buffer (3, 4: the rest by later launches, gated_delta_prep.launch_prep). `prep_maxnreg`
-    (default gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG): the prep's register cap.
+    `full` (default gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL, 0..5): the prep's A (from 2: and its inverse)
+    through a scratch buffer (3, 4: the rest by later launches; 5: 2 with early loads; gated_delta_prep.launch_prep).
+    `prep_maxnreg` (default gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG): the prep's register cap.
     `out_block_v` (default OUT_BLOCK_V, 0: block_v's): the split form's output launch's value columns a program.
     """
     t, hk, dk = k.shape

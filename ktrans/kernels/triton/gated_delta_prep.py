@@ -15,11 +15,13 @@ by column blocks of PREP_COLS (k and v reloaded from L2). Timed on the H200 at T
 20): 454 us, against 659 for a program per (chunk, key head) holding both heads (a 1.9 KB spill stack at sm_90) and
 466 for the inverse stored and w and u made by a second launch; 64-column blocks beat 32 (528 us).
 
-The FULL form (KTRANS_GDN_PREP_FULL, the default: 2) makes A as FLA's chunk_scaled_dot_kkt does, one [64, 64]
-product of k as stored beside q.k, the rows' inverse norms applied to the products, through a per-program fp32
-scratch: the diagonal inverses read their rows back from there, and the whole inverse is assembled there; w and u
-are whole-chunk products. On an H100 at T=8192 (session 29) it took 362.8 us against the block form's 480.8. FULL=3
-and 4 leave q's products, w and u to later launches (gated_delta_wu; the first then holds 172 registers, not 255).
+The FULL forms (KTRANS_GDN_PREP_FULL) make A as FLA's chunk_scaled_dot_kkt does, one [64, 64] product of k as
+stored beside q.k, the rows' inverse norms applied to the products, through a per-program fp32 scratch: the diagonal
+inverses read their rows back from there (KTRANS_GDN_PREP_INV: by doubling, the default, or row by row), and the
+whole inverse is assembled there; w and u are whole-chunk products. On an H100 at T=8192 (session 29) FULL=2 took
+362.8 us against the block form's 480.8. FULL=5, the default, is 2 with q, k and v loaded early: 297.6 against 336.4
+us (session 30, with INV=2). FULL=3 and 4 leave q's products, w and u to later launches (gated_delta_wu; the first
+then holds 172 registers, not 255), and lost to 2.
 """
 from __future__ import annotations
 
@@ -31,22 +33,33 @@ import triton.language as tl
 
 from ktrans.kernels.triton.gated_delta_rows import (_gates, _l2norm_rows, _load_rows, _rnorm, _rnorm_diag, _store_attn,
                                                     _store_rows)
-from ktrans.kernels.triton.gated_delta_wu import _q_products, _qk_kernel, _wu_full, _wu_kernel
+from ktrans.kernels.triton.gated_delta_wu import _q_products, _q_products_of, _qk_kernel, _wu_full, _wu_kernel, _wu_rows
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
 # FULL=3's and 4's later launches (gdn_sweep --wu_warps): at sm_90 they spill at 4 warps (464, 568 and 208 bytes a
 # thread), not at 8 (244, 245 and 152 registers; gdn_resources --kernel wu|qk); untimed
 WU_WARPS = 8
-# KTRANS_GDN_PREP_FULL (default 2): the whole (I + A)^-1 through a scratch buffer, w and u as whole-chunk products;
-# 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with q's products, w and u
-# by a second launch; 4: q's products once a key head by a second, w and u by a third (gated_delta_wu; the same bits
-# as 2; opt-in until timed: gdn_sweep --prep_full 2,3,4). Timed on an H100 (session 29, T=8192, NORMED scan): the
-# prep 362.8 (2) against 480.8 us (0).
-FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "2"))
+# KTRANS_GDN_PREP_FULL (default 5): the whole (I + A)^-1 through a scratch buffer, w and u as whole-chunk products,
+# q's, k's and v's rows loaded early (k and q before the gates, v before the inverse) and w and u made at their whole
+# width from the rows so loaded; 2: the same bits with each operand loaded where it is used and w and u by column
+# blocks of PREP_COLS; 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with
+# q's products, w and u by a second launch; 4: q's products once a key head by a second, w and u by a third
+# (gated_delta_wu; the same bits as 2). Timed on an H100 (session 30, T=8192, NORMED scan, INV=2): the prep 297.6 (5)
+# against 336.4 us (2); the whole layer 630.2 against 667.8 (fla-core 0.6.0: 566.1); 3 and 4 lost to 2 (397 and 399
+# against 371 us at INV=0).
+FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "5"))
 # KTRANS_GDN_PREP_MAXNREG=n: cap the prep's registers a thread at n (ptxas spills the rest) so that more programs share
 # an SM (4 warps: 255 registers fit two, 168 three, 128 four); 0, the default, leaves ptxas free (gdn_sweep
 # --prep_maxnreg).
 MAXNREG = int(os.environ.get("KTRANS_GDN_PREP_MAXNREG", "0"))
+# KTRANS_GDN_PREP_INV (default 2): how the FULL forms make (I + A)^-1. 0: A's diagonal 16x16 blocks inverted row by
+# row (_inv_diag_from: fifteen dependent steps, each a load, a reduction and a broadcast), then the whole inverse
+# assembled six dependent 16x16 products deep (_store_inverse); 1: the diagonal blocks by doubling (_inv_diag_doubling:
+# three dependent pairs of batched products); 2: also the assembly by 32-row halves, four products deep
+# (_store_inverse_shallow). Cutting the whole inverse took the FULL=2 prep from 371.6 to 241.7 us on an H100 (session
+# 30, T=8192): a chain of latencies at two programs an SM. There: the prep 370.2 (0), 342.0 (1), 336.4 us (2) at
+# FULL=2; 329.2, 300.2, 297.6 at FULL=5.
+INV = int(os.environ.get("KTRANS_GDN_PREP_INV", "2"))
 
 
 @triton.jit
@@ -104,6 +117,26 @@ def _inv_diag_from(scr):
 
 
 @triton.jit
+def _inv_diag_doubling(scr):
+    """The same four inverses by doubling the inverted blocks' size, 1 -> 2 -> 4 -> 8 -> 16, each step two batched
+    fp32 products: with T the inverse of (I + N) over blocks of s rows on the diagonal and E the part of N coupling
+    the two halves of each 2s block, the inverse over 2s blocks is T - T E T (E T E = 0). Three dependent pairs of
+    [4, 16, 16] products instead of fifteen dependent row steps, and the blocked substitution's values up to fp32
+    rounding (no powers of N, which grow)."""
+    S: tl.constexpr = 16
+    r = tl.arange(0, S)
+    blk = tl.arange(0, 4)[:, None, None]
+    i = r[None, :, None]
+    j = r[None, None, :]
+    n = tl.load(scr + (blk * S + i) * (4 * S) + blk * S + j)  # [4, 16, 16], strictly lower
+    t = tl.where(i == j, 1.0, 0.0) - tl.where(i // 2 == j // 2, n, 0.0)  # blocks of 2: [[1, 0], [-n, 1]]
+    for s in tl.static_range(1, 4):  # halves of 2, 4, 8 rows
+        e = tl.where((i >> s != j >> s) & (i >> (s + 1) == j >> (s + 1)), n, 0.0)
+        t = t - _dot32(t, _dot32(e, t))
+    return _unstack4(t)
+
+
+@triton.jit
 def _block_offs(I: tl.constexpr, J: tl.constexpr):
     """The offsets of block (I, J), 16x16, in a [64, 64] row-major matrix."""
     r = tl.arange(0, 16)
@@ -126,6 +159,32 @@ def _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32):
     x31 = -_dot32(t3, _dot32(a31, t1) + _dot32(a32, x21))
     x30 = -_dot32(t3, _dot32(a30, t0) + _dot32(a31, x10) + _dot32(a32, x20))
     tl.debug_barrier()  # every thread's reads of A's blocks are done before they are overwritten
+    _store_blocks(scr, t0, t1, t2, t3, x10, x20, x21, x30, x31, x32)
+
+
+@triton.jit
+def _store_inverse_shallow(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32):
+    """The same inverse by halves (KTRANS_GDN_PREP_INV=2): each 32-row diagonal block's coupling first (x10, x32),
+    then the lower-left 32x32 block as -T_b E T_a, E being A's lower-left 32x32 block and T_a, T_b the inverses of
+    the diagonal 32x32 blocks: P = E T_a by 16x16 blocks, then -T_b P. The same sixteen fp32 16x16 products, four
+    dependent ones deep rather than six (x30 waits on x20 in _store_inverse)."""
+    x10 = -_dot32(_dot32(t1, a10), t0)
+    x32 = -_dot32(_dot32(t3, a32), t2)
+    p20 = _dot32(a20, t0) + _dot32(a21, x10)
+    p21 = _dot32(a21, t1)
+    p30 = _dot32(a30, t0) + _dot32(a31, x10)
+    p31 = _dot32(a31, t1)
+    x20 = -_dot32(t2, p20)
+    x21 = -_dot32(t2, p21)
+    x30 = -(_dot32(x32, p20) + _dot32(t3, p30))
+    x31 = -(_dot32(x32, p21) + _dot32(t3, p31))
+    tl.debug_barrier()  # every thread's reads of A's blocks are done before they are overwritten
+    _store_blocks(scr, t0, t1, t2, t3, x10, x20, x21, x30, x31, x32)
+
+
+@triton.jit
+def _store_blocks(scr, t0, t1, t2, t3, x10, x20, x21, x30, x31, x32):
+    """The inverse's ten lower blocks into A's scratch (its zero upper blocks stay)."""
     _store_block(scr, t0, 0, 0)
     _store_block(scr, t1, 1, 1)
     _store_block(scr, t2, 2, 2)
@@ -227,7 +286,7 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
                  stride_vt, stride_vh, stride_at, stride_bt,
                  HV: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  BK: tl.constexpr, BVF: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                 NORMED: tl.constexpr = False, FULL: tl.constexpr = 0):
+                 NORMED: tl.constexpr = False, FULL: tl.constexpr = 0, INV: tl.constexpr = 0):
     """One program per (chunk, value head), its phases ordered so that each one's values die before the next (see
     the module's docstring). NORMED: the first value head of each key head also stores the chunk's normalised q
     (times Dk^-1/2) and the last its normalised k, to qn, kn [T, HK, Dk] in the dots' dtype, for the scan to read as
@@ -245,18 +304,22 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
     n = tl.load(chunk_len + c)
     S: tl.constexpr = 16
     C: tl.constexpr = 64
-    c0, c1, c2, c3, be0, be1, be2, be3, cf, bf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
-                                                              stride_at, stride_bt, HV)
     kp = k_ptr + kh * stride_kh
     qp = q_ptr + kh * stride_qh
     vp = v_ptr + h * stride_vh
+    if FULL == 5:  # the chunk's k and q rows asked for first, their latency behind the gates' loads and sums
+        kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, 64, BK, False, WIDE=False).to(DT)
+        qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, 64, BK, False, WIDE=False).to(DT)
+    c0, c1, c2, c3, be0, be1, be2, be3, cf, bf = _chunk_gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, cum_ptr, row0, n, h,
+                                                              stride_at, stride_bt, HV)
     one = tl.full((S,), 1.0, tl.float32)
     if FULL:
         # q.k and k.k from q and k as stored (exact products), the rows' inverse norms applied to the [64, 64]s and
         # taken from the diagonals of k.k and q.q (the sums of squares, fp32-accumulated products of the stored
         # values): no fp32 copy of q or k is held (gdn_resources, session 28: FULL=2's stack 144 bytes against 352
         # with the norms from fp32 copies).
-        kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
+        if FULL != 5:
+            kr = _load_rows(kp, row0, n, stride_kt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
         rc = tl.arange(0, C)
         kt = tl.trans(kr)
         kk = tl.dot(kr, kt, input_precision=PREC)
@@ -264,24 +327,39 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
         if FULL < 3:  # 3, 4: q's products are a later launch's, off this one's register peak (255 -> 172 at sm_90)
             _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_ptr, kn_ptr, cum_ptr, HV, R,
                         DK, BK, DT, PREC, NORMED)
+        if FULL == 5:
+            _q_products_of(qr, kr, kt, rk, cf, c, h, kh, row0, n, attn_ptr, qn_ptr, kn_ptr, cum_ptr, HV, R, DK, DT,
+                           PREC, NORMED)
+            # v's rows asked for now, to arrive while the inverse is made (k's stay from above)
+            vr = _load_rows(vp, row0, n, stride_vt, 0, DV, 0, C, BVF, False, WIDE=False).to(DT)
         # Masked before exp: the upper half's exponents are positive and never become numbers.
         dec = tl.where(rc[:, None] > rc[None, :], cf[:, None] - cf[None, :], float("-inf"))
         a_full = kk * (bf * rk)[:, None] * rk[None, :] * tl.exp(dec)
         scr = scr_ptr + (c * HV + h).to(tl.int64) * (C * C + C)
         tl.store(scr + rc[:, None] * C + rc[None, :], a_full)
-        if FULL != 2:  # the solve by blocks (1) and the later launches (3, 4) read the norms back; 2 keeps them
+        if FULL == 1 or FULL == 3 or FULL == 4:  # the solve by blocks (1) and the later launches read the norms back
             tl.store(scr + C * C + rc, rk)
         tl.debug_barrier()  # the program's threads read back what others stored
-        t0, t1, t2, t3 = _inv_diag_from(scr)
+        if INV:
+            t0, t1, t2, t3 = _inv_diag_doubling(scr)
+        else:
+            t0, t1, t2, t3 = _inv_diag_from(scr)
         a10, a20, a21 = _block_at(scr, 1, 0), _block_at(scr, 2, 0), _block_at(scr, 2, 1)
         a30, a31, a32 = _block_at(scr, 3, 0), _block_at(scr, 3, 1), _block_at(scr, 3, 2)
         if FULL >= 2:
-            _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32)
-            if FULL >= 3:  # the rest by later launches (gated_delta_wu) from the inverse and the norms in scratch
+            if INV == 2:
+                _store_inverse_shallow(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32)
+            else:
+                _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32)
+            if FULL == 3 or FULL == 4:  # the rest by later launches (gated_delta_wu) from the inverse and the norms
                 return
             tl.debug_barrier()  # the whole inverse, written by all the program's threads
-            _wu_full(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n,
-                     stride_kt, stride_vt, HV, DK, DV, BK, BVF, BC, DT, PREC)
+            if FULL == 5:
+                _wu_rows(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kr, vr, w_ptr, u_ptr, h, row0, n,
+                         HV, DK, DV, DT, PREC)
+            else:
+                _wu_full(tl.load(scr + rc[:, None] * C + rc[None, :]), bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n,
+                         stride_kt, stride_vt, HV, DK, DV, BK, BVF, BC, DT, PREC)
             return
         rs = tl.arange(0, S)
         f0, f1 = tl.load(scr + C * C + rs), tl.load(scr + C * C + S + rs)
@@ -319,13 +397,15 @@ def _prep_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_
 
 def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, bvf: int, dt, prec: str,
                 warps: int, cols: int | None = None, qn=None, kn=None, full: int | None = None,
-                maxnreg: int | None = None, wu_warps: int | None = None) -> None:
+                maxnreg: int | None = None, wu_warps: int | None = None, inv: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
-    `full` (default FULL, 0..4): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
+    `full` (default FULL, 0..5): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
     a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel; 4: q's products once a key head
-    by a second, _qk_kernel, w and u by a third); `maxnreg` (default MAXNREG, 0: none): the registers a thread of
-    the first launch may use; `wu_warps` (default WU_WARPS): the later launches' warps."""
+    by a second, _qk_kernel, w and u by a third; 5: as 2, the operands loaded early); `maxnreg` (default MAXNREG, 0:
+    none): the registers a thread of the first launch may use; `wu_warps` (default WU_WARPS): the later launches'
+    warps; `inv` (default INV): the inverse's form (0: row by row, 1: the diagonal blocks by doubling, 2: and the
+    assembly by halves)."""
     hk = k.shape[1]
     hv, dv = v.shape[1:]
     cols = cols or PREP_COLS
@@ -334,22 +414,27 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
     normed = qn is not None
     full = FULL if full is None else int(full)
-    if full not in range(5):
-        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 4, got "
+    if full not in range(6):
+        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 5, got "
                          f"{full}")
+    inv = INV if inv is None else int(inv)
+    if inv not in range(3):
+        raise ValueError(f"the DeltaNet prep's inverse form (KTRANS_GDN_PREP_INV, gdn_sweep --prep_inv) must be 0 to 2, "
+                         f"got {inv}")
     scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
     bc = min(cols, bk, bvf)
     _prep_kernel[(plan.num_chunks, hv)](
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
         plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), b.stride(0), HV=hv, R=hv // hk, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, BC=bc,
-        DT=dt, PREC=prec, NORMED=normed, FULL=full, num_warps=warps, **_reg_cap(maxnreg))
+        DT=dt, PREC=prec, NORMED=normed, FULL=full, INV=inv, num_warps=warps,
+        **_reg_cap(maxnreg))
     if full == 4:
         _qk_kernel[(plan.num_chunks, hk)](
             q, k, cum, attn, qn if normed else w, kn if normed else w, scr, plan.chunk_start, plan.chunk_len,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), HV=hv, R=hv // hk, DK=k.shape[2], BK=bk, DT=dt,
             PREC=prec, NORMED=normed, num_warps=wu_warps or WU_WARPS)
-    if full >= 3:
+    if full in (3, 4):
         _wu_kernel[(plan.num_chunks, hv)](
             q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
             plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),

@@ -29,8 +29,16 @@ def _q_products(qp, kr, kt, rk, cf, c, h, kh, row0, n, stride_qt, attn_ptr, qn_p
     """The FULL forms' attention matrix from q as stored and k (kr, its transpose kt, its rows' inverse norms rk),
     q's norms from the diagonal of q.q, for value head h (cum cf); with NORMED, the normalised q and k stored too.
     GROUP: for every value head of key head kh, q.k made once and each head's cum loaded from cum_ptr."""
-    C: tl.constexpr = 64
-    qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, C, BK, False, WIDE=False).to(DT)
+    qr = _load_rows(qp, row0, n, stride_qt, 0, DK, 0, 64, BK, False, WIDE=False).to(DT)
+    _q_products_of(qr, kr, kt, rk, cf, c, h, kh, row0, n, attn_ptr, qn_ptr, kn_ptr, cum_ptr, HV, R, DK, DT, PREC,
+                   NORMED, GROUP)
+
+
+@triton.jit
+def _q_products_of(qr, kr, kt, rk, cf, c, h, kh, row0, n, attn_ptr, qn_ptr, kn_ptr, cum_ptr, HV: tl.constexpr,
+                   R: tl.constexpr, DK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, NORMED: tl.constexpr,
+                   GROUP: tl.constexpr = False):
+    """_q_products from q's rows as loaded (qr [64, BK] in the dots' dtype)."""
     rq = _rnorm_diag(tl.dot(qr, tl.trans(qr), input_precision=PREC)) * (DK ** -0.5)
     qk = tl.dot(qr, kt, input_precision=PREC) * rq[:, None] * rk[None, :]
     if GROUP:
@@ -61,6 +69,17 @@ def _wu_full(ainv, bf, cf, rk, kp, vp, w_ptr, u_ptr, h, row0, n, stride_kt, stri
     for col in tl.static_range(0, BVF, BC):
         vb = _load_rows(vp, row0, n, stride_vt, col, DV - col, 0, C, BC, False, WIDE=False)
         _store_rows(u_ptr + h * DV, tl.dot(uv, vb.to(DT), input_precision=PREC), row0, n, HV * DV, col, DV - col, 0)
+
+
+@triton.jit
+def _wu_rows(ainv, bf, cf, rk, kr, vr, w_ptr, u_ptr, h, row0, n, HV: tl.constexpr, DK: tl.constexpr,
+             DV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """_wu_full from k's and v's rows as loaded (kr [64, BK], vr [64, BVF], in the dots' dtype), at their whole
+    width: FULL=5's, its loads issued long before (the same products, column for column)."""
+    wk = (ainv * (bf * tl.exp(cf) * rk)[None, :]).to(DT)
+    _store_rows(w_ptr + h * DK, tl.dot(wk, kr, input_precision=PREC), row0, n, HV * DK, 0, DK, 0)
+    uv = (ainv * bf[None, :]).to(DT)
+    _store_rows(u_ptr + h * DV, tl.dot(uv, vr, input_precision=PREC), row0, n, HV * DV, 0, DV, 0)
 
 
 @triton.jit
