@@ -93,12 +93,13 @@ kernels)
   fi
   start_fi_warm
   # the sweeps first (GDN_SWEEP=1, SWEEP=1), then the quantized kernels' benches (NO_BENCH=1: not those)
-  # the chunked gated delta rule's forms against fla-core (issue 15); by default the prep's one launch (FULL=2) against
-  # its splits (3, 4) with and without a cap; GDN_SWEEP_ARGS="... --split 1 --out_block_v 32,64,128" for the scan's
+  # the chunked gated delta rule's forms against fla-core (issue 15); by default the shipped prep (FULL=5) against a
+  # program a key head (6), without and with a cap; GDN_SWEEP_ARGS="... --split 1 --out_block_v
+  # 32,64,128" for the scan's
   if [ -n "${GDN_SWEEP:-}" ]; then
     echo "== gdn sweep"
     # shellcheck disable=SC2086
-    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 1 --prep_full 2,3,4 --prep_maxnreg 0,168} \
+    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 1 --prep_full 5,6 --prep_inv 2 --prep_maxnreg 0,168} \
       > "$OUT/gdn_sweep.txt" 2>&1
     grep -E "T=|best" "$OUT/gdn_sweep.txt"
   fi
@@ -221,7 +222,7 @@ serve)
 gdn)
   # issue 15's chunked DeltaNet forms end to end: the real-shape GDN tests beside the file writer, then all on the
   # GPU (the Triton layer ops), batch-1 prefill of PREFILL_LENS (default 8192, one chunk) under each environment of
-  # GDN_AB (default: the forms before session 29, the shipped ones, the prep split in three launches); ~7 min
+  # GDN_AB (default: session 29's prep, the shipped one, a program a key head); ~7 min
   start_writer "$OUT/mk.log"
   # TEST_ENV="A=1 B=2": the tests (only) under that environment, e.g. a form the A/B below is to make the default
   # shellcheck disable=SC2086
@@ -231,7 +232,7 @@ gdn)
   [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
   python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-gpu.yaml /tmp/gpu-triton.yaml triton
   local_i=0
-  for v in ${GDN_AB:-KTRANS_GDN_NORMED=0+KTRANS_GDN_PREP_FULL=0 KTRANS_GDN_PREP_FULL=2 KTRANS_GDN_PREP_FULL=4}; do
+  for v in ${GDN_AB:-KTRANS_GDN_PREP_FULL=2+KTRANS_GDN_PREP_INV=0 KTRANS_GDN_PREP_FULL=5 KTRANS_GDN_PREP_FULL=6}; do
     local_i=$((local_i + 1))
     # shellcheck disable=SC2086  # A=1+B=2: two variables
     env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-150} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \

@@ -7,7 +7,7 @@ imports. Prints one line per (shape, T) and, last, the best per T: what to write
 
     python3 scripts/gdn_sweep.py [--t 8192,32768] [--prep_warps 4,8] [--scan_warps 2,4,8]
                                  [--scan_stages 2,3,4] [--block_v 16,32,64] [--split 0,1] [--prep_cols 32,64]
-                                 [--normed 0,1] [--prep_full 0,1,2,3,4] [--prep_maxnreg 0,168] [--wu_warps 4,8]
+                                 [--normed 0,1] [--prep_full 0,1,2,3,4,5,6] [--prep_maxnreg 0,168] [--wu_warps 4,8]
                                  [--out_block_v 32,64,128] [--prep_inv 0,1]
 
 --split 1: the outputs by a launch parallel over chunks (gated_delta.SPLIT, KTRANS_GDN_SPLIT); "scan" is then the
@@ -17,7 +17,8 @@ KTRANS_GDN_NORMED). --prep_full 1: the prep's A as one product through scratch, 
 (gated_delta_prep.FULL, KTRANS_GDN_PREP_FULL). --prep_maxnreg: a register cap a thread for the prep
 (gated_delta_prep.MAXNREG, KTRANS_GDN_PREP_MAXNREG; 0: none). --prep_full 3: q's products, w and u by a second launch
 of --wu_warps warps (gated_delta_prep.WU_WARPS); 4: q's products once a key head by a second, w and u by a third;
-5: one launch as 2, q, k and v loaded early and w and u made at their whole width (--prep_cols unused).
+5: one launch as 2, q, k and v loaded early and w and u made at their whole width (--prep_cols unused); 6: as 5 with a
+program a key head for its value heads (needs --prep_inv 2).
 --prep_inv 1: the FULL forms' diagonal inverses by doubling (gated_delta_prep.INV, KTRANS_GDN_PREP_INV).
 "prep" times the launch before the scan.
 """
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--prep_full", default="0",
                     help="1: the prep's A as one product through scratch, 2: its inverse too, 3: as 2 with q's "
                          "products, w and u by a second launch, 4: q's products a key head by a second, w and u by a "
-                         "third, 5: as 2 with q, k and v loaded early")
+                         "third, 5: as 2 with q, k and v loaded early, 6: as 5 with a program a key head")
     ap.add_argument("--prep_maxnreg", default="0", help="the prep's register cap a thread (0: none)")
     ap.add_argument("--prep_inv", default="0", help="1: the diagonal inverses by doubling (FULL forms)")
     ap.add_argument("--wu_warps", default="8", help="warps of --prep_full 3's and 4's later launches")

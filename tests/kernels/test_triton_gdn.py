@@ -276,15 +276,16 @@ def test_prefill_then_decode_equals_one_prefill(triton_device):
                                                (torch.bfloat16, True, 1), (torch.float32, False, 2),
                                                (torch.bfloat16, True, 2), (torch.bfloat16, True, 3),
                                                (torch.bfloat16, True, 4), (torch.float32, False, 5),
-                                               (torch.bfloat16, True, 5)])
+                                               (torch.bfloat16, True, 5), (torch.float32, False, 6),
+                                               (torch.bfloat16, True, 6)])
 def test_real_shapes_on_the_gpu(dtype, normed, full):
     """HK=16, HV=32, Dk=Dv=128: two sequences of prefill (one carried) and a decode batch of 5, against the
     references run in fp32 on the same (rounded) inputs. bf16: the kernels keep w, u and the chunk's q.k matrix in
     bf16 and multiply bf16 operands (the state too) on the tensor cores: half a dozen roundings of 2^-8 each, so
     4e-2 of the outputs' largest value; fp32 multiplies exactly (input_precision ieee), so TOL. normed: the scan over
     the prep's normalised q and k (KTRANS_GDN_NORMED), the same bounds; full: the prep's A (2: and its inverse; 3, 4:
-    the rest by later launches; 5: q, k and v loaded early) through scratch (KTRANS_GDN_PREP_FULL), the same
-    bounds."""
+    the rest by later launches; 5: q, k and v loaded early; 6: a program a key head) through scratch
+    (KTRANS_GDN_PREP_FULL), the same bounds."""
     dev = torch.device("cuda")
     hk, hv, dk, dv = 16, 32, 128, 128
     lens, slots, fresh = [200, 77], [2, 0], [False, True]
@@ -362,8 +363,9 @@ def test_split_output_launch_equals_the_scan(triton_device, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_output_launch_any_width(triton_device, dtype):
     """The split form's output launch with all value columns in one program (out_block_v 64, capped at Dv 24's
-    padded 32) where the scan takes 16 (OUT_BLOCK_V): each output is the same sums of the same products, only tiled differently, so within TOL of the one scan (fp32) or a
-    bf16 rounding of it (bf16 outputs, 2^-8 of the largest); the states are bitwise (the same sequential launch)."""
+    padded 32) where the scan takes 16 (OUT_BLOCK_V): each output is the same sums of the same products, only tiled
+    differently, so within TOL of the one scan (fp32) or a bf16 rounding of it (bf16 outputs, 2^-8 of the largest);
+    the states are bitwise (the same sequential launch)."""
     q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
     one, split = pool.clone(), pool.clone()
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, one, plan, block_v=16)

@@ -21,7 +21,8 @@ inverses read their rows back from there (KTRANS_GDN_PREP_INV: by doubling, the 
 whole inverse is assembled there; w and u are whole-chunk products. On an H100 at T=8192 (session 29) FULL=2 took
 362.8 us against the block form's 480.8. FULL=5, the default, is 2 with q, k and v loaded early: 297.6 against 336.4
 us (session 30, with INV=2). FULL=3 and 4 leave q's products, w and u to later launches (gated_delta_wu; the first
-then holds 172 registers, not 255), and lost to 2.
+then holds 172 registers, not 255), and lost to 2. FULL=6 runs a program per key head (gated_delta_group). The
+inverse's pieces are in gated_delta_inv.
 """
 from __future__ import annotations
 
@@ -31,9 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.gated_delta_group import _prep_group_kernel
+from ktrans.kernels.triton.gated_delta_inv import (_block_at, _inv_diag_doubling, _inv_diag_from, _inv_unit_lower4,
+                                                   _store_inverse, _store_inverse_shallow)
 from ktrans.kernels.triton.gated_delta_rows import (_gates, _l2norm_rows, _load_rows, _rnorm, _rnorm_diag, _store_attn,
                                                     _store_rows)
-from ktrans.kernels.triton.gated_delta_wu import _q_products, _q_products_of, _qk_kernel, _wu_full, _wu_kernel, _wu_rows
+from ktrans.kernels.triton.gated_delta_wu import (_q_products, _q_products_of, _qk_kernel, _wu_full, _wu_kernel,
+                                                  _wu_rows)
 
 PREP_COLS = 64  # the column block of w and u (gdn_sweep --prep_cols)
 # FULL=3's and 4's later launches (gdn_sweep --wu_warps): at sm_90 they spill at 4 warps (464, 568 and 208 bytes a
@@ -44,9 +49,11 @@ WU_WARPS = 8
 # width from the rows so loaded; 2: the same bits with each operand loaded where it is used and w and u by column
 # blocks of PREP_COLS; 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with
 # q's products, w and u by a second launch; 4: q's products once a key head by a second, w and u by a third
-# (gated_delta_wu; the same bits as 2). Timed on an H100 (session 30, T=8192, NORMED scan, INV=2): the prep 297.6 (5)
-# against 336.4 us (2); the whole layer 630.2 against 667.8 (fla-core 0.6.0: 566.1); 3 and 4 lost to 2 (397 and 399
-# against 371 us at INV=0).
+# (gated_delta_wu; the same bits as 2); 6: a program a key head (gated_delta_group: k.k, q.q and q.k once for its R
+# value heads, their inverses side by side; the same bits as 5; with INV=2 and R a power of two, else 5; at sm_90 255
+# registers and a 152-byte stack against 5's 352; untimed, opt-in: gdn_sweep --prep_full 5,6). Timed on an H100
+# (session 30, T=8192, NORMED scan, INV=2): the prep 297.6 (5) against 336.4 us (2); the whole layer 630.2 against
+# 667.8 (fla-core 0.6.0: 566.1); 3 and 4 lost to 2 (397 and 399 against 371 us at INV=0).
 FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "5"))
 # KTRANS_GDN_PREP_MAXNREG=n: cap the prep's registers a thread at n (ptxas spills the rest) so that more programs share
 # an SM (4 warps: 255 registers fit two, 168 three, 128 four); 0, the default, leaves ptxas free (gdn_sweep
@@ -72,140 +79,6 @@ def _kkt(ki, kj, beta_i, ci, cj, DIAG: tl.constexpr, DT: tl.constexpr, PREC: tl.
         # Masked before exp: the upper half's exponents are positive and never become numbers.
         d = tl.where(r[:, None] > r[None, :], d, float("-inf"))
     return kk * beta_i[:, None] * tl.exp(d)
-
-
-@triton.jit
-def _unstack4(t):
-    """[4, 16, 16] -> its four [16, 16] blocks."""
-    blk = tl.arange(0, 4)[:, None, None]
-    return (tl.sum(tl.where(blk == 0, t, 0.0), axis=0), tl.sum(tl.where(blk == 1, t, 0.0), axis=0),
-            tl.sum(tl.where(blk == 2, t, 0.0), axis=0), tl.sum(tl.where(blk == 3, t, 0.0), axis=0))
-
-
-@triton.jit
-def _inv_unit_lower4(a0, a1, a2, a3):
-    """(I + a_b)^-1 for four strictly lower-triangular 16x16 blocks, by forward substitution row by row, the four
-    side by side as one [4, 16, 16] tensor (one chain of 15 steps, not four)."""
-    r = tl.arange(0, a0.shape[0])
-    blk = tl.arange(0, 4)[:, None, None]
-    a = tl.where(blk == 0, a0[None, :, :], tl.where(blk == 1, a1[None, :, :],
-                                                    tl.where(blk == 2, a2[None, :, :], a3[None, :, :])))
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    t = eye + tl.zeros_like(a)
-    for i in tl.static_range(1, a0.shape[0]):
-        # Row i of each inverse: e_i - sum_{j<i} a_ij t_j, where rows j < i of t are already final.
-        is_i = (r == i)[None, :, None]
-        a_i = tl.sum(tl.where(is_i, a, 0.0), axis=1)
-        t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
-    return _unstack4(t)
-
-
-@triton.jit
-def _inv_diag_from(scr):
-    """The same four inverses for the diagonal 16x16 blocks of the chunk's A stored at scr ([64, 64] fp32, strictly
-    lower), each step's rows loaded from there (L1) rather than picked out of registers."""
-    S: tl.constexpr = 16
-    r = tl.arange(0, S)
-    blk = tl.arange(0, 4)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    t = eye + tl.zeros([4, S, S], tl.float32)
-    for i in tl.static_range(1, S):
-        a_i = tl.load(scr + (blk[:, None] * S + i) * (4 * S) + blk[:, None] * S + r[None, :])  # [4, 16]
-        is_i = (r == i)[None, :, None]
-        t = tl.where(is_i, eye - tl.sum(a_i[:, :, None] * t, axis=1)[:, None, :], t)
-    return _unstack4(t)
-
-
-@triton.jit
-def _inv_diag_doubling(scr):
-    """The same four inverses by doubling the inverted blocks' size, 1 -> 2 -> 4 -> 8 -> 16, each step two batched
-    fp32 products: with T the inverse of (I + N) over blocks of s rows on the diagonal and E the part of N coupling
-    the two halves of each 2s block, the inverse over 2s blocks is T - T E T (E T E = 0). Three dependent pairs of
-    [4, 16, 16] products instead of fifteen dependent row steps, and the blocked substitution's values up to fp32
-    rounding (no powers of N, which grow)."""
-    S: tl.constexpr = 16
-    r = tl.arange(0, S)
-    blk = tl.arange(0, 4)[:, None, None]
-    i = r[None, :, None]
-    j = r[None, None, :]
-    n = tl.load(scr + (blk * S + i) * (4 * S) + blk * S + j)  # [4, 16, 16], strictly lower
-    t = tl.where(i == j, 1.0, 0.0) - tl.where(i // 2 == j // 2, n, 0.0)  # blocks of 2: [[1, 0], [-n, 1]]
-    for s in tl.static_range(1, 4):  # halves of 2, 4, 8 rows
-        e = tl.where((i >> s != j >> s) & (i >> (s + 1) == j >> (s + 1)), n, 0.0)
-        t = t - _dot32(t, _dot32(e, t))
-    return _unstack4(t)
-
-
-@triton.jit
-def _block_offs(I: tl.constexpr, J: tl.constexpr):
-    """The offsets of block (I, J), 16x16, in a [64, 64] row-major matrix."""
-    r = tl.arange(0, 16)
-    return (I * 16 + r)[:, None] * 64 + J * 16 + r[None, :]
-
-
-@triton.jit
-def _store_block(scr, x, I: tl.constexpr, J: tl.constexpr):
-    tl.store(scr + _block_offs(I, J), x)
-
-
-@triton.jit
-def _store_inverse(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32):
-    """(I + A)^-1 over A's scratch, from the diagonal blocks' inverses t_i and A's blocks a_ij: block (i, j) below the
-    diagonal is -t_i sum_{j <= m < i} a_im X_mj (X_jj = t_j), by fp32 16x16 products (A's zero upper blocks stay)."""
-    x10 = -_dot32(_dot32(t1, a10), t0)
-    x21 = -_dot32(_dot32(t2, a21), t1)
-    x32 = -_dot32(_dot32(t3, a32), t2)
-    x20 = -_dot32(t2, _dot32(a20, t0) + _dot32(a21, x10))
-    x31 = -_dot32(t3, _dot32(a31, t1) + _dot32(a32, x21))
-    x30 = -_dot32(t3, _dot32(a30, t0) + _dot32(a31, x10) + _dot32(a32, x20))
-    tl.debug_barrier()  # every thread's reads of A's blocks are done before they are overwritten
-    _store_blocks(scr, t0, t1, t2, t3, x10, x20, x21, x30, x31, x32)
-
-
-@triton.jit
-def _store_inverse_shallow(scr, t0, t1, t2, t3, a10, a20, a21, a30, a31, a32):
-    """The same inverse by halves (KTRANS_GDN_PREP_INV=2): each 32-row diagonal block's coupling first (x10, x32),
-    then the lower-left 32x32 block as -T_b E T_a, E being A's lower-left 32x32 block and T_a, T_b the inverses of
-    the diagonal 32x32 blocks: P = E T_a by 16x16 blocks, then -T_b P. The same sixteen fp32 16x16 products, four
-    dependent ones deep rather than six (x30 waits on x20 in _store_inverse)."""
-    x10 = -_dot32(_dot32(t1, a10), t0)
-    x32 = -_dot32(_dot32(t3, a32), t2)
-    p20 = _dot32(a20, t0) + _dot32(a21, x10)
-    p21 = _dot32(a21, t1)
-    p30 = _dot32(a30, t0) + _dot32(a31, x10)
-    p31 = _dot32(a31, t1)
-    x20 = -_dot32(t2, p20)
-    x21 = -_dot32(t2, p21)
-    x30 = -(_dot32(x32, p20) + _dot32(t3, p30))
-    x31 = -(_dot32(x32, p21) + _dot32(t3, p31))
-    tl.debug_barrier()  # every thread's reads of A's blocks are done before they are overwritten
-    _store_blocks(scr, t0, t1, t2, t3, x10, x20, x21, x30, x31, x32)
-
-
-@triton.jit
-def _store_blocks(scr, t0, t1, t2, t3, x10, x20, x21, x30, x31, x32):
-    """The inverse's ten lower blocks into A's scratch (its zero upper blocks stay)."""
-    _store_block(scr, t0, 0, 0)
-    _store_block(scr, t1, 1, 1)
-    _store_block(scr, t2, 2, 2)
-    _store_block(scr, t3, 3, 3)
-    _store_block(scr, x10, 1, 0)
-    _store_block(scr, x20, 2, 0)
-    _store_block(scr, x21, 2, 1)
-    _store_block(scr, x30, 3, 0)
-    _store_block(scr, x31, 3, 1)
-    _store_block(scr, x32, 3, 2)
-
-
-@triton.jit
-def _dot32(x, y):
-    return tl.dot(x, y, input_precision="ieee")
-
-
-@triton.jit
-def _block_at(scr, I: tl.constexpr, J: tl.constexpr):
-    """Block (I, J) of the [64, 64] fp32 matrix at scr, as 16x16."""
-    return tl.load(scr + _block_offs(I, J))
 
 
 @triton.jit
@@ -400,9 +273,10 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                 maxnreg: int | None = None, wu_warps: int | None = None, inv: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
-    `full` (default FULL, 0..5): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
+    `full` (default FULL, 0..6): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
     a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel; 4: q's products once a key head
-    by a second, _qk_kernel, w and u by a third; 5: as 2, the operands loaded early); `maxnreg` (default MAXNREG, 0:
+    by a second, _qk_kernel, w and u by a third; 5: as 2, the operands loaded early; 6: a program a key head,
+    gated_delta_group, where inv is 2 and the heads a key head a power of two, else 5); `maxnreg` (default MAXNREG, 0:
     none): the registers a thread of the first launch may use; `wu_warps` (default WU_WARPS): the later launches'
     warps; `inv` (default INV): the inverse's form (0: row by row, 1: the diagonal blocks by doubling, 2: and the
     assembly by halves)."""
@@ -414,14 +288,23 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
     normed = qn is not None
     full = FULL if full is None else int(full)
-    if full not in range(6):
-        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 5, got "
+    if full not in range(7):
+        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 6, got "
                          f"{full}")
     inv = INV if inv is None else int(inv)
     if inv not in range(3):
-        raise ValueError(f"the DeltaNet prep's inverse form (KTRANS_GDN_PREP_INV, gdn_sweep --prep_inv) must be 0 to 2, "
-                         f"got {inv}")
+        raise ValueError(f"the DeltaNet prep's inverse form (KTRANS_GDN_PREP_INV, gdn_sweep --prep_inv) must be 0 to "
+                         f"2, got {inv}")
     scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
+    r = hv // hk
+    if full == 6 and inv == 2 and r & (r - 1) == 0:  # a program a key head (gated_delta_group); else FULL=5's
+        _prep_group_kernel[(plan.num_chunks, hk)](
+            q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
+            plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), a.stride(0), b.stride(0), HV=hv, R=r, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec,
+            NORMED=normed, num_warps=warps, **_reg_cap(maxnreg))
+        return
+    full = 5 if full == 6 else full
     bc = min(cols, bk, bvf)
     _prep_kernel[(plan.num_chunks, hv)](
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
