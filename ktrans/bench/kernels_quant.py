@@ -87,7 +87,12 @@ def _gemv_case(shapes, m: int, qtype: str = "Q4_K"):
             for w, (_, _, k) in zip(dense, shapes):
                 torch.matmul(xs[k], w.T)
 
-        return Timed(fn, sum(w.nbytes for w in ws) + io, flops if m > 16 else 0, peer, "bf16_cublas")
+        def copy(i: int):  # the same shapes, other weights (seeds past the first copy's)
+            ws_i = [_packed(qtype, n, k, device, 1000 * i + s) for s, (_, n, k) in enumerate(shapes)]
+            return lambda: [qlinear(xs[k], w) for w, (_, _, k) in zip(ws_i, shapes)]
+
+        return Timed(fn, sum(w.nbytes for w in ws) + io, flops if m > 16 else 0, peer, "bf16_cublas",
+                     copies=copy if m == 1 else None)
     return setup
 
 

@@ -53,3 +53,42 @@ def test_quant_family_registers_its_cases_and_runs_the_small_one(capsys):
     assert small["bytes"] == 64 * 2048 * 148 // 256 + (2048 + 64) * 2, small
     rows = kernels.run(["quant"], "moe q4_k layer E=512 top-10 B=1", reps=1, as_json=True, device="cpu")
     assert "CUDA only" in rows[-1]["error"]
+
+
+def test_stream_copies_exceed_twice_the_l2(monkeypatch):
+    """The streamed timing's copies: enough that together they exceed twice the L2 (each call cold), at least 2, at
+    most STREAM_MAX_COPIES (a small kernel's copies then fit the L2; the row says streamed_cold false)."""
+    monkeypatch.setattr(kernels, "_l2_bytes", lambda dev: 50 << 20)
+    dev = torch.device("cpu")
+    layer = 22_600_000  # a DeltaNet layer's three Q4_K projections
+    n = kernels.stream_copies(layer, dev)
+    assert n * layer >= 2 * (50 << 20) and (n - 2) * layer < 2 * (50 << 20)
+    assert kernels.stream_copies(1 << 30, dev) == 2  # lm_head-sized: one other copy
+    assert kernels.stream_copies(74_000, dev) == kernels.STREAM_MAX_COPIES
+
+
+def test_cases_with_copies_stream_only_on_cuda():
+    """A case that can copy its inputs is timed streamed on CUDA only; on the CPU its row is the smoke run alone."""
+    made = []
+
+    def setup(dev):
+        x = torch.ones(10, device=dev)
+        return kernels.Timed(fn=lambda: x.sum(), bytes=40, copies=lambda i: made.append(i) or (lambda: x.sum()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "CASES", [kernels.KernelCase("demo", "copies", setup)])
+        mp.setattr(kernels, "FAMILIES", ())
+        rows = kernels.run(None, None, reps=1, as_json=True, device="cpu")
+    assert rows[0]["case"] == "copies" and "streamed_us" not in rows[0] and made == []
+
+
+@pytest.mark.gpu
+def test_streamed_gemv_timing_on_the_gpu():
+    """`bench kernels` on CUDA times the quantized GEMV streamed too: n copies of in_proj_qkvz's Q4_K weights (14.2
+    MB each) back to back in one graph, together over twice the L2, next to the isolated replay's figure."""
+    import ktrans.bench.kernels_quant  # noqa: F401  registers the cases
+
+    rows = kernels.run(["quant"], "deltanet.in_proj_qkvz [12288x2048] M=1", reps=3, as_json=True, device="cuda")
+    row = next(r for r in rows if r.get("case") == "gemv q4_k deltanet.in_proj_qkvz [12288x2048] M=1")
+    assert "error" not in row and "streamed_error" not in row, row
+    assert row["streamed_us"] > 0 and row["streamed_cold"] and row["streamed_copies"] >= 2
