@@ -5,15 +5,16 @@ bytes it must read and write (and its flops, where compute bounds it). Families 
 modules (`ktrans/bench/kernels_*.py`, listed in FAMILIES); a family whose imports fail is reported, not fatal.
 
 Timing on CUDA: the call is captured into a CUDA graph and replayed, each replay timed by its own pair of events
-with the L2 flushed before it (a write over twice the L2's size), so each timed call reads its inputs from HBM.
-Host launch overhead is out of the figure by construction: this measures the kernel, and `bench e2e` measures
-the launches. Each replay also carries a fixed floor, the graph's own launch between the two events (3.9-4.3 us for a
+with the L2 flushed before it (a write over twice the L2's size), so each timed call reads its inputs from HBM. Host
+launch overhead is out of the figure by construction: this measures the kernel, and `bench e2e` measures the
+launches. Each replay also carries a fixed floor, the graph's own launch between the two events (3.9-4.3 us for a
 one-element fill on the H200, doc/benchmarks.md, session 23), which weighs on the small decode kernels; cases that
 can make fresh copies of their weights (`Timed.copies`) are also timed streamed (`time_cuda_stream`): many calls,
 each on its own copy, back to back in one graph, as a decode step's graph runs them, the L2 cold for each when the
-copies together exceed twice its size, and the floor shared among them. The HBM bandwidth is measured in the same run (a device-to-device copy), so the ratio is to this
-machine's own ceiling. Without CUDA the cases run once on the CPU (the torch references, or the Triton kernels
-under TRITON_INTERPRET=1) so the bench itself is tested; those timings mean nothing.
+copies together exceed twice its size, and the floor shared among them. The HBM bandwidth is measured in the same
+run (a device-to-device copy), so the ratio is to this machine's own ceiling. Without CUDA the cases run once on the
+CPU (the torch references, or the Triton kernels under TRITON_INTERPRET=1) so the bench itself is tested; those
+timings mean nothing.
 """
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ def hbm_gb_per_s(device: torch.device) -> float:
     return 2 * n / ms / 1e6
 
 
-def run(families: list[str] | None, match: str | None, reps: int, as_json: bool, device: str | None = None) -> list[dict]:
+def run(families: list[str] | None, match: str | None, reps: int, as_json: bool,
+        device: str | None = None) -> list[dict]:
     failed = load_families()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_cuda = dev.type == "cuda"
