@@ -5,11 +5,12 @@ to write into ktrans.kernels.triton.quant.GEMV.
 
     python3 scripts/gemv_sweep.py [--reps 20] [--types Q4_K,Q6_K] [--bn 32,64,128] [--warps 2,4,8]
                                   [--per_sm 4,8,16] [--fused 0,1] [--stages 0,1,3] [--rows 0,1]
-                                  [--maxnreg 0,96,80]
+                                  [--maxnreg 0,96,80] [--pipe 0,3]
 
 --stages: the launch's num_stages (0: Triton's default). --maxnreg: register caps (0: none). --rows: the
 lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then set rows_bn and rows_warps, and
-tilings with fewer rows than threads are skipped).
+tilings with fewer rows than threads are skipped). --pipe: the lane-group body's pipelined super-block loop (its
+stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--stages", default="0")
     ap.add_argument("--rows", default="0")
     ap.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
+    ap.add_argument("--pipe", default="0", help="stages of the pipelined super-block loop to try (0: none)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -47,15 +49,15 @@ def main() -> None:
     for qtype in args.types.split(","):
         ws = {name: _packed(qtype, n, k, dev, s) for s, (name, n, k) in enumerate(SHAPES)}
         xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _, _, k in SHAPES}
-        for bn, warps, per_sm, fused, stages, rows, maxnreg in itertools.product(
+        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe in itertools.product(
                 ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.fused), ints(args.stages),
-                ints(args.rows), ints(args.maxnreg)):
+                ints(args.rows), ints(args.maxnreg), ints(args.pipe)):
             if rows and bn * rows < 32 * warps:  # the tile is [bn, rows, 4]: fewer elements than threads
                 continue
             tiling = {"rows_bn": bn, "rows_warps": warps} if rows else {"bn": bn, "warps": warps}
-            quant.GEMV.update(per_sm=per_sm, fused_sum=bool(fused), stages=stages or None, rows=rows,
-                              maxnreg=maxnreg or None, **tiling)
-            key = (bn, warps, per_sm, fused, stages, rows, maxnreg)
+            quant.GEMV.update(per_sm=per_sm, per_sm_pipe=per_sm, fused_sum=bool(fused), stages=stages or None,
+                              rows=rows, maxnreg=maxnreg or None, pipe=pipe, **tiling)
+            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe)
             line = []
             for name, n, k in SHAPES:
                 w, x = ws[name], xs[k]
@@ -69,11 +71,11 @@ def main() -> None:
                 totals[(qtype, key)] = totals.get((qtype, key), 0.0) + ms
                 line.append(f"{name}={ms * 1e3:.1f}us/{frac:.2f}")
             print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm} fused={fused} stages={stages} rows={rows} "
-                  f"maxnreg={maxnreg}: "
+                  f"maxnreg={maxnreg} pipe={pipe}: "
                   + " ".join(line), flush=True)
     for qtype in args.types.split(","):
         best = min((v, k) for (t, k), v in totals.items() if t == qtype)
-        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg = {best[1]}, all shapes "
+        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe = {best[1]}, all shapes "
               f"{best[0] * 1e3:.1f} us")
 
 

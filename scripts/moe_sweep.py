@@ -5,10 +5,10 @@ HBM bandwidth measured in the same run over the distinct routed experts' packed 
 shape and, last, the shape with the best total over the token counts: the one to write into moe_quant.LANES.
 
     python3 scripts/moe_sweep.py [--reps 20] [--tokens 1,4,16,64] [--down Q4_K] [--bn 32,64] [--warps 4,8]
-                                 [--per_sm 2,4,8] [--split 0] [--maxnreg 80,0]
+                                 [--per_sm 2,4,8] [--split 0] [--maxnreg 80,0] [--pipe 0,3]
 
 --split: gate/up's K splits (0: LANES' automatic choice from per_sm). --maxnreg: one cap for both launches (0:
-none). bn and warps apply to the lane-group form (GEMV["rows"] 0, the default).
+none). --pipe: gate and up's pipelined super-block loops (their stages; 0: plain loops). bn and warps apply to the lane-group form (GEMV["rows"] 0, the default).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--per_sm", default="2,4,8")
     ap.add_argument("--split", default="0")
     ap.add_argument("--maxnreg", default="80,0")
+    ap.add_argument("--pipe", default="0")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -50,10 +51,11 @@ def main() -> None:
         cases.append((t, x, ids, w, int(torch.unique(ids).numel()) * per_expert))
     mq.LANES.update(on=True, max_tokens=max(ints(args.tokens)))
     totals: dict[tuple, float] = {}
-    for bn, warps, per_sm, split, cap in itertools.product(ints(args.bn), ints(args.warps), ints(args.per_sm),
-                                                           ints(args.split), ints(args.maxnreg)):
-        mq.LANES.update(bn=bn, warps=warps, per_sm=per_sm, split=split or None, maxnreg=(cap, cap))
-        key = (bn, warps, per_sm, split, cap)
+    for bn, warps, per_sm, split, cap, pipe in itertools.product(ints(args.bn), ints(args.warps), ints(args.per_sm),
+                                                                 ints(args.split), ints(args.maxnreg), ints(args.pipe)):
+        mq.LANES.update(bn=bn, warps=warps, per_sm=per_sm, per_sm_pipe=per_sm, split=split or None,
+                        maxnreg=(cap, cap), pipe=pipe)
+        key = (bn, warps, per_sm, split, cap, pipe)
         line = []
         for t, x, ids, w, nbytes in cases:
             try:
@@ -65,9 +67,10 @@ def main() -> None:
                 break
             totals[key] = totals.get(key, 0.0) + ms
             line.append(f"B={t}={ms * 1e3:.1f}us/{nbytes / ms / 1e6 / hbm:.2f}")
-        print(f"bn={bn} warps={warps} per_sm={per_sm} split={split} maxnreg={cap}: " + " ".join(line), flush=True)
+        print(f"bn={bn} warps={warps} per_sm={per_sm} split={split} maxnreg={cap} pipe={pipe}: " + " ".join(line),
+              flush=True)
     best = min((v, k) for k, v in totals.items())
-    print(f"best: bn, warps, per_sm, split, maxnreg = {best[1]}, all token counts {best[0] * 1e3:.1f} us")
+    print(f"best: bn, warps, per_sm, split, maxnreg, pipe = {best[1]}, all token counts {best[0] * 1e3:.1f} us")
 
 
 if __name__ == "__main__":

@@ -162,6 +162,31 @@ def test_lanes_split_k_and_fused_sums(split, triton_device, monkeypatch):
         assert not counters(x.device).any()
 
 
+def test_lanes_pipelined_loops_change_no_bits(triton_device, monkeypatch):
+    """LANES["pipe"]: gate and up's super-block loops pipelined (quant_gemv.row_dot PIPE) give the plain loops' bits
+    at the same K split (3 super-blocks of H, whole and in 2 uneven parts), and the reference's values at the split
+    the pipelined launch picks for itself (LANES["per_sm_pipe"])."""
+    from ktrans.kernels.triton import moe_quant as mq
+
+    h = 3 * 256
+    gate_up, down, (g, u, d) = _layer(triton_device, "Q4_K", h=h)
+    ids, weights = _routing(2, triton_device, seed=8)
+    x = torch.randn(2, h, device=triton_device) * 1e-3
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    monkeypatch.setitem(mq.LANES, "on", True)
+    runs = {}
+    for pipe in (0, 3):
+        monkeypatch.setitem(mq.LANES, "pipe", pipe)
+        runs[pipe] = []
+        for split in (1, 2):
+            monkeypatch.setitem(mq.LANES, "split", split)
+            runs[pipe].append(mq.moe_quant(x, ids, weights, gate_up, down))
+    for got, want in zip(runs[3], runs[0]):
+        assert torch.equal(got, want)
+    monkeypatch.setitem(mq.LANES, "split", None)
+    assert _err(mq.moe_quant(x, ids, weights, gate_up, down), ref) < 2e-5
+
+
 def test_lanes_path_past_four_tokens(triton_device, monkeypatch):
     """The lanes path at 9 tokens (LANES["max_tokens"] is 64), one slot skipped, against the reference and the tile
     path's 16-row blocks (tensor-core dots on bf16-rounded activations: 1e-2)."""

@@ -160,6 +160,27 @@ def test_gemv_fused_split_sum_equals_two_launches(qtype, triton_device, monkeypa
     assert not quant.counters(x.device).any()
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gemv_pipelined_loop_changes_no_bits(qtype, triton_device, monkeypatch):
+    """GEMV["pipe"]: the super-block loop as tl.range(num_stages=...) moves the weights' loads (into shared memory,
+    ahead of the arithmetic), not the arithmetic: the same bits as the plain loop, alone and paired, at K splits that
+    leave a program one to five super-blocks (N = 200: a partial last tile; K = 1280), and at the split the pipelined
+    launch picks for itself (GEMV["per_sm_pipe"]) within fp32 rounding of the plain one's."""
+    from ktrans.kernels.triton import quant
+
+    n, k = 200, 5 * 256
+    w, wb = _weight(qtype, n, k, triton_device, seed=5), _weight(qtype, 40, k, triton_device, seed=6)
+    x = torch.randn(1, k, device=triton_device).to(torch.bfloat16)
+    runs = {}
+    for pipe in (0, 3):
+        monkeypatch.setitem(quant.GEMV, "pipe", pipe)
+        runs[pipe] = [quant.qlinear(x, w, split=s) for s in (1, 2, 5)] + list(quant.qlinear_pair(x, w, wb, split=2))
+        runs[pipe].append(quant.qlinear(x, w))
+    for got, want in zip(runs[3][:-1], runs[0][:-1]):
+        assert torch.equal(got, want), qtype
+    assert _err(runs[3][-1], quant_linear(x, w)) < 1e-2 and _err(runs[0][-1], quant_linear(x, w)) < 1e-2
+
+
 @pytest.mark.parametrize("qtype, split", [("Q4_K", 1), ("Q4_K", 2), ("Q6_K", 3), ("Q8_0", None)])
 def test_gemv_pair_equals_two_gemvs(qtype, split, triton_device):
     """qlinear_pair (one launch over two matrices of one type and width, e.g. in_proj_qkvz and in_proj_ba): each

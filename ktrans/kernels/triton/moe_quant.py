@@ -49,9 +49,13 @@ DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per blo
 # alternating). Compiled for sm_90 (Triton 3.9) the gate/up launch takes 104 registers uncapped (80 spills 40 B) and
 # the down launch 96 (80 without spills). KTRANS_MOE_LANES_MAXNREG=96,80 sets each, 80 one for both, 0 none.
 _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").split(",") if v.strip()] or [0]
+# pipe: gate and up's super-block loops pipelined (quant_gemv.row_dot PIPE, its stages; 0: plain loops), with
+# per_sm_pipe programs wanted per SM then (fewer K splits, longer loops); KTRANS_MOE_LANES_PIPE=S[,PER_SM].
+_PIPE = [int(v) for v in os.environ.get("KTRANS_MOE_LANES_PIPE", "0").split(",") if v.strip()]
+_PIPE += [0, 2][len(_PIPE):]
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
-         "maxnreg": (_CAPS[0], _CAPS[-1])}
+         "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1]}
 
 
 @triton.jit
@@ -93,7 +97,8 @@ def _moe_kernel(x_ptr, out_ptr, rows_ptr, bexp_ptr, rw_ptr, lo_ptr, hi_ptr, d_pt
 def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                      HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
+                      PIPE: tl.constexpr = 0):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -103,7 +108,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it.
     HAS_X: pairs whose id is E_X take an extra expert's planes (the shared expert), at element offsets x_lo, x_hi,
     x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come).
-    ROWS: row_dot's (the row-owning form where > 0)."""
+    ROWS: row_dot's (the row-owning form where > 0). PIPE: row_dot's pipelined loop for gate and up (0: none)."""
     enter(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -125,8 +130,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
             sb0 = pid_k * SB_PER
             sb1 = tl.minimum(sb0 + SB_PER, NSB)
-            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS)
-            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS)
+            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS, False, PIPE)
+            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS, False, PIPE)
             if SPLIT == 1:
                 h = gate / (1.0 + tl.exp(-gate)) * up
                 tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -191,7 +196,9 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     bns = [GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1) for r in rows]
     tiles_i, tiles_h = triton.cdiv(inter, bns[0]), triton.cdiv(hidden, bns[1])
     nsb = gate_up.k // QK
-    split = LANES["split"] or max(1, min(nsb, triton.cdiv(LANES["per_sm"] * _sms(x.device), p * tiles_i)))
+    pipe = 0 if rows[0] else LANES["pipe"]
+    per_sm = LANES["per_sm_pipe"] if pipe else LANES["per_sm"]
+    split = LANES["split"] or max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), p * tiles_i)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
     if max(p * tiles_i, t * tiles_h) > _MAX_TILES:
@@ -212,7 +219,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
         _moe_lanes_kernel[(p, triton.cdiv(n, bns[j]), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
-            SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j],
+            SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j], PIPE=pipe if gated else 0,
             num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
             **_lanes_cap(j, w.qtype, rows[j]), **launch())
     return out

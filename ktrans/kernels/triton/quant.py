@@ -194,9 +194,16 @@ _ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
 # sets another (0: none). The cap changes the register allocation only: the same results bitwise. End to end
 # (session 23): the serve placement's GPU share 3.09 against 3.19 ms, all-GPU batch 1 208 against 203 tok/s; with
 # the cap, 6 or 8 programs an SM (per_sm) were no faster than 4.
+# pipe: the stages of the lane-group body's super-block loop (quant_gemv.row_dot PIPE: the next super-blocks' weights
+# copied into shared memory while the current one's arithmetic runs; 0: the plain loop, which Triton does not
+# pipeline at any launch num_stages). per_sm_pipe: programs wanted per SM where pipe is on: a pipelined program wants
+# a long loop (few K splits), a plain one many programs. KTRANS_GEMV_PIPE=S[,PER_SM] sets both.
+_PIPE_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_PIPE", "0").split(",") if v.strip()]
+_PIPE_ENV += [0, 2][len(_PIPE_ENV):]
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
-        "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None}
+        "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
+        "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -224,6 +231,16 @@ def _gemv_options(qtype: str, rows: int) -> dict:
     if GEMV["maxnreg"] is None or rows or qtype not in MAXNREG_TYPES:
         return extra
     return {**extra, "maxnreg": GEMV["maxnreg"]}
+
+
+def gemv_pipe(rows: int) -> int:
+    """row_dot's PIPE for the lane-group body (rows 0; the row-owning body keeps its plain loop)."""
+    return 0 if rows else GEMV["pipe"]
+
+
+def gemv_per_sm(rows: int) -> int:
+    """Programs the one-row GEMV wants per SM (its K split follows): fewer where its loop is pipelined."""
+    return GEMV["per_sm_pipe"] if gemv_pipe(rows) else GEMV["per_sm"]
 
 
 def gemv_rows(x: torch.Tensor, qtype: str) -> int:
@@ -275,7 +292,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     if split is None:  # a decode GEMV streams with no software pipelining across programs: enough programs per SM
         # keep enough loads in flight (a 2048-row matrix at K=2048 has only 32 row tiles)
-        per_sm = GEMV["per_sm"] if mode == 3 else 8
+        per_sm = gemv_per_sm(rows) if mode == 3 else 8
         split = max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), grid_nm))) if mode != 2 else 1
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
@@ -290,7 +307,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         extra = _gemv_options(w.qtype, rows)
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
-                                      num_warps=warps, **extra, **launch())
+                                      PIPE=gemv_pipe(rows), num_warps=warps, **extra, **launch())
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
     if split > 1 and not fused:
@@ -329,7 +346,7 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     nsb = wa.k // QK
     tiles_a, tiles_b = triton.cdiv(wa.n, bn), triton.cdiv(wb.n, bn)
     if split is None:
-        split = max(1, min(nsb, triton.cdiv(GEMV["per_sm"] * _sms(x.device), tiles_a + tiles_b)))
+        split = max(1, min(nsb, triton.cdiv(gemv_per_sm(rows) * _sms(x.device), tiles_a + tiles_b)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
     if split > 1 and not (GEMV["fused_sum"] and tiles_a + tiles_b <= _MAX_TILES):
@@ -343,8 +360,8 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     extra = _gemv_options(wa.qtype, rows)
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
-                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, num_warps=warps, **extra,
-                                            **launch())
+                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, PIPE=gemv_pipe(rows),
+                                            num_warps=warps, **extra, **launch())
     return out[:, : wa.n], out[:, wa.n:]
 
 

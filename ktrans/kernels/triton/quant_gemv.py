@@ -254,14 +254,30 @@ def _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, 
 
 
 @triton.jit
+def _lanes_step(lanes, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT: tl.constexpr):
+    """lanes += super-block sb's products (row_dot's loop body)."""
+    if QT == 3:
+        lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
+    else:
+        a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
+        lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
+    return lanes
+
+
+@triton.jit
 def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
-            BN: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+            BN: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False, PIPE: tl.constexpr = 0):
     """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
     lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert).
     ROWS > 0: each row's super-block read by ROWS threads (_row_dot_rows; the K-quant types, bf16 x).
     PDL: the kernel has not yet waited for its predecessor (ktrans.kernels.triton.pdl): the first super-block's
     weights, which no kernel writes, are loaded before the wait, so their latency passes while the predecessor runs;
-    x and everything else after it."""
+    x and everything else after it.
+    PIPE > 0: the super-block loop runs as tl.range(num_stages=PIPE), so Triton's pipeliner copies the next PIPE - 1
+    super-blocks' weights into shared memory (cp.async) while the current one's arithmetic runs. A plain range
+    (PIPE = 0) is not pipelined at all: Triton multi-buffers only loads that feed a dot unless the loop asks for
+    stages (Triton 3.6 and 3.9 compiled for sm_90: 512 B of shared memory and no cp.async at any launch num_stages;
+    9,216 B and cp.async with PIPE = 3)."""
     if ROWS > 0 and QT != 3:
         enter(PDL)
         return _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, ROWS)
@@ -274,26 +290,28 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
         first = sb0 + 1
     else:
         enter(PDL)
-    for sb in range(first, sb_end):
-        if QT == 3:
-            lanes = _q8_0_lanes(lanes, x_ptr, lo_ptr, d_ptr, sb, N, offs_n, mask_n)
-        else:
-            a, b, c, d, dmin, s0, s1, s2, s3 = _load_sb(lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
-            lanes = _sb_lanes(lanes, x_ptr, sb * 256, a, b, c, d, dmin, s0, s1, s2, s3, QT)
+    if PIPE > 0:
+        for sb in tl.range(first, sb_end, num_stages=PIPE):
+            lanes = _lanes_step(lanes, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
+    else:
+        for sb in range(first, sb_end):
+            lanes = _lanes_step(lanes, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT)
     return tl.sum(lanes, axis=1)
 
 
 @triton.jit(do_not_specialize=["b_lo", "b_hi", "b_d", "b_sc"])
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
                 TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr,
-                HAS_B: tl.constexpr = False, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                HAS_B: tl.constexpr = False, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
+                PIPE: tl.constexpr = 0):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
     order into out_ptr, as the separate sum kernel does, and zeroes the count for the next call (a graph replay).
     HAS_B: a second matrix of the same type and width (N_B rows, its planes at element offsets b_* from the first's)
     in the same launch: row tiles TILES_A.. are its, its rows follow the first's in out_ptr and its partials theirs
-    in part_ptr ([SPLIT, N] then [SPLIT, N_B]). PDL: row_dot waits for the predecessor, after its first weights."""
+    in part_ptr ([SPLIT, N] then [SPLIT, N_B]). PDL: row_dot waits for the predecessor, after its first weights.
+    PIPE: row_dot's pipelined super-block loop (its stages; 0: none)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     tile = pid_n
@@ -311,7 +329,7 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER
     acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN,
-                  ROWS, PDL)
+                  ROWS, PDL, PIPE)
     if SPLIT == 1:
         tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
     else:
