@@ -165,7 +165,8 @@ def test_lanes_split_k_and_fused_sums(split, triton_device, monkeypatch):
 def test_lanes_pipelined_loops_change_no_bits(triton_device, monkeypatch):
     """LANES["pipe"]: gate and up's super-block loops pipelined (quant_gemv.row_dot PIPE) give the plain loops' bits
     at the same K split (3 super-blocks of H, whole and in 2 uneven parts), and the reference's values at the split
-    the pipelined launch picks for itself (LANES["per_sm_pipe"])."""
+    the pipelined launch picks for itself (LANES["per_sm_pipe"]); gate's and up's rows in one pipelined loop
+    (LANES["one_loop"]) give the two loops' values within 1e-6."""
     from ktrans.kernels.triton import moe_quant as mq
 
     h = 3 * 256
@@ -185,6 +186,12 @@ def test_lanes_pipelined_loops_change_no_bits(triton_device, monkeypatch):
         assert torch.equal(got, want)
     monkeypatch.setitem(mq.LANES, "split", None)
     assert _err(mq.moe_quant(x, ids, weights, gate_up, down), ref) < 2e-5
+    # gate's and up's rows in one loop (LANES["one_loop"]): each row's arithmetic as in two loops
+    monkeypatch.setitem(mq.LANES, "one_loop", True)
+    for split, want in zip((1, 2), runs[0]):
+        monkeypatch.setitem(mq.LANES, "split", split)
+        got = mq.moe_quant(x, ids, weights, gate_up, down)
+        assert _err(got, want.double().cpu()) < 1e-6 and _err(got, ref) < 2e-5
 
 
 def test_lanes_path_past_four_tokens(triton_device, monkeypatch):

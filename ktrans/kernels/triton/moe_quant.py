@@ -50,12 +50,14 @@ DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per blo
 # the down launch 96 (80 without spills). KTRANS_MOE_LANES_MAXNREG=96,80 sets each, 80 one for both, 0 none.
 _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").split(",") if v.strip()] or [0]
 # pipe: gate and up's super-block loops pipelined (quant_gemv.row_dot PIPE, its stages; 0: plain loops), with
-# per_sm_pipe programs wanted per SM then (fewer K splits, longer loops); KTRANS_MOE_LANES_PIPE=S[,PER_SM].
+# per_sm_pipe programs wanted per SM then (fewer K splits, longer loops), and one_loop: gate's and up's rows in one
+# loop (_moe_lanes_kernel ONE_LOOP); KTRANS_MOE_LANES_PIPE=S[,PER_SM[,ONE_LOOP]].
 _PIPE = [int(v) for v in os.environ.get("KTRANS_MOE_LANES_PIPE", "0").split(",") if v.strip()]
-_PIPE += [0, 2][len(_PIPE):]
+_PIPE += [0, 2, 0][len(_PIPE):]
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
-         "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1]}
+         "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
+         "one_loop": bool(_PIPE[2])}
 
 
 @triton.jit
@@ -98,7 +100,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
-                      PIPE: tl.constexpr = 0):
+                      PIPE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -108,7 +110,9 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     (skipped ones count, as zero rows) sums them in slot order into out_ptr [tokens, N]: no sum kernel after it.
     HAS_X: pairs whose id is E_X take an extra expert's planes (the shared expert), at element offsets x_lo, x_hi,
     x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come).
-    ROWS: row_dot's (the row-owning form where > 0). PIPE: row_dot's pipelined loop for gate and up (0: none)."""
+    ROWS: row_dot's (the row-owning form where > 0). PIPE: row_dot's pipelined loop for gate and up (0: none).
+    ONE_LOOP: gate's and up's rows of the tile as one [2 BN] tile in one row_dot loop (each row's arithmetic as in
+    two loops), so a pipelined loop keeps both rows' next super-blocks in flight, and fills once, not twice."""
     enter(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -130,8 +134,15 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
             sb0 = pid_k * SB_PER
             sb1 = tl.minimum(sb0 + SB_PER, NSB)
-            gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS, False, PIPE)
-            up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS, False, PIPE)
+            if ONE_LOOP:
+                i = tl.arange(0, 2 * BN)
+                both = pid_n * BN + i % BN
+                gu = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, both + (i // BN) * N, both < N, QT, 2 * BN,
+                             ROWS, False, PIPE)
+                gate, up = tl.split(tl.permute(tl.reshape(gu, [2, BN]), [1, 0]))
+            else:
+                gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS, False, PIPE)
+                up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS, False, PIPE)
             if SPLIT == 1:
                 h = gate / (1.0 + tl.exp(-gate)) * up
                 tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -220,6 +231,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
             SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j], PIPE=pipe if gated else 0,
+            ONE_LOOP=gated and LANES["one_loop"] and not rows[j],
             num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
             **_lanes_cap(j, w.qtype, rows[j]), **launch())
     return out
