@@ -81,7 +81,7 @@ def test_rows_form_only_where_it_applies(rows, triton_device):
     assert rows.gemv_rows(x[:, :k], "Q4_K") == 0
 
 
-@pytest.mark.parametrize("t, down_type", [(1, "Q6_K"), (3, "Q4_K"), (2, "Q8_0")])
+@pytest.mark.parametrize("t, down_type", [(1, "Q6_K"), (2, "Q4_K"), (2, "Q8_0")])
 def test_rows_moe_lanes_path(t, down_type, rows, triton_device, monkeypatch):
     """The MoE's few-token path with the row-owning row_dot (gate and up split over K, down on the bf16 h; a Q8_0
     down keeps the lane-group form): bf16 x and output, a skipped slot, within the bf16 output's rounding of the
