@@ -93,13 +93,13 @@ kernels)
   fi
   start_fi_warm
   # the sweeps first (GDN_SWEEP=1, SWEEP=1), then the quantized kernels' benches (NO_BENCH=1: not those)
-  # the chunked gated delta rule's forms against fla-core (issue 15); by default the shipped prep (FULL=5) against a
-  # program a key head (6), without and with a cap; GDN_SWEEP_ARGS="... --split 1 --out_block_v
+  # the chunked gated delta rule's forms against fla-core (issue 15); by default the shipped prep (FULL=5), without
+  # and with a cap (a program a key head, 6, lost in session 31); GDN_SWEEP_ARGS="... --split 1 --out_block_v
   # 32,64,128" for the scan's
   if [ -n "${GDN_SWEEP:-}" ]; then
     echo "== gdn sweep"
     # shellcheck disable=SC2086
-    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 1 --prep_full 5,6 --prep_inv 2 --prep_maxnreg 0,168} \
+    timeout 240 python3 scripts/gdn_sweep.py ${GDN_SWEEP_ARGS:---t 8192,32768 --prep_warps 4 --scan_warps 4 --block_v 32 --split 0 --prep_cols 64 --normed 1 --prep_full 5 --prep_inv 2 --prep_maxnreg 0,168} \
       > "$OUT/gdn_sweep.txt" 2>&1
     grep -E "T=|best" "$OUT/gdn_sweep.txt"
   fi

@@ -51,7 +51,9 @@ WU_WARPS = 8
 # q's products, w and u by a second launch; 4: q's products once a key head by a second, w and u by a third
 # (gated_delta_wu; the same bits as 2); 6: a program a key head (gated_delta_group: k.k, q.q and q.k once for its R
 # value heads, their inverses side by side; the same bits as 5; with INV=2 and R a power of two, else 5; at sm_90 255
-# registers and a 152-byte stack against 5's 352; untimed, opt-in: gdn_sweep --prep_full 5,6). Timed on an H100
+# registers and a 152-byte stack against 5's 352 in the unaligned compile; opt-in: it lost on an H100 in session 31,
+# the prep 474.9 against 302.5 us at T=8192, 1,961 against 1,174 at T=32768: half the programs, each a chain twice
+# as long, at two programs an SM). Timed on an H100
 # (session 30, T=8192, NORMED scan, INV=2): the prep 297.6 (5) against 336.4 us (2); the whole layer 630.2 against
 # 667.8 (fla-core 0.6.0: 566.1); 3 and 4 lost to 2 (397 and 399 against 371 us at INV=0).
 FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "5"))

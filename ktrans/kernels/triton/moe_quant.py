@@ -51,7 +51,8 @@ DIRECT_MAX_TOKENS = 4  # the tile path: up to this many tokens, one pair per blo
 _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").split(",") if v.strip()] or [0]
 # pipe: gate and up's super-block loops pipelined (quant_gemv.row_dot PIPE, its stages; 0: plain loops), with
 # per_sm_pipe programs wanted per SM then (fewer K splits, longer loops), and one_loop: gate's and up's rows in one
-# loop (_moe_lanes_kernel ONE_LOOP); KTRANS_MOE_LANES_PIPE=S[,PER_SM[,ONE_LOOP]].
+# loop (_moe_lanes_kernel ONE_LOOP); KTRANS_MOE_LANES_PIPE=S[,PER_SM[,ONE_LOOP]]. Off: no gain on the H100 (session 31,
+# moe_sweep, one 80B layer at B=1: 25.6 us plain, 26.6 pipelined, 27.2 in one loop at 8 warps).
 _PIPE = [int(v) for v in os.environ.get("KTRANS_MOE_LANES_PIPE", "0").split(",") if v.strip()]
 _PIPE += [0, 2, 0][len(_PIPE):]
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,

@@ -197,7 +197,10 @@ _ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
 # pipe: the stages of the lane-group body's super-block loop (quant_gemv.row_dot PIPE: the next super-blocks' weights
 # copied into shared memory while the current one's arithmetic runs; 0: the plain loop, which Triton does not
 # pipeline at any launch num_stages). per_sm_pipe: programs wanted per SM where pipe is on: a pipelined program wants
-# a long loop (few K splits), a plain one many programs. KTRANS_GEMV_PIPE=S[,PER_SM] sets both.
+# a long loop (few K splits), a plain one many programs. KTRANS_GEMV_PIPE=S[,PER_SM] sets both. Off: on the H100
+# (session 31, gemv_sweep) 3 stages at one program an SM took in_proj_qkvz 16.9 -> 15.5 us and q_proj 13.5 -> 12.5
+# at Q4_K, but lost on the K=4096 shapes and at Q6_K; a layer's nine shapes 90.6 against the default's 90.0 us. Its
+# loop issues ~8 instructions a weight (scripts/gemv_resources.py), which the issue slots, not the bytes, pace.
 _PIPE_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_PIPE", "0").split(",") if v.strip()]
 _PIPE_ENV += [0, 2][len(_PIPE_ENV):]
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
