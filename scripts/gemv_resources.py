@@ -5,6 +5,10 @@ GEMV's issue slots, not its bytes, set its pace once enough loads are in flight 
 session 31), so instructions per weight is the figure a new body must lower.
 
     python3 scripts/gemv_resources.py [--types Q4_K,Q6_K] [--pipe 0,3] [--maxnreg 0,80,96] [--warps 4] [--bn 32]
+                                      [--rows 0,4]
+
+--rows: the lane-group body (0) or the row-owning one with that many threads a row (quant.GEMV["rows"]; --bn is then
+its rows a program).
 """
 from __future__ import annotations
 
@@ -55,19 +59,22 @@ def _loop(ins: list[tuple[int, str]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("types", "Q4_K,Q6_K"), ("pipe", "0,3"), ("maxnreg", "0,80,96"), ("warps", "4"),
-                          ("bn", "32")):
+                          ("bn", "32"), ("rows", "0")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    for qtype, pipe, cap, warps, bn in itertools.product(args.types.split(","), ints(args.pipe), ints(args.maxnreg),
-                                                         ints(args.warps), ints(args.bn)):
-        consts = {"QT": QT_CODE[qtype], "BN": bn, "FUSED_SUM": True, "HAS_B": False, "ROWS": 0, "PDL": False,
+    for qtype, pipe, cap, warps, bn, rows in itertools.product(args.types.split(","), ints(args.pipe),
+                                                               ints(args.maxnreg), ints(args.warps), ints(args.bn),
+                                                               ints(args.rows)):
+        if rows and (pipe or qtype == "Q8_0"):  # the row-owning body has no pipelined loop, and no Q8_0 form
+            continue
+        consts = {"QT": QT_CODE[qtype], "BN": bn, "FUSED_SUM": True, "HAS_B": False, "ROWS": rows, "PDL": False,
                   "PIPE": pipe}
         k, usage = compile_sm90(quant_gemv.gemv_kernel, SIGNATURE, consts, warps, 3, cap, divisible=("N",))
         body = _loop(_sass(k.asm["cubin"]))
         per = bn * WEIGHTS[qtype] / (32 * warps)  # weights a thread handles an iteration
         top = " ".join(f"{op}:{n}" for op, n in collections.Counter(body).most_common(8))
-        print(f"{qtype} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} shared={k.metadata.shared} "
+        print(f"{qtype} rows={rows} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} shared={k.metadata.shared} "
               f"loop {len(body)} instructions, {len(body) / per:.1f} a weight; {top}", flush=True)
 
 
