@@ -25,12 +25,12 @@ from _sm90 import compile_sm90
 
 from ktrans.kernels.triton import quant_gemv
 from ktrans.kernels.triton.quant import QT_CODE
+from ktrans.kernels.triton.quant_layout import QK
 
 SIGNATURE = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
              "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*i32", "N": "i32", "NSB": "i32", "SB_PER": "i32",
              "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32", "b_d": "i32",
              "b_sc": "i32"}
-WEIGHTS = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q8_0": 256}  # a super-block's weights, every type
 
 
 def _sass(cubin: bytes) -> list[tuple[int, str]]:
@@ -72,10 +72,11 @@ def main() -> None:
                   "PIPE": pipe}
         k, usage = compile_sm90(quant_gemv.gemv_kernel, SIGNATURE, consts, warps, 3, cap, divisible=("N",))
         body = _loop(_sass(k.asm["cubin"]))
-        per = bn * WEIGHTS[qtype] / (32 * warps)  # weights a thread handles an iteration
+        per = bn * QK / (32 * warps)  # weights a thread handles an iteration (a super-block of the row tile)
         top = " ".join(f"{op}:{n}" for op, n in collections.Counter(body).most_common(8))
-        print(f"{qtype} rows={rows} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} shared={k.metadata.shared} "
-              f"loop {len(body)} instructions, {len(body) / per:.1f} a weight; {top}", flush=True)
+        print(f"{qtype} rows={rows} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} "
+              f"shared={k.metadata.shared} loop {len(body)} instructions, {len(body) / per:.1f} a weight; {top}",
+              flush=True)
 
 
 if __name__ == "__main__":

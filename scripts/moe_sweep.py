@@ -9,8 +9,8 @@ shape and, last, the shape with the best total over the token counts: the one to
                                  [--one_loop 0,1]
 
 --split: gate/up's K splits (0: LANES' automatic choice from per_sm). --maxnreg: one cap for both launches (0:
-none). --pipe: gate and up's pipelined super-block loops (their stages; 0: plain loops); --one_loop: gate's and up's rows
-in one loop (LANES["one_loop"]). bn and warps apply to the lane-group form (GEMV["rows"] 0, the default).
+none). --pipe: gate and up's pipelined super-block loops (their stages; 0: plain loops); --one_loop: gate's and up's
+rows in one loop (LANES["one_loop"]). bn and warps apply to the lane-group form (GEMV["rows"] 0, the default).
 """
 from __future__ import annotations
 
@@ -71,10 +71,11 @@ def main() -> None:
                 break
             totals[key] = totals.get(key, 0.0) + ms
             line.append(f"B={t}={ms * 1e3:.1f}us/{nbytes / ms / 1e6 / hbm:.2f}")
-        print(f"bn={bn} warps={warps} per_sm={per_sm} split={split} maxnreg={cap} pipe={pipe} one_loop={one}: " + " ".join(line),
-              flush=True)
+        print(f"bn={bn} warps={warps} per_sm={per_sm} split={split} maxnreg={cap} pipe={pipe} one_loop={one}: "
+              + " ".join(line), flush=True)
     best = min((v, k) for k, v in totals.items())
-    print(f"best: bn, warps, per_sm, split, maxnreg, pipe, one_loop = {best[1]}, all token counts {best[0] * 1e3:.1f} us")
+    print(f"best: bn, warps, per_sm, split, maxnreg, pipe, one_loop = {best[1]}, all token counts "
+          f"{best[0] * 1e3:.1f} us")
 
 
 if __name__ == "__main__":

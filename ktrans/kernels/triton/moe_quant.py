@@ -27,7 +27,8 @@ import triton.language as tl
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, MAXNREG_TYPES, QT_CODE, _scale_words, _sms, counters,
-                                         gemv_rows, plane_args, plane_offsets, superblock_dot, tiles)
+                                         env_ints, gemv_rows, pipe_per_sm, plane_args, plane_offsets, superblock_dot,
+                                         tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
@@ -53,8 +54,7 @@ _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").sp
 # per_sm_pipe programs wanted per SM then (fewer K splits, longer loops), and one_loop: gate's and up's rows in one
 # loop (_moe_lanes_kernel ONE_LOOP); KTRANS_MOE_LANES_PIPE=S[,PER_SM[,ONE_LOOP]]. Off: no gain on the H100 (session 31,
 # moe_sweep, one 80B layer at B=1: 25.6 us plain, 26.6 pipelined, 27.2 in one loop at 8 warps).
-_PIPE = [int(v) for v in os.environ.get("KTRANS_MOE_LANES_PIPE", "0").split(",") if v.strip()]
-_PIPE += [0, 2, 0][len(_PIPE):]
+_PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
@@ -208,8 +208,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     bns = [GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1) for r in rows]
     tiles_i, tiles_h = triton.cdiv(inter, bns[0]), triton.cdiv(hidden, bns[1])
     nsb = gate_up.k // QK
-    pipe = 0 if rows[0] else LANES["pipe"]
-    per_sm = LANES["per_sm_pipe"] if pipe else LANES["per_sm"]
+    pipe, per_sm = pipe_per_sm(LANES, rows[0])
     split = LANES["split"] or max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), p * tiles_i)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)

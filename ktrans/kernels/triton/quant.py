@@ -185,8 +185,15 @@ def _sms(device: torch.device) -> int:
 # rows: each row's super-block read by that many threads (quant_gemv._row_dot_rows: a sub-block's scale made once a
 # row, x read as bf16 pairs; bf16 x only), with rows_bn rows and rows_warps warps a program; 0: the lane-group kernel.
 # KTRANS_GEMV_ROWS=H or H,BN,WARPS sets them (also for the MoE's few-token path).
-_ROWS_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS", "0").split(",") if v.strip()]
-_ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
+
+
+def env_ints(name: str, defaults: list[int]) -> list[int]:
+    """A comma-separated list of ints from the environment, its missing trailing fields taken from `defaults`."""
+    given = [int(v) for v in os.environ.get(name, "").split(",") if v.strip()]
+    return given + defaults[len(given):]
+
+
+_ROWS_ENV = env_ints("KTRANS_GEMV_ROWS", [0, 128, 4])
 # maxnreg: a register cap for the launch (None: the compiler's choice, ~125 registers for the lane-group kernel on
 # sm_90), swept by gemv_sweep --maxnreg. 80 on the H200 (session 22, two runs, doc/benchmarks.md): the nine shapes
 # of a layer's projections 85.8 against 95.5 us at Q4_K and 95.1 against 102 us at Q6_K, the small ones (~7 against
@@ -201,8 +208,7 @@ _ROWS_ENV += [0, 128, 4][len(_ROWS_ENV):]
 # (session 31, gemv_sweep) 3 stages at one program an SM took in_proj_qkvz 16.9 -> 15.5 us and q_proj 13.5 -> 12.5
 # at Q4_K, but lost on the K=4096 shapes and at Q6_K; a layer's nine shapes 90.6 against the default's 90.0 us. Its
 # loop issues ~8 instructions a weight (scripts/gemv_resources.py), which the issue slots, not the bytes, pace.
-_PIPE_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_PIPE", "0").split(",") if v.strip()]
-_PIPE_ENV += [0, 2][len(_PIPE_ENV):]
+_PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
@@ -236,14 +242,12 @@ def _gemv_options(qtype: str, rows: int) -> dict:
     return {**extra, "maxnreg": GEMV["maxnreg"]}
 
 
-def gemv_pipe(rows: int) -> int:
-    """row_dot's PIPE for the lane-group body (rows 0; the row-owning body keeps its plain loop)."""
-    return 0 if rows else GEMV["pipe"]
-
-
-def gemv_per_sm(rows: int) -> int:
-    """Programs the one-row GEMV wants per SM (its K split follows): fewer where its loop is pipelined."""
-    return GEMV["per_sm_pipe"] if gemv_pipe(rows) else GEMV["per_sm"]
+def pipe_per_sm(cfg: dict, rows: int) -> tuple[int, int]:
+    """(row_dot's PIPE, programs wanted per SM) under a launch config with "pipe", "per_sm" and "per_sm_pipe" (GEMV,
+    moe_quant.LANES): the lane-group body's loop pipelined as set (the row-owning body, rows > 0, keeps its plain
+    loop), and the pipelined form's own programs an SM (its K split follows)."""
+    pipe = 0 if rows else cfg["pipe"]
+    return pipe, cfg["per_sm_pipe"] if pipe else cfg["per_sm"]
 
 
 def gemv_rows(x: torch.Tensor, qtype: str) -> int:
@@ -291,11 +295,12 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
     rows = gemv_rows(x, w.qtype) if m == 1 else 0
+    pipe, per_sm = pipe_per_sm(GEMV, rows)
     mode, bm, bn, warps = tiles(m, rows)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     if split is None:  # a decode GEMV streams with no software pipelining across programs: enough programs per SM
         # keep enough loads in flight (a 2048-row matrix at K=2048 has only 32 row tiles)
-        per_sm = gemv_per_sm(rows) if mode == 3 else 8
+        per_sm = per_sm if mode == 3 else 8
         split = max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), grid_nm))) if mode != 2 else 1
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
@@ -310,7 +315,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         extra = _gemv_options(w.qtype, rows)
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
-                                      PIPE=gemv_pipe(rows), num_warps=warps, **extra, **launch())
+                                      PIPE=pipe, num_warps=warps, **extra, **launch())
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
     if split > 1 and not fused:
@@ -345,11 +350,12 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
                          f"{wb.qtype} [{wb.n}, {wb.k}]")
     x = x if x.stride(1) == 1 else x.contiguous()
     rows = gemv_rows(x, wa.qtype)
+    pipe, per_sm = pipe_per_sm(GEMV, rows)
     mode, _, bn, warps = tiles(1, rows)
     nsb = wa.k // QK
     tiles_a, tiles_b = triton.cdiv(wa.n, bn), triton.cdiv(wb.n, bn)
     if split is None:
-        split = max(1, min(nsb, triton.cdiv(gemv_per_sm(rows) * _sms(x.device), tiles_a + tiles_b)))
+        split = max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), tiles_a + tiles_b)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
     if split > 1 and not (GEMV["fused_sum"] and tiles_a + tiles_b <= _MAX_TILES):
@@ -363,7 +369,7 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     extra = _gemv_options(wa.qtype, rows)
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
-                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, PIPE=gemv_pipe(rows),
+                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, PIPE=pipe,
                                             num_warps=warps, **extra, **launch())
     return out[:, : wa.n], out[:, wa.n:]
 
