@@ -5,10 +5,10 @@ GEMV's issue slots, not its bytes, set its pace once enough loads are in flight 
 session 31), so instructions per weight is the figure a new body must lower.
 
     python3 scripts/gemv_resources.py [--types Q4_K,Q6_K] [--pipe 0,3] [--maxnreg 0,80,96] [--warps 4] [--bn 32]
-                                      [--rows 0,4]
+                                      [--rows 0,4] [--mma 0,1]
 
 --rows: the lane-group body (0) or the row-owning one with that many threads a row (quant.GEMV["rows"]; --bn is then
-its rows a program).
+its rows a program). --mma: the tensor-core body (quant_gemv._row_dot_mma, Q4_K and Q6_K; --bn its rows a program).
 """
 from __future__ import annotations
 
@@ -59,22 +59,24 @@ def _loop(ins: list[tuple[int, str]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("types", "Q4_K,Q6_K"), ("pipe", "0,3"), ("maxnreg", "0,80,96"), ("warps", "4"),
-                          ("bn", "32"), ("rows", "0")):
+                          ("bn", "32"), ("rows", "0"), ("mma", "0")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    for qtype, pipe, cap, warps, bn, rows in itertools.product(args.types.split(","), ints(args.pipe),
-                                                               ints(args.maxnreg), ints(args.warps), ints(args.bn),
-                                                               ints(args.rows)):
-        if rows and (pipe or qtype == "Q8_0"):  # the row-owning body has no pipelined loop, and no Q8_0 form
+    for qtype, pipe, cap, warps, bn, rows, mma in itertools.product(
+            args.types.split(","), ints(args.pipe), ints(args.maxnreg), ints(args.warps), ints(args.bn),
+            ints(args.rows), ints(args.mma)):
+        if rows and (pipe or qtype == "Q8_0" or mma):  # the row-owning body has no pipelined loop, no Q8_0 form
+            continue
+        if mma and qtype not in ("Q4_K", "Q6_K"):
             continue
         consts = {"QT": QT_CODE[qtype], "BN": bn, "FUSED_SUM": True, "HAS_B": False, "ROWS": rows, "PDL": False,
-                  "PIPE": pipe}
+                  "PIPE": pipe, "MMA": bool(mma)}
         k, usage = compile_sm90(quant_gemv.gemv_kernel, SIGNATURE, consts, warps, 3, cap, divisible=("N",))
         body = _loop(_sass(k.asm["cubin"]))
         per = bn * QK / (32 * warps)  # weights a thread handles an iteration (a super-block of the row tile)
         top = " ".join(f"{op}:{n}" for op, n in collections.Counter(body).most_common(8))
-        print(f"{qtype} rows={rows} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} "
+        print(f"{qtype} mma={mma} rows={rows} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} "
               f"shared={k.metadata.shared} loop {len(body)} instructions, {len(body) / per:.1f} a weight; {top}",
               flush=True)
 

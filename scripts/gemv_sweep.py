@@ -5,12 +5,13 @@ to write into ktrans.kernels.triton.quant.GEMV.
 
     python3 scripts/gemv_sweep.py [--reps 20] [--types Q4_K,Q6_K] [--bn 32,64,128] [--warps 2,4,8]
                                   [--per_sm 4,8,16] [--fused 0,1] [--stages 0,1,3] [--rows 0,1]
-                                  [--maxnreg 0,96,80] [--pipe 0,3]
+                                  [--maxnreg 0,96,80] [--pipe 0,3] [--mma 0,1]
 
 --stages: the launch's num_stages (0: Triton's default). --maxnreg: register caps (0: none). --rows: the
 lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then set rows_bn and rows_warps, and
 tilings with fewer rows than threads are skipped). --pipe: the lane-group body's pipelined super-block loop (its
-stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]).
+stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1; Q4_K and
+Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and mma_pipe.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--rows", default="0")
     ap.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
     ap.add_argument("--pipe", default="0", help="stages of the pipelined super-block loop to try (0: none)")
+    ap.add_argument("--mma", default="0", help="the tensor-core body (1) or the CUDA-core ones (0)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -49,15 +51,20 @@ def main() -> None:
     for qtype in args.types.split(","):
         ws = {name: _packed(qtype, n, k, dev, s) for s, (name, n, k) in enumerate(SHAPES)}
         xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _, _, k in SHAPES}
-        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe in itertools.product(
+        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma in itertools.product(
                 ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.fused), ints(args.stages),
-                ints(args.rows), ints(args.maxnreg), ints(args.pipe)):
-            if rows and bn * rows < 32 * warps:  # the tile is [bn, rows, 4]: fewer elements than threads
+                ints(args.rows), ints(args.maxnreg), ints(args.pipe), ints(args.mma)):
+            if rows and (mma or bn * rows < 32 * warps):  # the tile is [bn, rows, 4]: fewer elements than threads
                 continue
-            tiling = {"rows_bn": bn, "rows_warps": warps} if rows else {"bn": bn, "warps": warps}
+            if mma and (qtype not in quant.MMA_TYPES or maxnreg or bn < 16 * warps):  # a wgmma is 64 rows a warpgroup
+                continue
+            if mma:
+                tiling = {"mma_bn": bn, "mma_warps": warps, "mma_per_sm": per_sm, "mma_pipe": pipe}
+            else:
+                tiling = {"rows_bn": bn, "rows_warps": warps} if rows else {"bn": bn, "warps": warps}
             quant.GEMV.update(per_sm=per_sm, per_sm_pipe=per_sm, fused_sum=bool(fused), stages=stages or None,
-                              rows=rows, maxnreg=maxnreg or None, pipe=pipe, **tiling)
-            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe)
+                              rows=rows, maxnreg=maxnreg or None, pipe=0 if mma else pipe, mma=bool(mma), **tiling)
+            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma)
             line = []
             for name, n, k in SHAPES:
                 w, x = ws[name], xs[k]
@@ -71,11 +78,11 @@ def main() -> None:
                 totals[(qtype, key)] = totals.get((qtype, key), 0.0) + ms
                 line.append(f"{name}={ms * 1e3:.1f}us/{frac:.2f}")
             print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm} fused={fused} stages={stages} rows={rows} "
-                  f"maxnreg={maxnreg} pipe={pipe}: "
+                  f"maxnreg={maxnreg} pipe={pipe} mma={mma}: "
                   + " ".join(line), flush=True)
     for qtype in args.types.split(","):
         best = min((v, k) for (t, k), v in totals.items() if t == qtype)
-        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe = {best[1]}, all shapes "
+        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma = {best[1]}, all shapes "
               f"{best[0] * 1e3:.1f} us")
 
 

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.pdl import enter, launch
-from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, MAXNREG_TYPES, QT_CODE, _scale_words, _sms, counters,
-                                         env_ints, gemv_rows, pipe_per_sm, plane_args, plane_offsets, superblock_dot,
+from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, MAXNREG_TYPES, MMA_TYPES, QT_CODE, _scale_words, _sms,
+                                         counters, env_ints, gemv_rows, pipe_per_sm, plane_args, plane_offsets, superblock_dot,
                                          tiles)
 from ktrans.kernels.triton.quant_gemv import row_dot
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
@@ -55,10 +55,13 @@ _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").sp
 # loop (_moe_lanes_kernel ONE_LOOP); KTRANS_MOE_LANES_PIPE=S[,PER_SM[,ONE_LOOP]]. Off: no gain on the H100 (session 31,
 # moe_sweep, one 80B layer at B=1: 25.6 us plain, 26.6 pipelined, 27.2 in one loop at 8 warps).
 _PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
+# mma: gate/up and down through the tensor-core row_dot (quant_gemv._row_dot_mma; Q4_K and Q6_K, bf16 x), mma_bn rows
+# and 4 warps a program, mma_per_sm programs wanted an SM for gate/up's K split. KTRANS_MOE_LANES_MMA=ON[,BN[,PER_SM]].
+_MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
-         "one_loop": bool(_PIPE[2])}
+         "one_loop": bool(_PIPE[2]), "mma": bool(_MMA[0]), "mma_bn": _MMA[1], "mma_per_sm": _MMA[2]}
 
 
 @triton.jit
@@ -101,7 +104,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
-                      PIPE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False):
+                      PIPE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False, MMA: tl.constexpr = False):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -113,7 +116,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     x_d, x_sc from the stack's planes (they need not lie in the stack: the offsets are taken as they come).
     ROWS: row_dot's (the row-owning form where > 0). PIPE: row_dot's pipelined loop for gate and up (0: none).
     ONE_LOOP: gate's and up's rows of the tile as one [2 BN] tile in one row_dot loop (each row's arithmetic as in
-    two loops), so a pipelined loop keeps both rows' next super-blocks in flight, and fills once, not twice."""
+    two loops), so a pipelined loop keeps both rows' next super-blocks in flight, and fills once, not twice.
+    MMA: row_dot's tensor-core body."""
     enter(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -142,8 +146,10 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
                              ROWS, False, PIPE)
                 gate, up = tl.split(tl.permute(tl.reshape(gu, [2, BN]), [1, 0]))
             else:
-                gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS, False, PIPE)
-                up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS, False, PIPE)
+                gate = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n, mask_n, QT, BN, ROWS, False, PIPE,
+                               MMA)
+                up = row_dot(x_row, lo, hi, d, sc, N_ROWS, sb0, sb1, offs_n + N, mask_n, QT, BN, ROWS, False, PIPE,
+                             MMA)
             if SPLIT == 1:
                 h = gate / (1.0 + tl.exp(-gate)) * up
                 tl.store(out_ptr + pid_p * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=mask_n)
@@ -166,7 +172,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     else:
         acc = tl.zeros([BN], dtype=tl.float32)
         if e >= 0:
-            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN, ROWS)
+            acc = row_dot(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, 0, NSB, offs_n, mask_n, QT, BN, ROWS,
+                          False, 0, MMA)
             acc = acc * tl.load(rw_ptr + pid_p).to(tl.float32)
         tl.store(part_ptr + pid_p * N + offs_n, acc, mask=mask_n)
         tl.debug_barrier()
@@ -203,12 +210,17 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     ids = ids.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    # per launch: the lane-group row_dot (rows 0) or the row-owning one (GEMV["rows"]; bf16 x, K-quant types)
-    rows = [gemv_rows(x, gate_up.qtype), gemv_rows(h, down.qtype)]
-    bns = [GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1) for r in rows]
+    # per launch: the tensor-core row_dot (LANES["mma"]; bf16 x, MMA_TYPES), the lane-group one (rows 0) or the
+    # row-owning one (GEMV["rows"]; bf16 x, K-quant types)
+    mma = [LANES["mma"] and w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 for w in (gate_up, down)]
+    rows = [0 if mma[0] else gemv_rows(x, gate_up.qtype), 0 if mma[1] else gemv_rows(h, down.qtype)]
+    bns = [LANES["mma_bn"] if m else GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1)
+           for m, r in zip(mma, rows)]
     tiles_i, tiles_h = triton.cdiv(inter, bns[0]), triton.cdiv(hidden, bns[1])
     nsb = gate_up.k // QK
     pipe, per_sm = pipe_per_sm(LANES, rows[0])
+    if mma[0]:
+        pipe, per_sm = 0, LANES["mma_per_sm"]
     split = LANES["split"] or max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), p * tiles_i)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
@@ -231,9 +243,9 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK, sb_per if gated else 1,
             x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
             SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j], PIPE=pipe if gated else 0,
-            ONE_LOOP=gated and LANES["one_loop"] and not rows[j],
-            num_warps=GEMV["rows_warps"] if rows[j] else LANES["warps"],
-            **_lanes_cap(j, w.qtype, rows[j]), **launch())
+            ONE_LOOP=gated and LANES["one_loop"] and not rows[j] and not mma[j], MMA=mma[j],
+            num_warps=4 if mma[j] else GEMV["rows_warps"] if rows[j] else LANES["warps"],
+            **({} if mma[j] else _lanes_cap(j, w.qtype, rows[j])), **launch())
     return out
 
 

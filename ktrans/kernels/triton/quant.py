@@ -209,10 +209,19 @@ _ROWS_ENV = env_ints("KTRANS_GEMV_ROWS", [0, 128, 4])
 # at Q4_K, but lost on the K=4096 shapes and at Q6_K; a layer's nine shapes 90.6 against the default's 90.0 us. Its
 # loop issues ~8 instructions a weight (scripts/gemv_resources.py), which the issue slots, not the bytes, pace.
 _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
+# mma: the tensor-core body (quant_gemv._row_dot_mma: a super-block's codes as bf16 1 + q / 2^b by one shift and one
+# logic op a weight pair, dotted on tensor cores with x placed block-diagonally, the sub-block scales applied after
+# the dot, ~2.7 instructions a weight at Q4_K against the lane-group body's 7.5-8.5) for Q4_K and Q6_K with bf16 x,
+# mma_bn rows and mma_warps warps a program, mma_per_sm programs wanted an SM, mma_pipe its loop's stages (0: a
+# plain loop). KTRANS_GEMV_MMA=ON[,BN[,WARPS[,PER_SM[,PIPE]]]] sets them.
+_MMA_ENV = env_ints("KTRANS_GEMV_MMA", [0, 128, 4, 2, 0])
+MMA_TYPES = ("Q4_K", "Q6_K")
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
-        "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1]}
+        "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
+        "mma": bool(_MMA_ENV[0]), "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
+        "mma_pipe": _MMA_ENV[4]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -233,19 +242,22 @@ def counters(device: torch.device) -> torch.Tensor:
 MAXNREG_TYPES = ("Q4_K", "Q6_K")
 
 
-def _gemv_options(qtype: str, rows: int) -> dict:
+def _gemv_options(qtype: str, rows: int, mma: bool = False) -> dict:
     """The one-row GEMV's launch options from GEMV (stages, maxnreg) where set; the cap for the types and form it
-    was timed on."""
+    was timed on (the lane-group body's)."""
     extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
-    if GEMV["maxnreg"] is None or rows or qtype not in MAXNREG_TYPES:
+    if GEMV["maxnreg"] is None or rows or mma or qtype not in MAXNREG_TYPES:
         return extra
     return {**extra, "maxnreg": GEMV["maxnreg"]}
 
 
-def pipe_per_sm(cfg: dict, rows: int) -> tuple[int, int]:
+def pipe_per_sm(cfg: dict, rows: int, mma: bool = False) -> tuple[int, int]:
     """(row_dot's PIPE, programs wanted per SM) under a launch config with "pipe", "per_sm" and "per_sm_pipe" (GEMV,
     moe_quant.LANES): the lane-group body's loop pipelined as set (the row-owning body, rows > 0, keeps its plain
-    loop), and the pipelined form's own programs an SM (its K split follows)."""
+    loop), and the pipelined form's own programs an SM (its K split follows); the tensor-core body's own ("mma_pipe",
+    "mma_per_sm")."""
+    if mma:
+        return cfg["mma_pipe"], cfg["mma_per_sm"]
     pipe = 0 if rows else cfg["pipe"]
     return pipe, cfg["per_sm_pipe"] if pipe else cfg["per_sm"]
 
@@ -261,11 +273,19 @@ def gemv_rows(x: torch.Tensor, qtype: str) -> int:
     return h if ok else 0
 
 
-def tiles(m: int, rows: int = 0) -> tuple[int, int, int, int]:
-    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel, `rows` its ROWS; 0: a
-    few rows, fp32 products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter pays per program, not per
-    element: it gets wider row tiles."""
+def gemv_mma(x: torch.Tensor, qtype: str) -> bool:
+    """Whether the one-row GEMV on activation rows x takes the tensor-core body: GEMV["mma"] set, a type of
+    MMA_TYPES, bf16 x."""
+    return GEMV["mma"] and qtype in MMA_TYPES and x.dtype == torch.bfloat16
+
+
+def tiles(m: int, rows: int = 0, mma: bool = False) -> tuple[int, int, int, int]:
+    """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel, `rows` its ROWS, `mma`
+    its tensor-core body; 0: a few rows, fp32 products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter
+    pays per program, not per element: it gets wider row tiles."""
     wide = 2 if interpreting() else 1
+    if m == 1 and mma:
+        return 3, 1, GEMV["mma_bn"], GEMV["mma_warps"]
     if m == 1 and rows:
         return 3, 1, GEMV["rows_bn"], GEMV["rows_warps"]
     if m == 1:
@@ -294,9 +314,10 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
-    rows = gemv_rows(x, w.qtype) if m == 1 else 0
-    pipe, per_sm = pipe_per_sm(GEMV, rows)
-    mode, bm, bn, warps = tiles(m, rows)
+    mma = m == 1 and gemv_mma(x, w.qtype)
+    rows = gemv_rows(x, w.qtype) if m == 1 and not mma else 0
+    pipe, per_sm = pipe_per_sm(GEMV, rows, mma)
+    mode, bm, bn, warps = tiles(m, rows, mma)
     grid_nm = triton.cdiv(n, bn) * triton.cdiv(m, bm)
     if split is None:  # a decode GEMV streams with no software pipelining across programs: enough programs per SM
         # keep enough loads in flight (a 2048-row matrix at K=2048 has only 32 row tiles)
@@ -312,10 +333,10 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         tiles_n = triton.cdiv(n, bn)
         fused = split > 1 and GEMV["fused_sum"] and tiles_n <= _MAX_TILES
         cnt = counters(x.device) if fused else dst
-        extra = _gemv_options(w.qtype, rows)
+        extra = _gemv_options(w.qtype, rows, mma)
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
-                                      PIPE=pipe, num_warps=warps, **extra, **launch())
+                                      PIPE=pipe, MMA=mma, num_warps=warps, **extra, **launch())
     else:
         _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
     if split > 1 and not fused:
@@ -349,9 +370,10 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
         raise ValueError(f"qlinear_pair: two matrices of one type and width, got {wa.qtype} [{wa.n}, {wa.k}] and "
                          f"{wb.qtype} [{wb.n}, {wb.k}]")
     x = x if x.stride(1) == 1 else x.contiguous()
-    rows = gemv_rows(x, wa.qtype)
-    pipe, per_sm = pipe_per_sm(GEMV, rows)
-    mode, _, bn, warps = tiles(1, rows)
+    mma = gemv_mma(x, wa.qtype)
+    rows = 0 if mma else gemv_rows(x, wa.qtype)
+    pipe, per_sm = pipe_per_sm(GEMV, rows, mma)
+    mode, _, bn, warps = tiles(1, rows, mma)
     nsb = wa.k // QK
     tiles_a, tiles_b = triton.cdiv(wa.n, bn), triton.cdiv(wb.n, bn)
     if split is None:
@@ -366,10 +388,10 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     planes = (lo, hi, d, _scale_words(wa))
     blo, bhi, bd, _ = plane_args(wb)
     offs = plane_offsets(planes, (blo, bhi, bd, _scale_words(wb)))
-    extra = _gemv_options(wa.qtype, rows)
+    extra = _gemv_options(wa.qtype, rows, mma)
     gemv_kernel[(tiles_a + tiles_b, split)](x, out, part, counters(x.device), *planes, wa.n, nsb, sb_per, split,
                                             tiles_a, wb.n, *offs, QT=QT_CODE[wa.qtype], BN=bn,
-                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, PIPE=pipe,
+                                            FUSED_SUM=split > 1, HAS_B=True, ROWS=rows, PIPE=pipe, MMA=mma,
                                             num_warps=warps, **extra, **launch())
     return out[:, : wa.n], out[:, wa.n:]
 
