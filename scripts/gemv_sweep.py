@@ -10,7 +10,7 @@ to write into ktrans.kernels.triton.quant.GEMV.
 --stages: the launch's num_stages (0: Triton's default). --maxnreg: register caps (0: none). --rows: the
 lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then set rows_bn and rows_warps, and
 tilings with fewer rows than threads are skipped). --pipe: the lane-group body's pipelined super-block loop (its
-stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1; Q4_K and
+stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1, or 2 the transposed dot; Q4_K and
 Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and mma_pipe.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--rows", default="0")
     ap.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
     ap.add_argument("--pipe", default="0", help="stages of the pipelined super-block loop to try (0: none)")
-    ap.add_argument("--mma", default="0", help="the tensor-core body (1) or the CUDA-core ones (0)")
+    ap.add_argument("--mma", default="0", help="the tensor-core body (1; 2 transposed) or the CUDA-core ones (0)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -63,7 +63,7 @@ def main() -> None:
             else:
                 tiling = {"rows_bn": bn, "rows_warps": warps} if rows else {"bn": bn, "warps": warps}
             quant.GEMV.update(per_sm=per_sm, per_sm_pipe=per_sm, fused_sum=bool(fused), stages=stages or None,
-                              rows=rows, maxnreg=maxnreg or None, pipe=0 if mma else pipe, mma=bool(mma), **tiling)
+                              rows=rows, maxnreg=maxnreg or None, pipe=0 if mma else pipe, mma=mma, **tiling)
             key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma)
             line = []
             for name, n, k in SHAPES:

@@ -62,7 +62,7 @@ def main() -> None:
         if mma and (bn < 64 or warps != 4 or cap or pipe or one):  # a wgmma is 64 rows; 4 warps, no cap, no pipe
             continue
         mq.LANES.update(bn=bn, warps=warps, per_sm=per_sm, per_sm_pipe=per_sm, split=split or None,
-                        maxnreg=(cap, cap), pipe=pipe, one_loop=bool(one), mma=bool(mma), mma_bn=bn, mma_per_sm=per_sm)
+                        maxnreg=(cap, cap), pipe=pipe, one_loop=bool(one), mma=mma, mma_bn=bn, mma_per_sm=per_sm)
         key = (bn, warps, per_sm, split, cap, pipe, one, mma)
         line = []
         for t, x, ids, w, nbytes in cases:

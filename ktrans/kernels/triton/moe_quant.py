@@ -61,7 +61,7 @@ _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
-         "one_loop": bool(_PIPE[2]), "mma": bool(_MMA[0]), "mma_bn": _MMA[1], "mma_per_sm": _MMA[2]}
+         "one_loop": bool(_PIPE[2]), "mma": _MMA[0], "mma_bn": _MMA[1], "mma_per_sm": _MMA[2]}
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                       QT: tl.constexpr, BN: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_X: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
-                      PIPE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False, MMA: tl.constexpr = False):
+                      PIPE: tl.constexpr = 0, ONE_LOOP: tl.constexpr = False, MMA: tl.constexpr = 0):
     """Pair pid_p (token pid_p // X_DIV, expert ids[pid_p], skipped when negative) times output columns pid_n*BN..,
     lane-wise; sc_ptr: the scale plane as int32 words (s_sc in words).
     GATED (gate and up): super-blocks pid_k*SB_PER.. of K; with SPLIT > 1 the fp32 partials go to part_ptr [SPLIT,
@@ -212,7 +212,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     # per launch: the tensor-core row_dot (LANES["mma"]; bf16 x, MMA_TYPES), the lane-group one (rows 0) or the
     # row-owning one (GEMV["rows"]; bf16 x, K-quant types)
-    mma = [LANES["mma"] and w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 for w in (gate_up, down)]
+    mma = [int(LANES["mma"]) if w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 else 0 for w in (gate_up, down)]
     rows = [0 if mma[0] else gemv_rows(x, gate_up.qtype), 0 if mma[1] else gemv_rows(h, down.qtype)]
     bns = [LANES["mma_bn"] if m else GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1)
            for m, r in zip(mma, rows)]

@@ -213,14 +213,15 @@ _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
 # logic op a weight pair, dotted on tensor cores with x placed block-diagonally, the sub-block scales applied after
 # the dot, ~2.7 instructions a weight at Q4_K against the lane-group body's 7.5-8.5) for Q4_K and Q6_K with bf16 x,
 # mma_bn rows and mma_warps warps a program, mma_per_sm programs wanted an SM, mma_pipe its loop's stages (0: a
-# plain loop). KTRANS_GEMV_MMA=ON[,BN[,WARPS[,PER_SM[,PIPE]]]] sets them.
+# plain loop). mma 2: the dot transposed (its M the 16 columns of x; with 2 warps, mma.m16n8k16 instead of sm_90's
+# wgmma). KTRANS_GEMV_MMA=MMA[,BN[,WARPS[,PER_SM[,PIPE]]]] sets them.
 _MMA_ENV = env_ints("KTRANS_GEMV_MMA", [0, 128, 4, 2, 0])
 MMA_TYPES = ("Q4_K", "Q6_K")
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
-        "mma": bool(_MMA_ENV[0]), "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
+        "mma": _MMA_ENV[0], "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
         "mma_pipe": _MMA_ENV[4]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
@@ -242,7 +243,7 @@ def counters(device: torch.device) -> torch.Tensor:
 MAXNREG_TYPES = ("Q4_K", "Q6_K")
 
 
-def _gemv_options(qtype: str, rows: int, mma: bool = False) -> dict:
+def _gemv_options(qtype: str, rows: int, mma: int = 0) -> dict:
     """The one-row GEMV's launch options from GEMV (stages, maxnreg) where set; the cap for the types and form it
     was timed on (the lane-group body's)."""
     extra = {} if GEMV["stages"] is None else {"num_stages": GEMV["stages"]}
@@ -251,7 +252,7 @@ def _gemv_options(qtype: str, rows: int, mma: bool = False) -> dict:
     return {**extra, "maxnreg": GEMV["maxnreg"]}
 
 
-def pipe_per_sm(cfg: dict, rows: int, mma: bool = False) -> tuple[int, int]:
+def pipe_per_sm(cfg: dict, rows: int, mma: int = 0) -> tuple[int, int]:
     """(row_dot's PIPE, programs wanted per SM) under a launch config with "pipe", "per_sm" and "per_sm_pipe" (GEMV,
     moe_quant.LANES): the lane-group body's loop pipelined as set (the row-owning body, rows > 0, keeps its plain
     loop), and the pipelined form's own programs an SM (its K split follows); the tensor-core body's own ("mma_pipe",
@@ -273,13 +274,13 @@ def gemv_rows(x: torch.Tensor, qtype: str) -> int:
     return h if ok else 0
 
 
-def gemv_mma(x: torch.Tensor, qtype: str) -> bool:
-    """Whether the one-row GEMV on activation rows x takes the tensor-core body: GEMV["mma"] set, a type of
-    MMA_TYPES, bf16 x."""
-    return GEMV["mma"] and qtype in MMA_TYPES and x.dtype == torch.bfloat16
+def gemv_mma(x: torch.Tensor, qtype: str) -> int:
+    """The one-row GEMV's tensor-core body for activation rows x (row_dot's MMA): GEMV["mma"] for a type of
+    MMA_TYPES and bf16 x, else 0 (the CUDA-core bodies)."""
+    return int(GEMV["mma"]) if qtype in MMA_TYPES and x.dtype == torch.bfloat16 else 0
 
 
-def tiles(m: int, rows: int = 0, mma: bool = False) -> tuple[int, int, int, int]:
+def tiles(m: int, rows: int = 0, mma: int = 0) -> tuple[int, int, int, int]:
     """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel, `rows` its ROWS, `mma`
     its tensor-core body; 0: a few rows, fp32 products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter
     pays per program, not per element: it gets wider row tiles."""
@@ -314,7 +315,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
-    mma = m == 1 and gemv_mma(x, w.qtype)
+    mma = gemv_mma(x, w.qtype) if m == 1 else 0
     rows = gemv_rows(x, w.qtype) if m == 1 and not mma else 0
     pipe, per_sm = pipe_per_sm(GEMV, rows, mma)
     mode, bm, bn, warps = tiles(m, rows, mma)

@@ -330,13 +330,16 @@ else:
 
 
 @triton.jit
-def _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT: tl.constexpr, BN: tl.constexpr):
+def _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT: tl.constexpr, BN: tl.constexpr,
+            T: tl.constexpr):
     """acc [BN, 16] += super-block sb's products, one tensor-core dot: P = F @ Xd, F [BN, 256] the weights' codes
     as 1 + q / 2^b (exact in bf16), Xd [256, 16] x placed block-diagonally (row k holds x at the column of k's
     sub-block, zeros elsewhere), so P[:, c] is sub-block c's sum of (1 + q / 2^b) x, exact products summed in fp32.
     The sub-block's scale then multiplies it once per row: ggml's s q - m summed over a sub-block is
     (2^b s) (P - X) - m X, X its sum of x (Q6_K: s (64 P - 96 X)). Q4_K has 8 sub-blocks: columns 8 + S repeat S,
-    and carry the min term (coefficient -dmin m_S, value X_S)."""
+    and carry the min term (coefficient -dmin m_S, value X_S). T: the dot transposed, Xd^T F^T, so its M is 16
+    (mma.m16n8k16 on every GPU from sm_80; untransposed, sm_90 takes wgmma, whose B operand Xd goes through shared
+    memory behind an async-proxy fence a super-block)."""
     row = sb * N + offs_n
     k = tl.arange(0, 256)
     c = tl.arange(0, 16)
@@ -357,38 +360,45 @@ def _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT
         sub = (k % 8) // 2 + 4 * (k % 2)
         pos = k // 8
     xv = tl.load(x_ptr + sb * 256 + sub * SPAN + pos)
-    xd = tl.where(sub[:, None] == (c % NCOL)[None, :], xv[:, None], tl.zeros_like(xv)[:, None])
-    p = tl.dot(f, xd.to(f.dtype))
-    # X_{c % ncol}: the sub-blocks' sums of x
+    # X_{c % NCOL}: the sub-blocks' sums of x
     xc = tl.load(x_ptr + sb * 256 + (c % NCOL)[None, :] * SPAN + tl.arange(0, SPAN)[:, None]).to(tl.float32)
-    xs = tl.sum(xc, axis=0)[None, :]
     if QT == 2:
         d = tl.load(d_ptr + row, mask=mask_n, other=0.0).to(tl.float32)
         u = tl.load(sc_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] * 16 + c[None, :], mask=mask_n[:, None],
                     other=0).to(tl.float32)
-        acc += (u * d[:, None]) * (64.0 * p - 96.0 * xs)
+        coef = u * d[:, None]
     else:
         dd = tl.load(d_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=mask_n[:, None], other=0.0)
         d, dmin = tl.split(dd.to(tl.float32))
         u = tl.load(sc_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * 16 + c[None, :], mask=mask_n[:, None],
                     other=0).to(tl.float32)
-        first = c[None, :] < 8
-        acc += (u * tl.where(first, 16.0 * d[:, None], -dmin[:, None])) * tl.where(first, p - xs, xs)
+        coef = u * tl.where(c[None, :] < 8, 16.0 * d[:, None], -dmin[:, None])
+    if T:  # P^T [16, BN] = Xd^T F^T: 16 rows of the dot's M (mma.m16n8k16; no wgmma, whose B sits in shared memory)
+        xdt = tl.where((c % NCOL)[:, None] == sub[None, :], xv[None, :], tl.zeros_like(xv)[None, :])
+        p = tl.trans(tl.dot(xdt.to(f.dtype), tl.trans(f)))
+    else:
+        xd = tl.where(sub[:, None] == (c % NCOL)[None, :], xv[:, None], tl.zeros_like(xv)[:, None])
+        p = tl.dot(f, xd.to(f.dtype))
+    xs = tl.sum(xc, axis=0)[None, :]
+    if QT == 2:
+        acc += coef * (64.0 * p - 96.0 * xs)
+    else:
+        acc += coef * tl.where(c[None, :] < 8, p - xs, xs)
     return acc
 
 
 @triton.jit
 def _row_dot_mma(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
-                 BN: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr):
-    """row_dot on tensor cores (_mma_sb a super-block): Q4_K and Q6_K, bf16 x."""
+                 BN: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr, MMA: tl.constexpr):
+    """row_dot on tensor cores (_mma_sb a super-block): Q4_K and Q6_K, bf16 x. MMA 2: the transposed dot."""
     enter(PDL)
     acc = tl.zeros([BN, 16], dtype=tl.float32)
     if PIPE > 0:
         for sb in tl.range(sb0, sb_end, num_stages=PIPE):
-            acc = _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT, BN)
+            acc = _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT, BN, MMA == 2)
     else:
         for sb in range(sb0, sb_end):
-            acc = _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT, BN)
+            acc = _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT, BN, MMA == 2)
     return tl.sum(acc, axis=1)
 
 
@@ -406,7 +416,7 @@ def _lanes_step(lanes, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask
 @triton.jit
 def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
             BN: tl.constexpr, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False, PIPE: tl.constexpr = 0,
-            MMA: tl.constexpr = False):
+            MMA: tl.constexpr = 0):
     """[BN] fp32: rows offs_n of one matrix (N rows) times one activation row, over super-blocks sb0..sb_end-1,
     lane by lane and reduced once (the GEMV's program body; the MoE's few-token path calls it per expert).
     ROWS > 0: each row's super-block read by ROWS threads (_row_dot_rows; the K-quant types, bf16 x).
@@ -419,7 +429,8 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
     stages (Triton 3.6 and 3.9 compiled for sm_90: 512 B of shared memory and no cp.async at any launch num_stages;
     9,216 B and cp.async with PIPE = 3)."""
     if MMA:
-        return _row_dot_mma(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, PDL, PIPE)
+        return _row_dot_mma(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, PDL, PIPE,
+                            MMA)
     if ROWS > 0 and QT != 3:
         enter(PDL)
         return _row_dot_rows(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, ROWS)
@@ -445,7 +456,7 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
 def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
                 TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: tl.constexpr, BN: tl.constexpr, FUSED_SUM: tl.constexpr,
                 HAS_B: tl.constexpr = False, ROWS: tl.constexpr = 0, PDL: tl.constexpr = False,
-                PIPE: tl.constexpr = 0, MMA: tl.constexpr = False):
+                PIPE: tl.constexpr = 0, MMA: tl.constexpr = 0):
     """Rows pid_n*BN.. of y over super-blocks pid_k*SB_PER..; sc_ptr is the scale plane as int32 words (four a row
     and super-block). SPLIT = 1: y into out_ptr. Else the fp32 partial into part_ptr row pid_k, and with FUSED_SUM
     the row tile's last program to finish (counted in cnt_ptr[pid_n], zero between calls) sums the SPLIT partials in
