@@ -330,75 +330,100 @@ else:
 
 
 @triton.jit
-def _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT: tl.constexpr, BN: tl.constexpr,
+def _mma_order(QT: tl.constexpr):
+    """(sub, pos) [256]: the sub-block and the position in it of dot column k, the order _codes_q4 / _codes_q6 lay a
+    super-block's codes out in: Q4_K k = 8i + 2j + h (weight i of sub-block j + 4h); Q6_K k = 8(16G + i) + 2j + h
+    (weight i of sub-block 8G + j + 4h)."""
+    k = tl.arange(0, 256)
+    e = k % 8
+    if QT == 2:
+        return 8 * (k // 128) + e // 2 + 4 * (e % 2), (k // 8) % 16
+    return e // 2 + 4 * (e % 2), k // 8
+
+
+@triton.jit
+def _mma_side(x_ptr, d_ptr, sc_ptr, sb, sb_end, N, offs_n, mask_n, QT: tl.constexpr):
+    """Everything of super-block sb but its codes: (x in dot order [256] bf16, X_{c % NCOL} [16] fp32 (the
+    sub-blocks' sums of x), the columns' coefficients [BN, 16] fp32 (Q4_K: 16 d sc_c for c < 8, -dmin m_{c - 8}
+    after; Q6_K: d sc_c)). sb >= sb_end reads nothing (zeros): a prefetch past the program's last."""
+    NCOL: tl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block
+    SPAN: tl.constexpr = 256 // NCOL  # weights a sub-block
+    row = sb * N + offs_n
+    c = tl.arange(0, 16)
+    sub, pos = _mma_order(QT)
+    xv = tl.load(x_ptr + sb * 256 + sub * SPAN + pos, mask=(sub * 0 + sb) < sb_end, other=0.0)
+    xc = tl.load(x_ptr + sb * 256 + (c % NCOL)[None, :] * SPAN + tl.arange(0, SPAN)[:, None],
+                 mask=(c * 0 + sb)[None, :] < sb_end, other=0.0)
+    xs = tl.sum(xc.to(tl.float32), axis=0)
+    m = mask_n & ((offs_n * 0 + sb) < sb_end)
+    if QT == 2:
+        d = tl.load(d_ptr + row, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(sc_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] * 16 + c[None, :], mask=m[:, None], other=0)
+        coef = u.to(tl.float32) * d[:, None]
+    else:
+        dd = tl.load(d_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=m[:, None], other=0.0)
+        d, dmin = tl.split(dd.to(tl.float32))
+        u = tl.load(sc_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * 16 + c[None, :], mask=m[:, None], other=0)
+        coef = u.to(tl.float32) * tl.where(c[None, :] < 8, 16.0 * d[:, None], -dmin[:, None])
+    return xv, xs, coef
+
+
+@triton.jit
+def _mma_sb(acc, lo_ptr, hi_ptr, sb, N, offs_n, mask_n, xv, xs, coef, QT: tl.constexpr, BN: tl.constexpr,
             T: tl.constexpr):
     """acc [BN, 16] += super-block sb's products, one tensor-core dot: P = F @ Xd, F [BN, 256] the weights' codes
     as 1 + q / 2^b (exact in bf16), Xd [256, 16] x placed block-diagonally (row k holds x at the column of k's
     sub-block, zeros elsewhere), so P[:, c] is sub-block c's sum of (1 + q / 2^b) x, exact products summed in fp32.
     The sub-block's scale then multiplies it once per row: ggml's s q - m summed over a sub-block is
     (2^b s) (P - X) - m X, X its sum of x (Q6_K: s (64 P - 96 X)). Q4_K has 8 sub-blocks: columns 8 + S repeat S,
-    and carry the min term (coefficient -dmin m_S, value X_S). T: the dot transposed, Xd^T F^T, so its M is 16
-    (mma.m16n8k16 on every GPU from sm_80; untransposed, sm_90 takes wgmma, whose B operand Xd goes through shared
-    memory behind an async-proxy fence a super-block)."""
+    and carry the min term (coefficient -dmin m_S, value X_S). xv, xs, coef: _mma_side's. T: the dot transposed,
+    Xd^T F^T, its M the 16 columns (at 2 warps, mma.m16n8k16; untransposed, sm_90 takes wgmma, whose B operand Xd
+    goes through shared memory behind an async-proxy fence a super-block)."""
+    NCOL: tl.constexpr = 16 if QT == 2 else 8
     row = sb * N + offs_n
-    k = tl.arange(0, 256)
     c = tl.arange(0, 16)
-    NCOL: tl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block
-    SPAN: tl.constexpr = 256 // NCOL  # weights a sub-block
-    if QT == 2:  # k = (16 G + i) * 8 + 2j + h: weight i of sub-block 8G + j + 4h (16 weights a sub-block)
+    sub, pos = _mma_order(QT)
+    if QT == 2:
         w = tl.arange(0, 32)[None, :]
         a = tl.load(lo_ptr + row[:, None] * 32 + w, mask=mask_n[:, None], other=0)
         # each word's high bits, those of the second half (G = 1) moved down to where G = 0's sit
         b = tl.load(hi_ptr + row[:, None] * 16 + w % 16, mask=mask_n[:, None], other=0) >> (16 * (w // 16))
         f = tl.reshape(_codes_q6(a, b), [BN, 256])
-        e = k % 8
-        sub = 8 * (k // 128) + e // 2 + 4 * (e % 2)
-        pos = (k // 8) % 16
-    else:  # k = i * 8 + 2j + h: weight i of sub-block j + 4h (32 weights a sub-block)
+    else:
         a = tl.load(lo_ptr + row[:, None] * 32 + tl.arange(0, 32)[None, :], mask=mask_n[:, None], other=0)
         f = tl.reshape(_codes_q4(a), [BN, 256])
-        sub = (k % 8) // 2 + 4 * (k % 2)
-        pos = k // 8
-    xv = tl.load(x_ptr + sb * 256 + sub * SPAN + pos)
-    # X_{c % NCOL}: the sub-blocks' sums of x
-    xc = tl.load(x_ptr + sb * 256 + (c % NCOL)[None, :] * SPAN + tl.arange(0, SPAN)[:, None]).to(tl.float32)
-    if QT == 2:
-        d = tl.load(d_ptr + row, mask=mask_n, other=0.0).to(tl.float32)
-        u = tl.load(sc_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] * 16 + c[None, :], mask=mask_n[:, None],
-                    other=0).to(tl.float32)
-        coef = u * d[:, None]
-    else:
-        dd = tl.load(d_ptr + row[:, None] * 2 + tl.arange(0, 2)[None, :], mask=mask_n[:, None], other=0.0)
-        d, dmin = tl.split(dd.to(tl.float32))
-        u = tl.load(sc_ptr.to(tl.pointer_type(tl.uint8)) + row[:, None] * 16 + c[None, :], mask=mask_n[:, None],
-                    other=0).to(tl.float32)
-        coef = u * tl.where(c[None, :] < 8, 16.0 * d[:, None], -dmin[:, None])
-    if T:  # P^T [16, BN] = Xd^T F^T: 16 rows of the dot's M (mma.m16n8k16; no wgmma, whose B sits in shared memory)
+    if T:
         xdt = tl.where((c % NCOL)[:, None] == sub[None, :], xv[None, :], tl.zeros_like(xv)[None, :])
         p = tl.trans(tl.dot(xdt.to(f.dtype), tl.trans(f)))
     else:
         xd = tl.where(sub[:, None] == (c % NCOL)[None, :], xv[:, None], tl.zeros_like(xv)[:, None])
         p = tl.dot(f, xd.to(f.dtype))
-    xs = tl.sum(xc, axis=0)[None, :]
     if QT == 2:
-        acc += coef * (64.0 * p - 96.0 * xs)
+        acc += coef * (64.0 * p - 96.0 * xs[None, :])
     else:
-        acc += coef * tl.where(c[None, :] < 8, p - xs, xs)
+        acc += coef * tl.where(c[None, :] < 8, p - xs[None, :], xs[None, :])
     return acc
 
 
 @triton.jit
 def _row_dot_mma(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT: tl.constexpr,
                  BN: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr, MMA: tl.constexpr):
-    """row_dot on tensor cores (_mma_sb a super-block): Q4_K and Q6_K, bf16 x. MMA 2: the transposed dot."""
+    """row_dot on tensor cores (_mma_sb a super-block): Q4_K and Q6_K, bf16 x. MMA 2: the transposed dot. The next
+    super-block's x and scales (_mma_side) are loaded an iteration ahead, by hand: no dot reads them, so Triton's
+    pipeliner would leave their latency in every iteration; the codes, which feed the dot, it pipelines itself."""
     enter(PDL)
     acc = tl.zeros([BN, 16], dtype=tl.float32)
+    xv, xs, coef = _mma_side(x_ptr, d_ptr, sc_ptr, sb0, sb_end, N, offs_n, mask_n, QT)
     if PIPE > 0:
         for sb in tl.range(sb0, sb_end, num_stages=PIPE):
-            acc = _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT, BN, MMA == 2)
+            nxv, nxs, ncoef = _mma_side(x_ptr, d_ptr, sc_ptr, sb + 1, sb_end, N, offs_n, mask_n, QT)
+            acc = _mma_sb(acc, lo_ptr, hi_ptr, sb, N, offs_n, mask_n, xv, xs, coef, QT, BN, MMA == 2)
+            xv, xs, coef = nxv, nxs, ncoef
     else:
         for sb in range(sb0, sb_end):
-            acc = _mma_sb(acc, x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n, mask_n, QT, BN, MMA == 2)
+            nxv, nxs, ncoef = _mma_side(x_ptr, d_ptr, sc_ptr, sb + 1, sb_end, N, offs_n, mask_n, QT)
+            acc = _mma_sb(acc, lo_ptr, hi_ptr, sb, N, offs_n, mask_n, xv, xs, coef, QT, BN, MMA == 2)
+            xv, xs, coef = nxv, nxs, ncoef
     return tl.sum(acc, axis=1)
 
 
