@@ -211,10 +211,15 @@ _ROWS_ENV = env_ints("KTRANS_GEMV_ROWS", [0, 128, 4])
 _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
 # mma: the tensor-core body (quant_gemv._row_dot_mma: a super-block's codes as bf16 1 + q / 2^b by one shift and one
 # logic op a weight pair, dotted on tensor cores with x placed block-diagonally, the sub-block scales applied after
-# the dot, ~2.7 instructions a weight at Q4_K against the lane-group body's 7.5-8.5) for Q4_K and Q6_K with bf16 x,
+# the dot; ~2.7 instructions a weight at Q4_K against the lane-group body's 7.5-8.5) for Q4_K and Q6_K with bf16 x,
 # mma_bn rows and mma_warps warps a program, mma_per_sm programs wanted an SM, mma_pipe its loop's stages (0: a
-# plain loop). mma 2: the dot transposed (its M the 16 columns of x; with 2 warps, mma.m16n8k16 instead of sm_90's
-# wgmma). KTRANS_GEMV_MMA=MMA[,BN[,WARPS[,PER_SM[,PIPE]]]] sets them.
+# plain loop). mma 2: the dot transposed (its M the 16 columns of x; at 2 warps mma.m16n8k16 instead of sm_90's
+# wgmma). KTRANS_GEMV_MMA=MMA[,BN[,WARPS[,PER_SM[,PIPE]]]] sets them. Off: slower at every tiling on the H100
+# (session 32, gemv_sweep): a layer's nine Q4_K shapes 110.3 us at best (64 rows, 4 warps, 2 an SM) against the
+# lane-group body's 90.8, in_proj_qkvz 22.9 against 17.7. Triton stages the dequantized operand through shared
+# memory (stored, then read back in the dot's layout: 4 bytes of shared traffic a weight, 6-way store conflicts,
+# barriers every super-block), and ncu found 0.3 eligible warps a scheduler, stalled on shared memory (38% of
+# samples), global loads (21%) and barriers (16%): fewer instructions, but a longer chain a super-block.
 _MMA_ENV = env_ints("KTRANS_GEMV_MMA", [0, 128, 4, 2, 0])
 MMA_TYPES = ("Q4_K", "Q6_K")
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
