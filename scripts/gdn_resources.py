@@ -1,11 +1,11 @@
 """The chunked DeltaNet's resources on sm_90 without a GPU: ktrans.kernels.triton.gated_delta._scan_kernel (--kernel
 out: the split form's _output_kernel; --kernel prep, gated_delta_prep._prep_kernel; --kernel wu or qk, the FULL=3/4
-later launches of gated_delta_wu; --kernel group, FULL=6's gated_delta_group._prep_group_kernel) compiled by Triton
+later launches of gated_delta_wu) compiled by Triton
 for GPUTarget("cuda", 90, 32) at Qwen3-Next's shapes (HK 16, HV 32, Dk = Dv = 128, bf16 operands), one line per
 (normed, split or full, warps, stages, value columns): registers and spill stack (cuobjdump -res-usage), the shared
 memory Triton asks for, and how many of the loads the pipeliner made asynchronous copies.
 
-    python3 scripts/gdn_resources.py [--kernel scan|out|prep|wu|qk|group] [--normed 0,1] [--split 0,1]
+    python3 scripts/gdn_resources.py [--kernel scan|out|prep|wu|qk] [--normed 0,1] [--split 0,1]
                                      [--full 0,1,2,3,4,5]
                                      [--warps 4,8] [--stages 3] [--block_v 16,32] [--prep_cols 64]
                                      [--maxnreg 0,168]  (a register cap a thread; 0: none)
@@ -20,7 +20,6 @@ import triton.language as tl
 from _sm90 import compile_sm90
 
 from ktrans.kernels.triton import gated_delta as gd
-from ktrans.kernels.triton import gated_delta_group as gdg
 from ktrans.kernels.triton import gated_delta_prep as gdp
 from ktrans.kernels.triton import gated_delta_wu as gdw
 
@@ -42,7 +41,7 @@ def _signature(fn) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("scan", "out", "prep", "wu", "qk", "group"), default="scan")
+    ap.add_argument("--kernel", choices=("scan", "out", "prep", "wu", "qk"), default="scan")
     for name, default in (("normed", "0,1"), ("split", "0,1"), ("full", "0,1,2"), ("warps", "4,8"), ("stages", "3"),
                           ("block_v", "16,32"), ("prep_cols", "64"), ("maxnreg", "0"), ("inv", "0")):
         ap.add_argument(f"--{name}", default=default)
@@ -50,12 +49,12 @@ def main() -> None:
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     prep = args.kernel not in ("scan", "out")
     fn = {"scan": gd._scan_kernel, "out": gd._output_kernel, "prep": gdp._prep_kernel, "wu": gdw._wu_kernel,
-          "qk": gdw._qk_kernel, "group": gdg._prep_group_kernel}[args.kernel]
+          "qk": gdw._qk_kernel}[args.kernel]
     sig = _signature(fn)
     # the prep's second flag is FULL (none for FULL=3's second launch) and its column block PREP_COLS; the scan's
     # SPLIT and BV
     flags, widths = (args.full, args.prep_cols) if prep else (args.split, args.block_v)
-    flags = {"wu": "3,4", "qk": "4", "group": "6"}.get(args.kernel, flags)
+    flags = {"wu": "3,4", "qk": "4"}.get(args.kernel, flags)
     invs = ints(args.inv) if args.kernel == "prep" else [0]  # the diagonal inverses' form: the first launch's
     for normed, flag, warps, stages, width, regs, inv in itertools.product(ints(args.normed), ints(flags),
                                                                            ints(args.warps), ints(args.stages),

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--prep_full", default="0",
                     help="1: the prep's A as one product through scratch, 2: its inverse too, 3: as 2 with q's "
                          "products, w and u by a second launch, 4: q's products a key head by a second, w and u by a "
-                         "third, 5: as 2 with q, k and v loaded early, 6: as 5 with a program a key head")
+                         "third, 5: as 2 with q, k and v loaded early")
     ap.add_argument("--prep_maxnreg", default="0", help="the prep's register cap a thread (0: none)")
     ap.add_argument("--prep_inv", default="0", help="1: the diagonal inverses by doubling (FULL forms)")
     ap.add_argument("--wu_warps", default="8", help="warps of --prep_full 3's and 4's later launches")

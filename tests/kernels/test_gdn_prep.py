@@ -94,15 +94,14 @@ def test_doubling_inverse_rule_matches_reference(triton_device, monkeypatch, dty
     check_form_against_reference(o, after, block, pool, seqs, q, k, v, a, b, A_log, dt_bias)
 
 
-@pytest.mark.parametrize("full", [3, 4, 5, 6])
+@pytest.mark.parametrize("full", [3, 4, 5])
 @pytest.mark.parametrize("dtype,normed", [(torch.bfloat16, True), (torch.float32, False)])
 def test_later_launches_give_the_same_bits(triton_device, dtype, normed, full):
     """KTRANS_GDN_PREP_FULL=3 and 4: q's products, w and u made by later launches (gated_delta_wu; 4: q.k once a key
     head) from the inverse, the k rows' norms and cum the first launch left, beta made again from b: the same fp32
     values into the same products as FULL=2's one launch, so the rule's outputs, final and emitted states are
     bitwise FULL=2's (varlen, a continued slot, partial chunks). FULL=5, one launch with q, k and v loaded early and
-    w and u made at their whole width, gives the same bits too, and so does FULL=6, a program a key head
-    (gated_delta_group: q.k and k.k once for both value heads, their inverses side by side)."""
+    w and u made at their whole width, gives the same bits too."""
     q, k, v, a, b, A_log, dt_bias, pool, seqs, plan = _varlen_emit_case(dtype, triton_device)
     one, later = pool.clone(), pool.clone()
     o = chunk_gated_delta_rule_varlen(q, k, v, a, b, A_log, dt_bias, one, plan, normed=normed, full=2)
@@ -122,7 +121,7 @@ def test_bad_column_blocks_are_refused(triton_device):
     for cols in (8, 48):
         with pytest.raises(ValueError, match="PREP_COLS"):
             prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, cols=cols)
-    for full in (-1, 7):
+    for full in (-1, 6):
         with pytest.raises(ValueError, match="KTRANS_GDN_PREP_FULL"):
             prep.launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, 64, 64, dt, prec, 4, full=full)
     for inv in (-1, 3):

@@ -1,5 +1,5 @@
 """The chunked gated delta rule's per-chunk inverse of (I + A), A strictly lower triangular [64, 64] (the WY form's
-solve; ktrans.kernels.triton.gated_delta_prep and gated_delta_group): A's diagonal 16x16 blocks inverted row by row
+solve; ktrans.kernels.triton.gated_delta_prep): A's diagonal 16x16 blocks inverted row by row
 (from registers, the block form's, or from the program's fp32 scratch) or by doubling, and the whole inverse
 assembled from them in fp32 16x16 products, six dependent products deep or by 32-row halves, four deep. Every
 product is fp32 (input_precision ieee): the inverse's entries feed every w and u."""

@@ -21,8 +21,8 @@ inverses read their rows back from there (KTRANS_GDN_PREP_INV: by doubling, the 
 whole inverse is assembled there; w and u are whole-chunk products. On an H100 at T=8192 (session 29) FULL=2 took
 362.8 us against the block form's 480.8. FULL=5, the default, is 2 with q, k and v loaded early: 297.6 against 336.4
 us (session 30, with INV=2). FULL=3 and 4 leave q's products, w and u to later launches (gated_delta_wu; the first
-then holds 172 registers, not 255), and lost to 2. FULL=6 runs a program per key head (gated_delta_group). The
-inverse's pieces are in gated_delta_inv.
+then holds 172 registers, not 255), and lost to 2. A program a key head for both its value heads (session 31's
+FULL=6) lost by half and was removed. The inverse's pieces are in gated_delta_inv.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ktrans.kernels.triton.gated_delta_group import _prep_group_kernel
 from ktrans.kernels.triton.gated_delta_inv import (_block_at, _inv_diag_doubling, _inv_diag_from, _inv_unit_lower4,
                                                    _store_inverse, _store_inverse_shallow)
 from ktrans.kernels.triton.gated_delta_rows import (_gates, _l2norm_rows, _load_rows, _rnorm, _rnorm_diag, _store_attn,
@@ -49,11 +48,9 @@ WU_WARPS = 8
 # width from the rows so loaded; 2: the same bits with each operand loaded where it is used and w and u by column
 # blocks of PREP_COLS; 1: only A as one [64, 64] product there; 0: the block form (_prep_kernel FULL); 3: as 2, with
 # q's products, w and u by a second launch; 4: q's products once a key head by a second, w and u by a third
-# (gated_delta_wu; the same bits as 2); 6: a program a key head (gated_delta_group: k.k, q.q and q.k once for its R
-# value heads, their inverses side by side; the same bits as 5; with INV=2 and R a power of two, else 5; at sm_90 255
-# registers and a 152-byte stack against 5's 352 in the unaligned compile; opt-in: it lost on an H100 in session 31,
-# the prep 474.9 against 302.5 us at T=8192, 1,961 against 1,174 at T=32768: half the programs, each a chain twice
-# as long, at two programs an SM). Timed on an H100
+# (gated_delta_wu; the same bits as 2). A sixth form, a program a key head for its value heads (k.k, q.q and q.k
+# once for both), lost on an H100 in session 31 (the prep 474.9 against 302.5 us at T=8192, 1,961 against 1,174 at
+# T=32768: half the programs, each a chain twice as long) and was removed. Timed on an H100
 # (session 30, T=8192, NORMED scan, INV=2): the prep 297.6 (5) against 336.4 us (2); the whole layer 630.2 against
 # 667.8 (fla-core 0.6.0: 566.1); 3 and 4 lost to 2 (397 and 399 against 371 us at INV=0).
 FULL = int(os.environ.get("KTRANS_GDN_PREP_FULL", "5"))
@@ -275,10 +272,9 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                 maxnreg: int | None = None, wu_warps: int | None = None, inv: int | None = None) -> None:
     """The prep launch with `warps`, w and u made by column blocks of `cols` (default PREP_COLS); qn and kn given
     (both or neither, [T, HK, Dk] contiguous): the normalised q and k stored there too (_prep_kernel's NORMED);
-    `full` (default FULL, 0..6): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
+    `full` (default FULL, 0..5): A (and from 2 its inverse) through a scratch buffer (_prep_kernel's FULL, 16.3 KiB
     a chunk and value head; 3: q's products, w and u by a second launch, _wu_kernel; 4: q's products once a key head
-    by a second, _qk_kernel, w and u by a third; 5: as 2, the operands loaded early; 6: a program a key head,
-    gated_delta_group, where inv is 2 and the heads a key head a power of two, else 5); `maxnreg` (default MAXNREG, 0:
+    by a second, _qk_kernel, w and u by a third; 5: as 2, the operands loaded early); `maxnreg` (default MAXNREG, 0:
     none): the registers a thread of the first launch may use; `wu_warps` (default WU_WARPS): the later launches'
     warps; `inv` (default INV): the inverse's form (0: row by row, 1: the diagonal blocks by doubling, 2: and the
     assembly by halves)."""
@@ -290,23 +286,14 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, plan, bk: int, b
                          f"be a power of two of at least 16 (a tensor-core product's width), got {cols}")
     normed = qn is not None
     full = FULL if full is None else int(full)
-    if full not in range(7):
-        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 6, got "
+    if full not in range(6):
+        raise ValueError(f"the DeltaNet prep's form (KTRANS_GDN_PREP_FULL, gdn_sweep --prep_full) must be 0 to 5, got "
                          f"{full}")
     inv = INV if inv is None else int(inv)
     if inv not in range(3):
         raise ValueError(f"the DeltaNet prep's inverse form (KTRANS_GDN_PREP_INV, gdn_sweep --prep_inv) must be 0 to "
                          f"2, got {inv}")
     scr = torch.empty(plan.num_chunks * hv * (64 * 64 + 64) if full else 1, dtype=torch.float32, device=v.device)
-    r = hv // hk
-    if full == 6 and inv == 2 and r & (r - 1) == 0:  # a program a key head (gated_delta_group); else FULL=5's
-        _prep_group_kernel[(plan.num_chunks, hk)](
-            q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
-            plan.chunk_start, plan.chunk_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), a.stride(0), b.stride(0), HV=hv, R=r, DK=k.shape[2], DV=dv, BK=bk, BVF=bvf, DT=dt, PREC=prec,
-            NORMED=normed, num_warps=warps, **_reg_cap(maxnreg))
-        return
-    full = 5 if full == 6 else full
     bc = min(cols, bk, bvf)
     _prep_kernel[(plan.num_chunks, hv)](
         q, k, v, a, b, A_log, dt_bias, w, u, cum, attn, qn if normed else w, kn if normed else w, scr,
