@@ -10,8 +10,9 @@ to write into ktrans.kernels.triton.quant.GEMV.
 --stages: the launch's num_stages (0: Triton's default). --maxnreg: register caps (0: none). --rows: the
 lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then set rows_bn and rows_warps, and
 tilings with fewer rows than threads are skipped). --pipe: the lane-group body's pipelined super-block loop (its
-stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1, or 2 the transposed dot; Q4_K and
-Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and mma_pipe.
+stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1, or 2 its
+transposed dot; Q4_K and Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and
+mma_pipe.
 """
 from __future__ import annotations
 

@@ -28,6 +28,12 @@ latencies (the weights' first bytes, the split partials' store, the counter's re
 Under programmatic dependent launch (ktrans.kernels.triton.pdl) `row_dot` loads the first super-block's weights
 before waiting for the predecessor, so the first of those latencies passes while the predecessor runs.
 
+A third body, `_row_dot_mma` (GEMV["mma"], opt-in), multiplies on tensor cores: a super-block's codes become bf16
+1 + q / 2^b (exact in bf16's mantissa) by inline PTX, a shift and a logic op a weight pair, and one dot against x
+placed block-diagonally gives every row's sub-block sums, which the sub-block scales then multiply: ~2.7
+instructions a weight at Q4_K. It is slower on the H100 at every tiling (session 32): Triton hands the dot its
+dequantized operand through shared memory, 4 bytes of traffic a weight, with barriers every super-block.
+
 K is split across programs when the row tiles alone would not fill the GPU. The fp32 partials are summed in split
 order, deterministically: by a second kernel (ktrans.kernels.triton.quant.qlinear), or, with GEMV["fused_sum"], by
 the last program of each row tile to finish, found through a per-tile counter (one launch instead of two; the
@@ -327,8 +333,6 @@ else:
                                          [tl.join(a4, a4), tl.join(b4, b4)], dtype=tl.bfloat16, is_pure=True, pack=8)
 
 
-
-
 @triton.jit
 def _mma_order(QT: tl.constexpr):
     """(sub, pos) [256]: the sub-block and the position in it of dot column k, the order _codes_q4 / _codes_q6 lay a
@@ -452,7 +456,8 @@ def row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n
     super-blocks' weights into shared memory (cp.async) while the current one's arithmetic runs. A plain range
     (PIPE = 0) is not pipelined at all: Triton multi-buffers only loads that feed a dot unless the loop asks for
     stages (Triton 3.6 and 3.9 compiled for sm_90: 512 B of shared memory and no cp.async at any launch num_stages;
-    9,216 B and cp.async with PIPE = 3)."""
+    9,216 B and cp.async with PIPE = 3).
+    MMA > 0: the tensor-core body (_row_dot_mma; Q4_K and Q6_K, bf16 x; 2: its dot transposed)."""
     if MMA:
         return _row_dot_mma(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, sb_end, offs_n, mask_n, QT, BN, PDL, PIPE,
                             MMA)
