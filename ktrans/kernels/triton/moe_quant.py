@@ -241,8 +241,8 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             offs = plane_offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
         _moe_lanes_kernel[(p, triton.cdiv(n, bns[j]), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK,
-            sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype], BN=bns[j], GATED=gated,
-            SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j], PIPE=pipe if gated else 0,
+            sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype],
+            BN=bns[j], GATED=gated, SPLIT=grid_k, HAS_X=extra is not None, ROWS=rows[j], PIPE=pipe if gated else 0,
             ONE_LOOP=gated and LANES["one_loop"] and not rows[j] and not mma[j], MMA=mma[j],
             num_warps=4 if mma[j] else GEMV["rows_warps"] if rows[j] else LANES["warps"],
             **({} if mma[j] else _lanes_cap(j, w.qtype, rows[j])), **launch())
