@@ -5,14 +5,16 @@ to write into ktrans.kernels.triton.quant.GEMV.
 
     python3 scripts/gemv_sweep.py [--reps 20] [--types Q4_K,Q6_K] [--bn 32,64,128] [--warps 2,4,8]
                                   [--per_sm 4,8,16] [--fused 0,1] [--stages 0,1,3] [--rows 0,1]
-                                  [--maxnreg 0,96,80] [--pipe 0,3] [--mma 0,1]
+                                  [--maxnreg 0,96,80] [--pipe 0,3] [--mma 0,1] [--reg 0,1]
 
 --stages: the launch's num_stages (0: Triton's default). --maxnreg: register caps (0: none). --rows: the
 lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then set rows_bn and rows_warps, and
 tilings with fewer rows than threads are skipped). --pipe: the lane-group body's pipelined super-block loop (its
 stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1, or 2 its
 transposed dot; Q4_K and Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and
-mma_pipe.
+mma_pipe. --reg: the register tensor-core body (ktrans.kernels.triton.quant_gemv_reg, Q4_K): --bn, --warps and
+--per_sm then set GEMV's reg_bn, reg_warps and reg_per_sm (tilings whose rows are not 16 x warps x a power of two are
+skipped).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 from ktrans.bench.kernels import _l2_bytes, hbm_gb_per_s, time_cuda
 from ktrans.bench.kernels_quant import ATTENTION, DELTANET, SHARED, _packed
-from ktrans.kernels.triton import quant
+from ktrans.kernels.triton import quant, quant_gemv_reg
 
 SHAPES = DELTANET + ATTENTION + SHARED
 
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
     ap.add_argument("--pipe", default="0", help="stages of the pipelined super-block loop to try (0: none)")
     ap.add_argument("--mma", default="0", help="the tensor-core body (1; 2 transposed) or the CUDA-core ones (0)")
+    ap.add_argument("--reg", default="0", help="the register tensor-core body (1) or not (0)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -52,20 +55,27 @@ def main() -> None:
     for qtype in args.types.split(","):
         ws = {name: _packed(qtype, n, k, dev, s) for s, (name, n, k) in enumerate(SHAPES)}
         xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _, _, k in SHAPES}
-        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma in itertools.product(
+        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg in itertools.product(
                 ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.fused), ints(args.stages),
-                ints(args.rows), ints(args.maxnreg), ints(args.pipe), ints(args.mma)):
+                ints(args.rows), ints(args.maxnreg), ints(args.pipe), ints(args.mma), ints(args.reg)):
+            reps = bn // (16 * warps)
+            if reg and (qtype not in quant_gemv_reg.TYPES or rows or mma or maxnreg or pipe or not fused
+                        or reps < 1 or bn % (16 * warps) or reps & (reps - 1)):
+                continue
             if rows and (mma or bn * rows < 32 * warps):  # the tile is [bn, rows, 4]: fewer elements than threads
                 continue
             if mma and (qtype not in quant.MMA_TYPES or maxnreg or bn < 16 * warps):  # a wgmma is 64 rows a warpgroup
                 continue
-            if mma:
+            if reg:
+                tiling = {"reg_bn": bn, "reg_warps": warps, "reg_per_sm": per_sm}
+            elif mma:
                 tiling = {"mma_bn": bn, "mma_warps": warps, "mma_per_sm": per_sm, "mma_pipe": pipe}
             else:
                 tiling = {"rows_bn": bn, "rows_warps": warps} if rows else {"bn": bn, "warps": warps}
             quant.GEMV.update(per_sm=per_sm, per_sm_pipe=per_sm, fused_sum=bool(fused), stages=stages or None,
-                              rows=rows, maxnreg=maxnreg or None, pipe=0 if mma else pipe, mma=mma, **tiling)
-            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma)
+                              rows=rows, maxnreg=maxnreg or None, pipe=0 if mma else pipe, mma=mma, reg=reg,
+                              **tiling)
+            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg)
             line = []
             for name, n, k in SHAPES:
                 w, x = ws[name], xs[k]
@@ -79,11 +89,11 @@ def main() -> None:
                 totals[(qtype, key)] = totals.get((qtype, key), 0.0) + ms
                 line.append(f"{name}={ms * 1e3:.1f}us/{frac:.2f}")
             print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm} fused={fused} stages={stages} rows={rows} "
-                  f"maxnreg={maxnreg} pipe={pipe} mma={mma}: "
+                  f"maxnreg={maxnreg} pipe={pipe} mma={mma} reg={reg}: "
                   + " ".join(line), flush=True)
     for qtype in args.types.split(","):
         best = min((v, k) for (t, k), v in totals.items() if t == qtype)
-        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma = {best[1]}, all shapes "
+        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg = {best[1]}, all shapes "
               f"{best[0] * 1e3:.1f} us")
 
 

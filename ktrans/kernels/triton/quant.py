@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton import interpreting, quant_gemv_reg
 from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.quant_gemv import gemv_kernel
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
@@ -222,12 +222,17 @@ _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
 # samples), global loads (21%) and barriers (16%): fewer instructions, but a longer chain a super-block.
 _MMA_ENV = env_ints("KTRANS_GEMV_MMA", [0, 128, 4, 2, 0])
 MMA_TYPES = ("Q4_K", "Q6_K")
+# reg: the tensor-core body with the dequantized weights kept in registers (ktrans.kernels.triton.quant_gemv_reg,
+# Gluon; Q4_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps, reg_per_sm
+# programs wanted an SM. KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM]]] sets them.
+_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
         "mma": _MMA_ENV[0], "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
-        "mma_pipe": _MMA_ENV[4]}
+        "mma_pipe": _MMA_ENV[4], "reg": _REG_ENV[0], "reg_bn": _REG_ENV[1], "reg_warps": _REG_ENV[2],
+        "reg_per_sm": _REG_ENV[3]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -285,6 +290,42 @@ def gemv_mma(x: torch.Tensor, qtype: str) -> int:
     return int(GEMV["mma"]) if qtype in MMA_TYPES and x.dtype == torch.bfloat16 else 0
 
 
+def gemv_reg(x: torch.Tensor, qtype: str) -> bool:
+    """Whether the one-row GEMV of activation rows x takes the register tensor-core body (quant_gemv_reg): GEMV["reg"]
+    on, a type it covers, bf16 x on a GPU where Gluon compiles."""
+    return bool(GEMV["reg"]) and qtype in quant_gemv_reg.TYPES and x.dtype == torch.bfloat16 and \
+        x.device.type == "cuda" and quant_gemv_reg.available()
+
+
+def _reg_launch(x, out, w, wb, split) -> None:
+    """quant_gemv_reg's launch for x [1, K] times w (and wb, of the same type and width, its rows after w's in
+    `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
+    row tile's last program."""
+    warps, bn = GEMV["reg_warps"], GEMV["reg_bn"]
+    if bn % (16 * warps):
+        raise ValueError(f"KTRANS_GEMV_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
+    mma, la, lb, lw = quant_gemv_reg.layouts(warps, bn // (16 * warps))
+    nsb = w.k // QK
+    tiles_a = triton.cdiv(w.n, bn)
+    tiles_b = triton.cdiv(wb.n, bn) if wb is not None else 0
+    if (w.n + (wb.n if wb is not None else 0)) * nsb * 32 >= 2 ** 31 or tiles_a + tiles_b > _MAX_TILES:
+        raise ValueError(f"quant_gemv_reg: [{w.n}, {w.k}] overflows its int32 offsets or its split-sum counts")
+    if split is None:
+        split = max(1, min(nsb, triton.cdiv(GEMV["reg_per_sm"] * _sms(x.device), tiles_a + tiles_b)))
+    sb_per = triton.cdiv(nsb, split)
+    split = triton.cdiv(nsb, sb_per)
+    n_all = w.n + (wb.n if wb is not None else 0)
+    part = torch.empty(split * n_all if split > 1 else 1, dtype=torch.float32, device=x.device)
+    offs = [0, 0, 0]
+    if wb is not None:
+        lo, d, sc = plane_offsets((w.lo, w.d, w.sc), (wb.lo, wb.d, wb.sc))
+        offs = [lo, d, sc]
+    quant_gemv_reg.gemv_q4k_kernel[(tiles_a + tiles_b, split)](
+        x, out, part, counters(x.device), w.lo, w.d, w.sc, w.n, nsb, sb_per, split, tiles_a,
+        wb.n if wb is not None else 0, *offs, FUSED_SUM=split > 1, HAS_B=wb is not None, W=warps,
+        R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw, num_warps=warps, **launch())
+
+
 def tiles(m: int, rows: int = 0, mma: int = 0) -> tuple[int, int, int, int]:
     """(MODE, BM, BN, num_warps) for M rows of activations (MODE 3: one row, the GEMV kernel, `rows` its ROWS, `mma`
     its tensor-core body; 0: a few rows, fp32 products; 1: tensor-core code dots; 2: bf16 tiles). The interpreter
@@ -320,6 +361,10 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
+    if m == 1 and gemv_reg(x, w.qtype):
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        _reg_launch(x, out, w, None, split)
+        return out
     mma = gemv_mma(x, w.qtype) if m == 1 else 0
     rows = gemv_rows(x, w.qtype) if m == 1 and not mma else 0
     pipe, per_sm = pipe_per_sm(GEMV, rows, mma)
@@ -376,6 +421,10 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
         raise ValueError(f"qlinear_pair: two matrices of one type and width, got {wa.qtype} [{wa.n}, {wa.k}] and "
                          f"{wb.qtype} [{wb.n}, {wb.k}]")
     x = x if x.stride(1) == 1 else x.contiguous()
+    if gemv_reg(x, wa.qtype):
+        out = torch.empty(1, wa.n + wb.n, dtype=x.dtype, device=x.device)
+        _reg_launch(x, out, wa, wb, split)
+        return out[:, : wa.n], out[:, wa.n:]
     mma = gemv_mma(x, wa.qtype)
     rows = 0 if mma else gemv_rows(x, wa.qtype)
     pipe, per_sm = pipe_per_sm(GEMV, rows, mma)

@@ -1,0 +1,185 @@
+"""The one-row Q4_K GEMV on tensor cores with the dequantized weights kept in registers (Gluon): y = x W^T for one
+bf16 activation row, W [N, K] in the packed layout (ktrans.kernels.triton.quant_layout). Opt-in (quant.GEMV["reg"],
+`KTRANS_GEMV_REG`); the oracle is ktrans.kernels.torch.quant.quant_linear.
+
+Why a second tensor-core body. quant_gemv._row_dot_mma (plain Triton) spends ~2.7 instructions a weight but is slower
+than the CUDA-core body: Triton lays the dequantized tile out for the elementwise code, then converts it to the dot's
+operand layout through shared memory (4 bytes of shared traffic a weight, barriers every super-block; session 32).
+Gluon states layouts explicitly, so here the code words are loaded in the layout whose dequantization *is* the
+mma.m16n8k16 A operand, and every layout conversion on the way is asserted trivial at compile time (no data moves):
+
+- The A operand (weights, [BM, 256] a super-block, kWidth 2) gives thread (g, t) of a warp rows g and g + 8 of each
+  16-row tile and, of each 16-column K tile, columns 2t, 2t + 1, 2t + 8, 2t + 9. The dot's K order is free (x follows
+  it), so column k = 64 j + 8 m + 2 a + e is taken to be weight 8 a + m of sub-block j + 4 e. Thread t then holds
+  code words 8 t .. 8 t + 7 of its rows: two 16-byte loads a row, and nibbles j and j + 4 of one word are one
+  register's bf16 pair.
+- A pair becomes bf16 1 + q / 128 by one logic op (lop3: (w >> 4 j) & 0x000F000F | the bits of two 1.0s; exact,
+  bf16 has 7 mantissa bits), 7 instructions a code word of 8 weights.
+- The B operand is x placed by sub-block: B[k, c] = x(k) where k's sub-block is c, else 0 (8 columns, one a
+  sub-block), so P = A B holds every row's 8 sub-block sums of (1 + q / 128) x, exact bf16 products summed in fp32.
+  A second dot of an all-ones A against the same B gives the sums of x, X, in the accumulator's own layout.
+- ggml's sum over a sub-block, d sc Σ q x - dmin m Σ x, is then 128 d sc (P - X) - dmin m X, applied once a row and
+  sub-block; the 8 columns are summed across a row's 4 threads at the end.
+
+sm_90 SASS (Triton 3.6 and 3.9, 4 warps, 256 rows a program): ~2.2-2.3 instructions a weight, no shared memory, ~150
+registers; the lane-group body takes 8.5. It runs on every GPU with mma.sync bf16 (sm_80 and newer).
+
+K is split across programs as in quant_gemv (fp32 partials summed in split order, by the last program of a row tile
+when FUSED_SUM), so its results equal neither body's bit for bit; they are ggml's products summed in fp32.
+"""
+from __future__ import annotations
+
+import functools
+
+from ktrans.kernels.triton import interpreting
+
+try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); without it this body is unavailable
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    _GLUON = True
+except ImportError:  # pragma: no cover - an older Triton
+    _GLUON = False
+
+TYPES = ("Q4_K",)
+
+
+def available() -> bool:
+    """Whether this body can run here: Gluon imports and Triton compiles for a GPU (not its interpreter)."""
+    return _GLUON and not interpreting()
+
+
+def _q4_asm() -> str:
+    """PTX: a code word ($4) -> four registers of two bf16 each, pair j = nibbles j (low half) and j + 4 (high half)
+    as 1 + q / 128: the pair sits at bits 4j..4j+3 and 4j+16..4j+19, so one shift right by 4j puts it at the two
+    halves' mantissa bits 0-3, and lop3 0xEA ((t & mask) | bits) masks it and ORs in 1.0's bits."""
+    text = "{\n.reg .b32 t;\n"
+    for j in range(4):
+        src = "$4"
+        if j:
+            text += f"shr.b32 t, $4, {4 * j};\n"
+            src = "t"
+        text += f"lop3.b32 ${j}, {src}, 0x000F000F, 0x3F803F80, 0xEA;\n"
+    return text + "}"
+
+
+if _GLUON:
+    _Q4_ASM = gl.constexpr(_q4_asm())
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name, 3.9's
+
+    @functools.lru_cache(maxsize=None)
+    def layouts(warps: int, reps: int) -> tuple:
+        """(MMA, A, B, WORDS) for `warps` warps stacked down the rows, `reps` 16-row tiles a warp (BM = 16 warps reps
+        rows a program): the accumulator's mma.m16n8k16 layout, its two operands', and the code words' [BM, 4, 8]
+        (word 8 a + m of each row) from which the dequantization gives the A operand with no data movement."""
+        if warps & (warps - 1) or reps & (reps - 1):
+            raise ValueError(f"quant_gemv_reg: warps ({warps}) and row tiles a warp ({reps}) must be powers of two")
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+        a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # registers: the 8 consecutive words (two 16-byte loads), then rows + 8 and the further row tiles; lanes:
+        # the word group a (A's column pair), then rows 0..7; warps: 16-row tiles
+        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[16 * warps << i, 0, 0] for i in range(reps.bit_length() - 1)]
+        lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        warp = [[16 << i, 0, 0] for i in range(warps.bit_length() - 1)]
+        words = gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps * reps, 4, 8])
+        return mma, a, b, words
+
+    @gluon.jit
+    def _enter(PDL: gl.constexpr):
+        """ktrans.kernels.triton.pdl.enter, in Gluon."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _dup_rows(t):
+        """[M, C] -> [2M, C]: t twice down the rows (a thread's further row tiles: register copies)."""
+        u = gl.permute(gl.join(t, t), (2, 0, 1))
+        return gl.reshape(u, [2 * t.shape[0], t.shape[1]])
+
+    @gluon.jit
+    def _codes(words, BM: gl.constexpr, LA: gl.constexpr):
+        """Code words [BM, 4, 8] (word 8 a + m) -> the A operand [BM, 256] bf16, column 64 j + 8 m + 2 a + e = 1 +
+        q / 128 of weight 8 a + m of sub-block j + 4 e."""
+        w2 = gl.join(words, words)
+        w4 = gl.join(w2, w2)
+        f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [gl.join(w4, w4)], dtype=gl.bfloat16,
+                                      is_pure=True, pack=8)  # [BM, 4, 8, 2, 2, 2]: element 2 j + e of each word
+        f = gl.permute(gl.reshape(f, [BM, 4, 8, 4, 2]), (0, 3, 2, 1, 4))
+        return gl.convert_layout(gl.reshape(f, [BM, 256]), LA, assert_trivial=True)
+
+    @gluon.jit(do_not_specialize=["b_lo", "b_d", "b_sc"])
+    def gemv_q4k_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT, TILES_A, N_B,
+                        b_lo, b_d, b_sc, FUSED_SUM: gl.constexpr, HAS_B: gl.constexpr, PDL: gl.constexpr,
+                        W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+                        LW: gl.constexpr):
+        """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER..; the arguments as quant_gemv.gemv_kernel's
+        (Q4_K only; sc_ptr the scale plane's bytes; HAS_B a second matrix of the same width in the same launch)."""
+        BM: gl.constexpr = 16 * W * R
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        tile = pid_n
+        if HAS_B:
+            is_b = pid_n >= TILES_A
+            tile = gl.where(is_b, pid_n - TILES_A, pid_n)
+            lo_ptr += gl.where(is_b, b_lo, 0)
+            d_ptr += gl.where(is_b, b_d, 0)
+            sc_ptr += gl.where(is_b, b_sc, 0)
+            out_ptr += gl.where(is_b, N, 0)
+            part_ptr += gl.where(is_b, SPLIT * N, 0)
+            N = gl.where(is_b, N_B, N)
+        _enter(PDL)
+        sb0 = pid_k * SB_PER
+        sb1 = gl.minimum(sb0 + SB_PER, NSB)
+        # the code words: row n, word 8 a + m
+        n_w = tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+        a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+        m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+        woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
+        wmask = (n_w < N)[:, None, None]
+        # B: x by sub-block, column k = 64 j + 8 m + 2 a + e at row c = j + 4 e
+        kk = gl.arange(0, 256, layout=gl.SliceLayout(1, LB))
+        cc = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+        sub = kk // 64 + 4 * (kk % 2)
+        xoff = (sub * 32 + ((kk // 2) % 4) * 8 + (kk // 8) % 8)[:, None] + cc[None, :] * 0
+        xmask = sub[:, None] == cc[None, :]
+        # the scales, in the accumulator's layout
+        n_c = tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+        c_c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        cmask = n_c < N
+        ones = gl.full([16 * W, 256], 1.0, gl.bfloat16, layout=LA)
+        acc = gl.zeros([BM, 8], gl.float32, layout=MMA)
+        for sb in range(sb0, sb1):
+            f = _codes(gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0), BM, LA)
+            xb = gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0)
+            p = mma_v2(f, xb, gl.zeros([BM, 8], gl.float32, layout=MMA))
+            xs = mma_v2(ones, xb, gl.zeros([16 * W, 8], gl.float32, layout=MMA))
+            if R >= 2:
+                xs = _dup_rows(xs)
+            if R >= 4:
+                xs = _dup_rows(xs)
+            if R >= 8:
+                xs = _dup_rows(xs)
+            xs = gl.convert_layout(xs, MMA, assert_trivial=True)
+            row = sb * N + n_c
+            s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
+            mn = gl.load(sc_ptr + row[:, None] * 16 + 8 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
+            d = gl.load(d_ptr + row * 2, mask=cmask, other=0.0).to(gl.float32)
+            dmin = gl.load(d_ptr + row * 2 + 1, mask=cmask, other=0.0).to(gl.float32)
+            acc += (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
+        y = gl.sum(acc, axis=1)
+        if SPLIT == 1:
+            gl.store(out_ptr + n_c, y.to(out_ptr.dtype.element_ty), mask=cmask)
+        else:
+            gl.store(part_ptr + pid_k * N + n_c, y, mask=cmask)
+            if FUSED_SUM:
+                _barrier()  # every thread's partial stored before the count's release
+                if gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+                    total = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
+                    for s in range(SPLIT):
+                        total += gl.load(part_ptr + s * N + n_c, mask=cmask, other=0.0, cache_modifier=".cg")
+                    gl.store(out_ptr + n_c, total.to(out_ptr.dtype.element_ty), mask=cmask)
+                    gl.atomic_xchg(cnt_ptr + pid_n, 0)

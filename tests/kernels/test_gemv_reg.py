@@ -1,0 +1,190 @@
+"""The register tensor-core GEMV (GEMV["reg"], ktrans.kernels.triton.quant_gemv_reg, Gluon; Q4_K, bf16 x).
+
+Gluon does not run under Triton's interpreter, so the dev box and CI check it two ways, and the GPU a third:
+- the index algebra, on the CPU: the A operand rebuilt from the code words by the PTX's own bit operations in the
+  dot's column order, and the B operand by the kernel's own offset and mask formulas, multiply to every row's
+  sub-block sums of (1 + q / 128) x; with the scales applied as the kernel applies them, the reference's output;
+- the compile, without a GPU: for sm_80 and sm_90 every layout conversion is asserted trivial and the kernel uses
+  no shared memory (the point of the body);
+- on a GPU (marked `gpu`): against the float64 reference at awkward shapes (N = 200: a partial row tile; K = 768:
+  three super-blocks; every split), as a pair in one launch bitwise the single GEMVs, and in the row tilings a
+  sweep tries.
+
+Tolerance: y is bf16, each output the float64 product rounded once to bf16 up to fp32 summation error (the dot's
+products are exact): |y - ref| <= 2^-7 |ref| + 1e-5 max|ref|, as the other GEMV bodies' tests state it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf.quants")
+from ktrans.kernels.torch.quant import quant_linear  # noqa: E402
+from ktrans.kernels.triton import quant_gemv_reg  # noqa: E402
+from tests.kernels.test_gemv_rows import _close  # noqa: E402
+from tests.kernels.test_quant_triton import _weight  # noqa: E402
+
+gluon_only = pytest.mark.skipif(not quant_gemv_reg._GLUON, reason="this Triton has no Gluon")
+
+
+def _ptx_pairs(words: np.ndarray) -> np.ndarray:
+    """The PTX of quant_gemv_reg._q4_asm on uint32 words [...]: [..., 4] uint32, pair j = (w >> 4j) & 0x000F000F |
+    0x3F803F80 (lop3 0xEA), read off the asm text so that a change to it is what is tested."""
+    text = quant_gemv_reg._q4_asm()
+    out = []
+    for j in range(4):
+        shift = 4 * j
+        assert (f"shr.b32 t, $4, {shift};" in text) == bool(j)
+        assert f"lop3.b32 ${j}, {'t' if j else '$4'}, 0x000F000F, 0x3F803F80, 0xEA;" in text
+        out.append(((words >> np.uint32(shift)) & np.uint32(0x000F000F)) | np.uint32(0x3F803F80))
+    return np.stack(out, -1)
+
+
+def _bf16(bits: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bits -> float64."""
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def test_operands_make_the_reference():
+    """A (from the PTX's bits, in column order k = 64 j + 8 m + 2 a + e, a thread's words 8 a + m) times B (the
+    kernel's xoff and xmask) gives each row's sub-block sums of (1 + q / 128) x, and the kernel's scale step then
+    gives quant_linear's output (computed in fp32: within 1e-6 of the largest)."""
+    n, k = 40, 512
+    w = _weight("Q4_K", n, k, "cpu", seed=11)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(2)) * 0.5).to(torch.bfloat16)
+    xd = x.double().numpy()[0]
+    lo = w.lo.view(torch.int32).numpy().reshape(w.nsb, n, 32).view(np.uint32)
+    sc = w.sc.numpy().reshape(w.nsb, n, 16).astype(np.float64)
+    dd = w.d.float().numpy().reshape(w.nsb, n, 2).astype(np.float64)
+    kk = np.arange(256)
+    sub = kk // 64 + 4 * (kk % 2)
+    xoff = sub * 32 + ((kk // 2) % 4) * 8 + (kk // 8) % 8
+    assert sorted(xoff) == list(range(256))  # the dot's columns are a permutation of the super-block's weights
+    y = np.zeros(n)
+    for sb in range(w.nsb):
+        pairs = _ptx_pairs(lo[sb])  # [n, 32 words, 4 j] uint32
+        halves = np.stack([pairs & 0xFFFF, pairs >> 16], -1).astype(np.uint16)  # [n, 32, 4, 2 e]
+        a = _bf16(halves).reshape(n, 4, 8, 4, 2).transpose(0, 3, 2, 1, 4).reshape(n, 256)  # word 8a + m -> (j, m, a, e)
+        b = np.where(sub[:, None] == np.arange(8)[None, :], xd[sb * 256 + xoff][:, None], 0.0)
+        p = a @ b  # [n, 8]
+        xs = np.ones((1, 256)) @ b
+        # against the codes by arithmetic: weight i of sub-block S is nibble S % 8 of word i (quant_layout)
+        q = (lo[sb][:, :, None] >> (4 * np.arange(8, dtype=np.uint32))[None, None, :]) & 15  # [n, 32 i, 8 S]
+        want = np.einsum("nis,si->ns", 1 + q / 128.0, xd[sb * 256:(sb + 1) * 256].reshape(8, 32))
+        np.testing.assert_allclose(p, want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(xs[0], xd[sb * 256:(sb + 1) * 256].reshape(8, 32).sum(1), rtol=1e-12, atol=1e-12)
+        d, dmin = dd[sb, :, 0], dd[sb, :, 1]
+        y += ((sc[sb, :, :8] * 128 * d[:, None]) * (p - xs) - (sc[sb, :, 8:] * dmin[:, None]) * xs).sum(1)
+    ref = quant_linear(x.float(), w).double().numpy()[0]
+    np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from ktrans.kernels.triton import quant_gemv_reg
+
+fn = quant_gemv_reg.gemv_q4k_kernel
+sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
+       "d_ptr": "*fp16", "sc_ptr": "*u8", "N": "i32", "NSB": "i32", "SB_PER": "i32", "SPLIT": "i32",
+       "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_d": "i32", "b_sc": "i32"}
+aligned = [n for n, t in sig.items() if t.startswith("*")] + ["N"]
+out = []
+for cc, warps, reps, fused in json.loads(sys.argv[1]):
+    mma, la, lb, lw = quant_gemv_reg.layouts(warps, reps)
+    consts = {"FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma, "LA": la,
+              "LB": lb, "LW": lw}
+    src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
+    out.append({"shared": k.metadata.shared, "mma": k.asm["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.bf16")})
+print(json.dumps(out))
+"""
+
+
+@gluon_only
+@pytest.mark.slow
+def test_compiles_in_registers():
+    """Compiled for sm_80 and sm_90 without a GPU, in a process without the interpreter (Gluon does not run under
+    it): every convert_layout is asserted trivial, so a layout that moved data would not compile, and nothing goes
+    through shared memory, the point of the body; with the fused split sum, only the count's atomic result (a few
+    bytes, broadcast to the program's threads once)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [[cc, warps, reps, fused] for cc in (80, 90) for warps, reps in ((4, 1), (4, 4), (8, 2)) for fused in (0, 1)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for case, got in zip(cases, json.loads(run.stdout.splitlines()[-1])):
+        assert got["shared"] <= (16 if case[3] else 0), (case, got)
+        assert got["mma"] > 0, case
+
+
+def test_layouts_reject_non_powers_of_two():
+    if not quant_gemv_reg._GLUON:
+        pytest.skip("this Triton has no Gluon")
+    with pytest.raises(ValueError, match="powers of two"):
+        quant_gemv_reg.layouts(3, 1)
+
+
+@pytest.fixture
+def reg(monkeypatch):
+    from ktrans.kernels.triton import quant
+
+    monkeypatch.setitem(quant.GEMV, "reg", 1)
+    return quant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn,warps", ((256, 4), (64, 4), (128, 8), (64, 2)))
+def test_reg_gemv_matches_reference(bn, warps, reg):
+    """Every split of three super-blocks, within the bf16 output's rounding of the reference."""
+    dev = torch.device("cuda")
+    reg.GEMV.update(reg_bn=bn, reg_warps=warps)
+    n, k = 200, 768
+    w = _weight("Q4_K", n, k, dev, seed=5)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(dev)
+    assert reg.gemv_reg(x, "Q4_K")
+    ref = quant_linear(x, w)
+    for split in (None, 1, 2, 3):
+        y = reg.qlinear(x, w, split=split)
+        assert y.dtype == torch.bfloat16 and y.shape == (1, n)
+        assert _close(y, ref), (bn, warps, split)
+
+
+@pytest.mark.gpu
+def test_reg_pair_bitwise_and_big_shape(reg):
+    """Both matrices in one launch: each output bitwise the single GEMV's at the same split; a layer's largest
+    projection shape ([12288, 2048]) within tolerance, by the default split."""
+    dev = torch.device("cuda")
+    k = 3 * 256
+    wa, wb = _weight("Q4_K", 96 + 5, k, dev, seed=1), _weight("Q4_K", 24, k, dev, seed=2)
+    x = (torch.randn(1, k, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16).to(dev)
+    for split in (1, 2):
+        ya, yb = reg.qlinear_pair(x, wa, wb, split=split)
+        assert torch.equal(ya, reg.qlinear(x, wa, split=split)) and torch.equal(yb, reg.qlinear(x, wb, split=split))
+        assert _close(ya, quant_linear(x, wa)) and _close(yb, quant_linear(x, wb))
+    w = _weight("Q4_K", 12288, 2048, dev, seed=4)
+    x = (torch.randn(1, 2048, generator=torch.Generator().manual_seed(5)) * 0.5).to(torch.bfloat16).to(dev)
+    assert _close(reg.qlinear(x, w), quant_linear(x, w))
+
+
+@pytest.mark.gpu
+def test_reg_only_where_it_applies(reg):
+    """fp32 x, the other types and the reg switch off take the other bodies, still right."""
+    dev = torch.device("cuda")
+    x = torch.randn(1, 512).to(torch.bfloat16).to(dev)
+    assert reg.gemv_reg(x, "Q4_K")
+    assert not reg.gemv_reg(x.float(), "Q4_K") and not reg.gemv_reg(x, "Q6_K") and not reg.gemv_reg(x.cpu(), "Q4_K")
+    w = _weight("Q6_K", 72, 512, dev, seed=6)
+    assert _close(reg.qlinear(x, w), quant_linear(x, w))
+    reg.GEMV["reg"] = 0
+    assert not reg.gemv_reg(x, "Q4_K")
