@@ -12,9 +12,9 @@ lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then
 tilings with fewer rows than threads are skipped). --pipe: the lane-group body's pipelined super-block loop (its
 stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the tensor-core body (1, or 2 its
 transposed dot; Q4_K and Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and
-mma_pipe. --reg: the register tensor-core body (ktrans.kernels.triton.quant_gemv_reg, Q4_K): --bn, --warps and
---per_sm then set GEMV's reg_bn, reg_warps and reg_per_sm (tilings whose rows are not 16 x warps x a power of two are
-skipped).
+mma_pipe. --reg: the register tensor-core body (ktrans.kernels.triton.quant_gemv_reg, Q4_K; 2: its code words loaded a
+super-block ahead): --bn, --warps and --per_sm then set GEMV's reg_bn, reg_warps and reg_per_sm (tilings whose rows
+are not 16 x warps x a power of two are skipped).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--maxnreg", default="0", help="register caps to try (0: none)")
     ap.add_argument("--pipe", default="0", help="stages of the pipelined super-block loop to try (0: none)")
     ap.add_argument("--mma", default="0", help="the tensor-core body (1; 2 transposed) or the CUDA-core ones (0)")
-    ap.add_argument("--reg", default="0", help="the register tensor-core body (1) or not (0)")
+    ap.add_argument("--reg", default="0", help="the register tensor-core body (1; 2 its words loaded ahead) or not (0)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")

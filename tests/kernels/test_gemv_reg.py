@@ -96,7 +96,7 @@ out = []
 for cc, warps, reps, fused in json.loads(sys.argv[1]):
     mma, la, lb, lw = quant_gemv_reg.layouts(warps, reps)
     consts = {"FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma, "LA": la,
-              "LB": lb, "LW": lw}
+              "LB": lb, "LW": lw, "PF": bool(fused)}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -118,7 +118,8 @@ def test_compiles_in_registers():
     import subprocess
     import sys
 
-    cases = [[cc, warps, reps, fused] for cc in (80, 90) for warps, reps in ((4, 1), (4, 4), (8, 2)) for fused in (0, 1)]
+    cases = [[cc, warps, reps, fused] for cc in (80, 90) for warps, reps in ((4, 1), (4, 4), (8, 2))
+             for fused in (0, 1)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -144,11 +145,12 @@ def reg(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bn,warps", ((256, 4), (64, 4), (128, 8), (64, 2)))
-def test_reg_gemv_matches_reference(bn, warps, reg):
-    """Every split of three super-blocks, within the bf16 output's rounding of the reference."""
+@pytest.mark.parametrize("bn,warps,on", ((256, 4, 1), (64, 4, 1), (128, 8, 1), (64, 2, 1), (256, 4, 2), (64, 4, 2)))
+def test_reg_gemv_matches_reference(bn, warps, on, reg):
+    """Every split of three super-blocks, within the bf16 output's rounding of the reference, with the code words
+    loaded ahead (on = 2) or not."""
     dev = torch.device("cuda")
-    reg.GEMV.update(reg_bn=bn, reg_warps=warps)
+    reg.GEMV.update(reg=on, reg_bn=bn, reg_warps=warps)
     n, k = 200, 768
     w = _weight("Q4_K", n, k, dev, seed=5)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(dev)

@@ -79,7 +79,8 @@ if _GLUON:
         b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         # registers: the 8 consecutive words (two 16-byte loads), then rows + 8 and the further row tiles; lanes:
         # the word group a (A's column pair), then rows 0..7; warps: 16-row tiles
-        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]] + [[16 * warps << i, 0, 0] for i in range(reps.bit_length() - 1)]
+        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]]
+        reg += [[16 * warps << i, 0, 0] for i in range(reps.bit_length() - 1)]
         lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         warp = [[16 << i, 0, 0] for i in range(warps.bit_length() - 1)]
         words = gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps * reps, 4, 8])
@@ -115,9 +116,10 @@ if _GLUON:
     def gemv_q4k_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT, TILES_A, N_B,
                         b_lo, b_d, b_sc, FUSED_SUM: gl.constexpr, HAS_B: gl.constexpr, PDL: gl.constexpr,
                         W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-                        LW: gl.constexpr):
+                        LW: gl.constexpr, PF: gl.constexpr = False):
         """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER..; the arguments as quant_gemv.gemv_kernel's
-        (Q4_K only; sc_ptr the scale plane's bytes; HAS_B a second matrix of the same width in the same launch)."""
+        (Q4_K only; sc_ptr the scale plane's bytes; HAS_B a second matrix of the same width in the same launch).
+        PF: the next super-block's code words are loaded before the current one's arithmetic (in registers)."""
         BM: gl.constexpr = 16 * W * R
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
@@ -152,8 +154,15 @@ if _GLUON:
         cmask = n_c < N
         ones = gl.full([16 * W, 256], 1.0, gl.bfloat16, layout=LA)
         acc = gl.zeros([BM, 8], gl.float32, layout=MMA)
+        if PF:
+            words = gl.load(lo_ptr + sb0 * N * 32 + woff, mask=wmask & (sb0 < sb1), other=0)
         for sb in range(sb0, sb1):
-            f = _codes(gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0), BM, LA)
+            if PF:
+                nxt = gl.load(lo_ptr + (sb + 1) * N * 32 + woff, mask=wmask & (sb + 1 < sb1), other=0)
+                f = _codes(words, BM, LA)
+                words = nxt
+            else:
+                f = _codes(gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0), BM, LA)
             xb = gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0)
             p = mma_v2(f, xb, gl.zeros([BM, 8], gl.float32, layout=MMA))
             xs = mma_v2(ones, xb, gl.zeros([16 * W, 8], gl.float32, layout=MMA))
