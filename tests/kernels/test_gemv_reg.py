@@ -1,4 +1,4 @@
-"""The register tensor-core GEMV (GEMV["reg"], ktrans.kernels.triton.quant_gemv_reg, Gluon; Q4_K, bf16 x).
+"""The register tensor-core GEMV (GEMV["reg"], ktrans.kernels.triton.quant_gemv_reg, Gluon; Q4_K and Q6_K, bf16 x).
 
 Gluon does not run under Triton's interpreter, so the dev box and CI check it two ways, and the GPU a third:
 - the index algebra, on the CPU: the A operand rebuilt from the code words by the PTX's own bit operations in the
@@ -22,60 +22,78 @@ import torch
 pytest.importorskip("gguf.quants")
 from ktrans.kernels.torch.quant import quant_linear  # noqa: E402
 from ktrans.kernels.triton import quant_gemv_reg  # noqa: E402
+from tests.kernels.test_gemv_mma import _bf16, _run_ptx  # noqa: E402
 from tests.kernels.test_gemv_rows import _close  # noqa: E402
 from tests.kernels.test_quant_triton import _weight  # noqa: E402
 
 gluon_only = pytest.mark.skipif(not quant_gemv_reg._GLUON, reason="this Triton has no Gluon")
 
 
-def _ptx_pairs(words: np.ndarray) -> np.ndarray:
-    """The PTX of quant_gemv_reg._q4_asm on uint32 words [...]: [..., 4] uint32, pair j = (w >> 4j) & 0x000F000F |
-    0x3F803F80 (lop3 0xEA), read off the asm text so that a change to it is what is tested."""
-    text = quant_gemv_reg._q4_asm()
-    out = []
-    for j in range(4):
-        shift = 4 * j
-        assert (f"shr.b32 t, $4, {shift};" in text) == bool(j)
-        assert f"lop3.b32 ${j}, {'t' if j else '$4'}, 0x000F000F, 0x3F803F80, 0xEA;" in text
-        out.append(((words >> np.uint32(shift)) & np.uint32(0x000F000F)) | np.uint32(0x3F803F80))
-    return np.stack(out, -1)
+def _a_operand(qtype: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The A operand [n, 256] (float64) of one super-block, from its code words lo [n, 32] and high-bit words hi
+    [n, 16] (Q6_K) by the kernel's own PTX (emulated), in the dot's column order k = 64 j + 8 m + 2 a + e: register
+    $j's half e of word 8 a + m (Q6_K: its high-bit word (8 a + m) % 16 shifted right by 16 (a // 2), as the kernel
+    shifts it)."""
+    from ktrans.kernels.triton.quant_gemv import _q6_asm
+
+    text = quant_gemv_reg._q4_asm() if qtype == "Q4_K" else _q6_asm()
+    n = lo.shape[0]
+    out = np.zeros((n, 32, 4, 2))
+    for r in range(n):
+        for w in range(32):
+            regs = {"$4": int(lo[r, w])}
+            if qtype == "Q6_K":
+                regs["$12"] = int(hi[r, w % 16]) >> (16 * (w // 16))
+            env = _run_ptx(text, regs)
+            for j in range(4):
+                for e in range(2):
+                    out[r, w, j, e] = _bf16((env[f"${j}"] >> (16 * e)) & 0xFFFF)
+    return out.reshape(n, 4, 8, 4, 2).transpose(0, 3, 2, 1, 4).reshape(n, 256)
 
 
-def _bf16(bits: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bits -> float64."""
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+def _columns(qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sub-block, x offset) of each dot column, by the kernel's formulas."""
+    kk = np.arange(256)
+    aa = (kk // 2) % 4
+    sub = kk // 64 + 4 * (kk % 2)
+    word = aa * 8 + (kk // 8) % 8
+    if qtype == "Q6_K":
+        return sub + 8 * (aa // 2), (sub + 8 * (aa // 2)) * 16 + word % 16
+    return sub, sub * 32 + word
 
 
-def test_operands_make_the_reference():
-    """A (from the PTX's bits, in column order k = 64 j + 8 m + 2 a + e, a thread's words 8 a + m) times B (the
-    kernel's xoff and xmask) gives each row's sub-block sums of (1 + q / 128) x, and the kernel's scale step then
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
+def test_operands_make_the_reference(qtype):
+    """A (from the PTX's bits, in the kernel's column order) times B (x by the kernel's offsets and masks) gives each
+    row's sub-block sums of the codes (1 + q / 128, Q6_K 1 + q6 / 64) times x, and the kernel's scale step then
     gives quant_linear's output (computed in fp32: within 1e-6 of the largest)."""
-    n, k = 40, 512
-    w = _weight("Q4_K", n, k, "cpu", seed=11)
+    n, k = 24, 512
+    w = _weight(qtype, n, k, "cpu", seed=11)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(2)) * 0.5).to(torch.bfloat16)
     xd = x.double().numpy()[0]
+    nc, span = (16, 16) if qtype == "Q6_K" else (8, 32)
     lo = w.lo.view(torch.int32).numpy().reshape(w.nsb, n, 32).view(np.uint32)
+    hi = w.hi.view(torch.int32).numpy().reshape(w.nsb, n, 16).view(np.uint32) if qtype == "Q6_K" else None
     sc = w.sc.numpy().reshape(w.nsb, n, 16).astype(np.float64)
-    dd = w.d.float().numpy().reshape(w.nsb, n, 2).astype(np.float64)
-    kk = np.arange(256)
-    sub = kk // 64 + 4 * (kk % 2)
-    xoff = sub * 32 + ((kk // 2) % 4) * 8 + (kk // 8) % 8
+    dd = w.d.float().numpy().reshape(w.nsb, n, -1).astype(np.float64)
+    sub, xoff = _columns(qtype)
     assert sorted(xoff) == list(range(256))  # the dot's columns are a permutation of the super-block's weights
+    assert all((xoff[sub == c] // span == c).all() for c in range(nc))
     y = np.zeros(n)
     for sb in range(w.nsb):
-        pairs = _ptx_pairs(lo[sb])  # [n, 32 words, 4 j] uint32
-        halves = np.stack([pairs & 0xFFFF, pairs >> 16], -1).astype(np.uint16)  # [n, 32, 4, 2 e]
-        a = _bf16(halves).reshape(n, 4, 8, 4, 2).transpose(0, 3, 2, 1, 4).reshape(n, 256)  # word 8a + m -> (j, m, a, e)
-        b = np.where(sub[:, None] == np.arange(8)[None, :], xd[sb * 256 + xoff][:, None], 0.0)
-        p = a @ b  # [n, 8]
-        xs = np.ones((1, 256)) @ b
-        # against the codes by arithmetic: weight i of sub-block S is nibble S % 8 of word i (quant_layout)
-        q = (lo[sb][:, :, None] >> (4 * np.arange(8, dtype=np.uint32))[None, None, :]) & 15  # [n, 32 i, 8 S]
-        want = np.einsum("nis,si->ns", 1 + q / 128.0, xd[sb * 256:(sb + 1) * 256].reshape(8, 32))
-        np.testing.assert_allclose(p, want, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(xs[0], xd[sb * 256:(sb + 1) * 256].reshape(8, 32).sum(1), rtol=1e-12, atol=1e-12)
-        d, dmin = dd[sb, :, 0], dd[sb, :, 1]
-        y += ((sc[sb, :, :8] * 128 * d[:, None]) * (p - xs) - (sc[sb, :, 8:] * dmin[:, None]) * xs).sum(1)
+        a = _a_operand(qtype, lo[sb], hi[sb] if hi is not None else None)
+        b = np.where(sub[:, None] == np.arange(nc)[None, :], xd[sb * 256 + xoff][:, None], 0.0)
+        p, xs = a @ b, (np.ones((1, 256)) @ b)[0]
+        xsb = xd[sb * 256:(sb + 1) * 256].reshape(nc, span)
+        np.testing.assert_allclose(xs, xsb.sum(1), rtol=1e-12, atol=1e-12)
+        d = dd[sb, :, 0]
+        if qtype == "Q6_K":
+            y += ((sc[sb] * d[:, None]) * (64 * p - 96 * xs)).sum(1)
+        else:
+            # against the codes by arithmetic: weight i of sub-block S is nibble S of word i (quant_layout)
+            q = (lo[sb][:, :, None] >> (4 * np.arange(8, dtype=np.uint32))[None, None, :]) & 15  # [n, 32 i, 8 S]
+            np.testing.assert_allclose(p, np.einsum("nis,si->ns", 1 + q / 128.0, xsb), rtol=1e-12, atol=1e-12)
+            y += ((sc[sb, :, :8] * 128 * d[:, None]) * (p - xs) - (sc[sb, :, 8:] * dd[sb, :, 1:2]) * xs).sum(1)
     ref = quant_linear(x.float(), w).double().numpy()[0]
     np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
@@ -87,15 +105,16 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from ktrans.kernels.triton import quant_gemv_reg
 
-fn = quant_gemv_reg.gemv_q4k_kernel
-sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
-       "d_ptr": "*fp16", "sc_ptr": "*u8", "N": "i32", "NSB": "i32", "SB_PER": "i32", "SPLIT": "i32",
-       "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_d": "i32", "b_sc": "i32"}
-aligned = [n for n, t in sig.items() if t.startswith("*")] + ["N"]
+fn = quant_gemv_reg.gemv_reg_kernel
+aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr", "N"]
 out = []
-for cc, warps, reps, fused in json.loads(sys.argv[1]):
+for qt, cc, warps, reps, fused in json.loads(sys.argv[1]):
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
+           "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*i8" if qt == 2 else "*u8", "N": "i32", "NSB": "i32",
+           "SB_PER": "i32", "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32",
+           "b_d": "i32", "b_sc": "i32"}
     mma, la, lb, lw = quant_gemv_reg.layouts(warps, reps)
-    consts = {"FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma, "LA": la,
+    consts = {"QT": qt, "FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma, "LA": la,
               "LB": lb, "LW": lw, "PF": bool(fused)}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
@@ -118,14 +137,14 @@ def test_compiles_in_registers():
     import subprocess
     import sys
 
-    cases = [[cc, warps, reps, fused] for cc in (80, 90) for warps, reps in ((4, 1), (4, 4), (8, 2))
-             for fused in (0, 1)]
+    cases = [[qt, cc, warps, reps, fused] for qt in (0, 2) for cc in (80, 90) for warps, reps in ((4, 1), (4, 4))
+             for fused in (0, 1)] + [[0, 90, 8, 2, 1]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, got in zip(cases, json.loads(run.stdout.splitlines()[-1])):
-        assert got["shared"] <= (16 if case[3] else 0), (case, got)
+        assert got["shared"] <= (16 if case[4] else 0), (case, got)
         assert got["mma"] > 0, case
 
 
@@ -145,16 +164,17 @@ def reg(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
 @pytest.mark.parametrize("bn,warps,on", ((256, 4, 1), (64, 4, 1), (128, 8, 1), (64, 2, 1), (256, 4, 2), (64, 4, 2)))
-def test_reg_gemv_matches_reference(bn, warps, on, reg):
+def test_reg_gemv_matches_reference(qtype, bn, warps, on, reg):
     """Every split of three super-blocks, within the bf16 output's rounding of the reference, with the code words
     loaded ahead (on = 2) or not."""
     dev = torch.device("cuda")
     reg.GEMV.update(reg=on, reg_bn=bn, reg_warps=warps)
     n, k = 200, 768
-    w = _weight("Q4_K", n, k, dev, seed=5)
+    w = _weight(qtype, n, k, dev, seed=5)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(dev)
-    assert reg.gemv_reg(x, "Q4_K")
+    assert reg.gemv_reg(x, qtype)
     ref = quant_linear(x, w)
     for split in (None, 1, 2, 3):
         y = reg.qlinear(x, w, split=split)
@@ -163,18 +183,19 @@ def test_reg_gemv_matches_reference(bn, warps, on, reg):
 
 
 @pytest.mark.gpu
-def test_reg_pair_bitwise_and_big_shape(reg):
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
+def test_reg_pair_bitwise_and_big_shape(qtype, reg):
     """Both matrices in one launch: each output bitwise the single GEMV's at the same split; a layer's largest
     projection shape ([12288, 2048]) within tolerance, by the default split."""
     dev = torch.device("cuda")
     k = 3 * 256
-    wa, wb = _weight("Q4_K", 96 + 5, k, dev, seed=1), _weight("Q4_K", 24, k, dev, seed=2)
+    wa, wb = _weight(qtype, 96 + 5, k, dev, seed=1), _weight(qtype, 24, k, dev, seed=2)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16).to(dev)
     for split in (1, 2):
         ya, yb = reg.qlinear_pair(x, wa, wb, split=split)
         assert torch.equal(ya, reg.qlinear(x, wa, split=split)) and torch.equal(yb, reg.qlinear(x, wb, split=split))
         assert _close(ya, quant_linear(x, wa)) and _close(yb, quant_linear(x, wb))
-    w = _weight("Q4_K", 12288, 2048, dev, seed=4)
+    w = _weight(qtype, 12288, 2048, dev, seed=4)
     x = (torch.randn(1, 2048, generator=torch.Generator().manual_seed(5)) * 0.5).to(torch.bfloat16).to(dev)
     assert _close(reg.qlinear(x, w), quant_linear(x, w))
 
@@ -185,8 +206,8 @@ def test_reg_only_where_it_applies(reg):
     dev = torch.device("cuda")
     x = torch.randn(1, 512).to(torch.bfloat16).to(dev)
     assert reg.gemv_reg(x, "Q4_K")
-    assert not reg.gemv_reg(x.float(), "Q4_K") and not reg.gemv_reg(x, "Q6_K") and not reg.gemv_reg(x.cpu(), "Q4_K")
-    w = _weight("Q6_K", 72, 512, dev, seed=6)
+    assert not reg.gemv_reg(x.float(), "Q4_K") and not reg.gemv_reg(x, "Q5_K") and not reg.gemv_reg(x.cpu(), "Q4_K")
+    w = _weight("Q5_K", 72, 512, dev, seed=6)
     assert _close(reg.qlinear(x, w), quant_linear(x, w))
     reg.GEMV["reg"] = 0
     assert not reg.gemv_reg(x, "Q4_K")

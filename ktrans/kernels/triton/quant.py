@@ -223,7 +223,7 @@ _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
 _MMA_ENV = env_ints("KTRANS_GEMV_MMA", [0, 128, 4, 2, 0])
 MMA_TYPES = ("Q4_K", "Q6_K")
 # reg: the tensor-core body with the dequantized weights kept in registers (ktrans.kernels.triton.quant_gemv_reg,
-# Gluon; Q4_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps, reg_per_sm
+# Gluon; Q4_K and Q6_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps, reg_per_sm
 # programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's arithmetic.
 # KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM]]] sets them (ON 1 or 2).
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2])
@@ -317,13 +317,11 @@ def _reg_launch(x, out, w, wb, split) -> None:
     split = triton.cdiv(nsb, sb_per)
     n_all = w.n + (wb.n if wb is not None else 0)
     part = torch.empty(split * n_all if split > 1 else 1, dtype=torch.float32, device=x.device)
-    offs = [0, 0, 0]
-    if wb is not None:
-        lo, d, sc = plane_offsets((w.lo, w.d, w.sc), (wb.lo, wb.d, wb.sc))
-        offs = [lo, d, sc]
-    quant_gemv_reg.gemv_q4k_kernel[(tiles_a + tiles_b, split)](
-        x, out, part, counters(x.device), w.lo, w.d, w.sc, w.n, nsb, sb_per, split, tiles_a,
-        wb.n if wb is not None else 0, *offs, FUSED_SUM=split > 1, HAS_B=wb is not None, W=warps,
+    planes = plane_args(w)
+    offs = plane_offsets(planes, plane_args(wb)) if wb is not None else [0, 0, 0, 0]
+    quant_gemv_reg.gemv_reg_kernel[(tiles_a + tiles_b, split)](
+        x, out, part, counters(x.device), *planes, w.n, nsb, sb_per, split, tiles_a,
+        wb.n if wb is not None else 0, *offs, QT=QT_CODE[w.qtype], FUSED_SUM=split > 1, HAS_B=wb is not None, W=warps,
         R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw, PF=GEMV["reg"] == 2, num_warps=warps, **launch())
 
 

@@ -1,5 +1,5 @@
-"""The one-row Q4_K GEMV on tensor cores with the dequantized weights kept in registers (Gluon): y = x W^T for one
-bf16 activation row, W [N, K] in the packed layout (ktrans.kernels.triton.quant_layout). Opt-in (quant.GEMV["reg"],
+"""The one-row Q4_K / Q6_K GEMV on tensor cores with the dequantized weights kept in registers (Gluon): y = x W^T for
+one bf16 activation row, W [N, K] in the packed layout (ktrans.kernels.triton.quant_layout). Opt-in (quant.GEMV["reg"],
 `KTRANS_GEMV_REG`); the oracle is ktrans.kernels.torch.quant.quant_linear.
 
 Why a second tensor-core body. quant_gemv._row_dot_mma (plain Triton) spends ~2.7 instructions a weight but is slower
@@ -20,6 +20,9 @@ mma.m16n8k16 A operand, and every layout conversion on the way is asserted trivi
   A second dot of an all-ones A against the same B gives the sums of x, X, in the accumulator's own layout.
 - ggml's sum over a sub-block, d sc Σ q x - dmin m Σ x, is then 128 d sc (P - X) - dmin m X, applied once a row and
   sub-block; the 8 columns are summed across a row's 4 threads at the end.
+- Q6_K (16 sub-blocks of 16) takes the same order over its 32 low-nibble words (words 16.. hold sub-blocks 8..15),
+  its two high bits joined in by quant_gemv's Q6_K PTX (1 + q6 / 64, exact), 16 accumulator columns, and
+  d sc (q6 - 32) summed as d sc (64 P - 96 X).
 
 sm_90 SASS (Triton 3.6 and 3.9, 4 warps, 256 rows a program): ~2.2-2.3 instructions a weight, no shared memory, ~150
 registers; the lane-group body takes 8.5. It runs on every GPU with mma.sync bf16 (sm_80 and newer).
@@ -32,6 +35,7 @@ from __future__ import annotations
 import functools
 
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.quant_gemv import _q6_asm
 
 try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); without it this body is unavailable
     from triton.experimental import gluon
@@ -41,7 +45,7 @@ try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); wi
 except ImportError:  # pragma: no cover - an older Triton
     _GLUON = False
 
-TYPES = ("Q4_K",)
+TYPES = ("Q4_K", "Q6_K")
 
 
 def available() -> bool:
@@ -57,7 +61,7 @@ def _q4_asm() -> str:
     for j in range(4):
         src = "$4"
         if j:
-            text += f"shr.b32 t, $4, {4 * j};\n"
+            text += f"shr.u32 t, $4, {4 * j};\n"
             src = "t"
         text += f"lop3.b32 ${j}, {src}, 0x000F000F, 0x3F803F80, 0xEA;\n"
     return text + "}"
@@ -65,6 +69,7 @@ def _q4_asm() -> str:
 
 if _GLUON:
     _Q4_ASM = gl.constexpr(_q4_asm())
+    _Q6_ASM = gl.constexpr(_q6_asm())
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name, 3.9's
 
     @functools.lru_cache(maxsize=None)
@@ -102,25 +107,39 @@ if _GLUON:
         return gl.reshape(u, [2 * t.shape[0], t.shape[1]])
 
     @gluon.jit
-    def _codes(words, BM: gl.constexpr, LA: gl.constexpr):
-        """Code words [BM, 4, 8] (word 8 a + m) -> the A operand [BM, 256] bf16, column 64 j + 8 m + 2 a + e = 1 +
-        q / 128 of weight 8 a + m of sub-block j + 4 e."""
-        w2 = gl.join(words, words)
-        w4 = gl.join(w2, w2)
-        f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [gl.join(w4, w4)], dtype=gl.bfloat16,
-                                      is_pure=True, pack=8)  # [BM, 4, 8, 2, 2, 2]: element 2 j + e of each word
+    def _join8(t):
+        """t [...] -> [..., 2, 2, 2]: eight copies (the asm's pack of 8 takes one word eight times)."""
+        t2 = gl.join(t, t)
+        t4 = gl.join(t2, t2)
+        return gl.join(t4, t4)
+
+    @gluon.jit
+    def _codes(words, hi, BM: gl.constexpr, LA: gl.constexpr, QT: gl.constexpr):
+        """Code words [BM, 4, 8] (word 8 a + m) -> the A operand [BM, 256] bf16, column 64 j + 8 m + 2 a + e =
+        word 8 a + m's nibble j + 4 e as 1 + q / 128 (Q4_K), or with its two high bits from `hi` (the matching
+        high-bit words, already shifted to bits 2s, 2s + 1 for nibble s) as 1 + q6 / 64 (Q6_K: quant_gemv._q6_asm)."""
+        if QT == 2:
+            f = gl.inline_asm_elementwise(_Q6_ASM, "=r,=r,=r,=r" + ",r" * 16, [_join8(words), _join8(hi)],
+                                          dtype=gl.bfloat16, is_pure=True, pack=8)
+        else:
+            f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
+                                          is_pure=True, pack=8)  # [BM, 4, 8, 2, 2, 2]: element 2 j + e of a word
         f = gl.permute(gl.reshape(f, [BM, 4, 8, 4, 2]), (0, 3, 2, 1, 4))
         return gl.convert_layout(gl.reshape(f, [BM, 256]), LA, assert_trivial=True)
 
     @gluon.jit(do_not_specialize=["b_lo", "b_d", "b_sc"])
-    def gemv_q4k_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT, TILES_A, N_B,
-                        b_lo, b_d, b_sc, FUSED_SUM: gl.constexpr, HAS_B: gl.constexpr, PDL: gl.constexpr,
-                        W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-                        LW: gl.constexpr, PF: gl.constexpr = False):
+    def gemv_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
+                        TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: gl.constexpr, FUSED_SUM: gl.constexpr,
+                        HAS_B: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr,
+                        LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, PF: gl.constexpr = False):
         """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER..; the arguments as quant_gemv.gemv_kernel's
-        (Q4_K only; sc_ptr the scale plane's bytes; HAS_B a second matrix of the same width in the same launch).
-        PF: the next super-block's code words are loaded before the current one's arithmetic (in registers)."""
+        (QT 0 Q4_K, 2 Q6_K; sc_ptr the scale plane's bytes; HAS_B a second matrix of the same width in the same
+        launch). PF: the next super-block's code words are loaded before the current one's arithmetic (in
+        registers). Q6_K has 16 sub-blocks of 16: the accumulator has 16 columns, words 16.. (threads a = 2, 3) hold
+        sub-blocks 8..15, and a word's high bits are those of high-bit word (8 a + m) % 16 at bits 16 (a // 2) + 2s."""
         BM: gl.constexpr = 16 * W * R
+        NC: gl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block, the accumulator's columns
+        SPAN: gl.constexpr = 256 // NC  # weights a sub-block
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         tile = pid_n
@@ -128,6 +147,7 @@ if _GLUON:
             is_b = pid_n >= TILES_A
             tile = gl.where(is_b, pid_n - TILES_A, pid_n)
             lo_ptr += gl.where(is_b, b_lo, 0)
+            hi_ptr += gl.where(is_b, b_hi, 0)
             d_ptr += gl.where(is_b, b_d, 0)
             sc_ptr += gl.where(is_b, b_sc, 0)
             out_ptr += gl.where(is_b, N, 0)
@@ -142,30 +162,42 @@ if _GLUON:
         m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
         woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
         wmask = (n_w < N)[:, None, None]
-        # B: x by sub-block, column k = 64 j + 8 m + 2 a + e at row c = j + 4 e
+        hoff = n_w[:, None, None] * 16 + ((a_w % 2) * 8)[None, :, None] + m_w[None, None, :]
+        hshift = (16 * (a_w // 2))[None, :, None]
+        # B: x by sub-block, column k = 64 j + 8 m + 2 a + e (word 8 a + m, nibble s = j + 4 e) at row c = its
+        # sub-block: s (Q4_K), 8 (a // 2) + s (Q6_K)
         kk = gl.arange(0, 256, layout=gl.SliceLayout(1, LB))
-        cc = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+        cc = gl.arange(0, NC, layout=gl.SliceLayout(0, LB))
+        aa = (kk // 2) % 4
         sub = kk // 64 + 4 * (kk % 2)
-        xoff = (sub * 32 + ((kk // 2) % 4) * 8 + (kk // 8) % 8)[:, None] + cc[None, :] * 0
+        word = aa * 8 + (kk // 8) % 8
+        if QT == 2:
+            sub += 8 * (aa // 2)
+            word = word % 16
+        xoff = (sub * SPAN + word)[:, None] + cc[None, :] * 0
         xmask = sub[:, None] == cc[None, :]
         # the scales, in the accumulator's layout
         n_c = tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
-        c_c = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        c_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MMA))
         cmask = n_c < N
         ones = gl.full([16 * W, 256], 1.0, gl.bfloat16, layout=LA)
-        acc = gl.zeros([BM, 8], gl.float32, layout=MMA)
+        acc = gl.zeros([BM, NC], gl.float32, layout=MMA)
         if PF:
             words = gl.load(lo_ptr + sb0 * N * 32 + woff, mask=wmask & (sb0 < sb1), other=0)
         for sb in range(sb0, sb1):
             if PF:
                 nxt = gl.load(lo_ptr + (sb + 1) * N * 32 + woff, mask=wmask & (sb + 1 < sb1), other=0)
-                f = _codes(words, BM, LA)
-                words = nxt
             else:
-                f = _codes(gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0), BM, LA)
+                words = gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0)
+            hi = words
+            if QT == 2:
+                hi = gl.load(hi_ptr + sb * N * 16 + hoff, mask=wmask, other=0) >> hshift
+            f = _codes(words, hi, BM, LA, QT)
+            if PF:
+                words = nxt
             xb = gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0)
-            p = mma_v2(f, xb, gl.zeros([BM, 8], gl.float32, layout=MMA))
-            xs = mma_v2(ones, xb, gl.zeros([16 * W, 8], gl.float32, layout=MMA))
+            p = mma_v2(f, xb, gl.zeros([BM, NC], gl.float32, layout=MMA))
+            xs = mma_v2(ones, xb, gl.zeros([16 * W, NC], gl.float32, layout=MMA))
             if R >= 2:
                 xs = _dup_rows(xs)
             if R >= 4:
@@ -174,11 +206,17 @@ if _GLUON:
                 xs = _dup_rows(xs)
             xs = gl.convert_layout(xs, MMA, assert_trivial=True)
             row = sb * N + n_c
-            s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
-            mn = gl.load(sc_ptr + row[:, None] * 16 + 8 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
-            d = gl.load(d_ptr + row * 2, mask=cmask, other=0.0).to(gl.float32)
-            dmin = gl.load(d_ptr + row * 2 + 1, mask=cmask, other=0.0).to(gl.float32)
-            acc += (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
+            if QT == 2:  # d sc (q6 - 32) summed: d sc (64 (P - X) - 32 X)
+                s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
+                d = gl.load(d_ptr + row, mask=cmask, other=0.0).to(gl.float32)
+                acc += (s * d[:, None]) * (64.0 * p - 96.0 * xs)
+            else:  # d sc q - dmin m summed: 128 d sc (P - X) - dmin m X
+                s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
+                mn = gl.load(sc_ptr + row[:, None] * 16 + 8 + c_c[None, :], mask=cmask[:, None],
+                             other=0).to(gl.float32)
+                d = gl.load(d_ptr + row * 2, mask=cmask, other=0.0).to(gl.float32)
+                dmin = gl.load(d_ptr + row * 2 + 1, mask=cmask, other=0.0).to(gl.float32)
+                acc += (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
         y = gl.sum(acc, axis=1)
         if SPLIT == 1:
             gl.store(out_ptr + n_c, y.to(out_ptr.dtype.element_ty), mask=cmask)
