@@ -127,41 +127,39 @@ if _GLUON:
         f = gl.permute(gl.reshape(f, [BM, 4, 8, 4, 2]), (0, 3, 2, 1, 4))
         return gl.convert_layout(gl.reshape(f, [BM, 256]), LA, assert_trivial=True)
 
-    @gluon.jit(do_not_specialize=["b_lo", "b_d", "b_sc"])
-    def gemv_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
-                        TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: gl.constexpr, FUSED_SUM: gl.constexpr,
-                        HAS_B: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr,
-                        LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, PF: gl.constexpr = False):
-        """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER..; the arguments as quant_gemv.gemv_kernel's
-        (QT 0 Q4_K, 2 Q6_K; sc_ptr the scale plane's bytes; HAS_B a second matrix of the same width in the same
-        launch). PF: the next super-block's code words are loaded before the current one's arithmetic (in
-        registers). Q6_K has 16 sub-blocks of 16: the accumulator has 16 columns, words 16.. (threads a = 2, 3) hold
-        sub-blocks 8..15, and a word's high bits are those of high-bit word (8 a + m) % 16 at bits 16 (a // 2) + 2s."""
+    @gluon.jit
+    def _scaled(acc, p, xs, d_ptr, sc_ptr, row, cmask, c_c, QT: gl.constexpr):
+        """acc [BM, NC] += one super-block's sub-block sums p (of the codes times x) and xs (of x) scaled by the rows'
+        scales: ggml's d sc q - dmin m summed over a sub-block is 128 d sc (P - X) - dmin m X (Q4_K), d sc (q6 - 32)
+        summed is d sc (64 (P - X) - 32 X) (Q6_K). row: the rows' plane index (super-block-major)."""
+        s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
+        if QT == 2:
+            d = gl.load(d_ptr + row, mask=cmask, other=0.0).to(gl.float32)
+            return acc + (s * d[:, None]) * (64.0 * p - 96.0 * xs)
+        mn = gl.load(sc_ptr + row[:, None] * 16 + 8 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
+        d = gl.load(d_ptr + row * 2, mask=cmask, other=0.0).to(gl.float32)
+        dmin = gl.load(d_ptr + row * 2 + 1, mask=cmask, other=0.0).to(gl.float32)
+        return acc + (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
+
+    @gluon.jit
+    def row_sums(x_row, lo_ptr, hi_ptr, d_ptr, sc_ptr, NR, row0, n_valid, OFF2, sb0, sb1, QT: gl.constexpr,
+                 W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+                 LW: gl.constexpr, PF: gl.constexpr, TWO: gl.constexpr):
+        """(y, y2, rows, mask): rows row0.. (BM of them, those < n_valid real) of a matrix whose planes hold NR rows
+        a super-block, times the bf16 activation row x_row, over super-blocks sb0..sb1-1, fp32 [BM] in
+        SliceLayout(1, MMA); with TWO also rows row0 + OFF2.. (y2; else y2 is y), which share x's operand (the MoE's
+        gate and up). PF: the next super-block's code words loaded before the current one's arithmetic (one matrix
+        only). Q6_K has 16 sub-blocks of 16: 16 accumulator columns, words 16.. (threads a = 2, 3) hold sub-blocks
+        8..15, and a word's high bits are those of high-bit word (8 a + m) % 16 at bits 16 (a // 2) + 2s."""
         BM: gl.constexpr = 16 * W * R
         NC: gl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block, the accumulator's columns
         SPAN: gl.constexpr = 256 // NC  # weights a sub-block
-        pid_n = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        tile = pid_n
-        if HAS_B:
-            is_b = pid_n >= TILES_A
-            tile = gl.where(is_b, pid_n - TILES_A, pid_n)
-            lo_ptr += gl.where(is_b, b_lo, 0)
-            hi_ptr += gl.where(is_b, b_hi, 0)
-            d_ptr += gl.where(is_b, b_d, 0)
-            sc_ptr += gl.where(is_b, b_sc, 0)
-            out_ptr += gl.where(is_b, N, 0)
-            part_ptr += gl.where(is_b, SPLIT * N, 0)
-            N = gl.where(is_b, N_B, N)
-        _enter(PDL)
-        sb0 = pid_k * SB_PER
-        sb1 = gl.minimum(sb0 + SB_PER, NSB)
         # the code words: row n, word 8 a + m
-        n_w = tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+        n_w = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
         a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
         m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
         woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
-        wmask = (n_w < N)[:, None, None]
+        wmask = (n_w < n_valid)[:, None, None]
         hoff = n_w[:, None, None] * 16 + ((a_w % 2) * 8)[None, :, None] + m_w[None, None, :]
         hshift = (16 * (a_w // 2))[None, :, None]
         # B: x by sub-block, column k = 64 j + 8 m + 2 a + e (word 8 a + m, nibble s = j + 4 e) at row c = its
@@ -177,25 +175,26 @@ if _GLUON:
         xoff = (sub * SPAN + word)[:, None] + cc[None, :] * 0
         xmask = sub[:, None] == cc[None, :]
         # the scales, in the accumulator's layout
-        n_c = tile * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+        n_c = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
         c_c = gl.arange(0, NC, layout=gl.SliceLayout(0, MMA))
-        cmask = n_c < N
+        cmask = n_c < n_valid
         ones = gl.full([16 * W, 256], 1.0, gl.bfloat16, layout=LA)
         acc = gl.zeros([BM, NC], gl.float32, layout=MMA)
+        acc2 = acc
         if PF:
-            words = gl.load(lo_ptr + sb0 * N * 32 + woff, mask=wmask & (sb0 < sb1), other=0)
+            words = gl.load(lo_ptr + sb0 * NR * 32 + woff, mask=wmask & (sb0 < sb1), other=0)
         for sb in range(sb0, sb1):
             if PF:
-                nxt = gl.load(lo_ptr + (sb + 1) * N * 32 + woff, mask=wmask & (sb + 1 < sb1), other=0)
+                nxt = gl.load(lo_ptr + (sb + 1) * NR * 32 + woff, mask=wmask & (sb + 1 < sb1), other=0)
             else:
-                words = gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0)
+                words = gl.load(lo_ptr + sb * NR * 32 + woff, mask=wmask, other=0)
             hi = words
             if QT == 2:
-                hi = gl.load(hi_ptr + sb * N * 16 + hoff, mask=wmask, other=0) >> hshift
+                hi = gl.load(hi_ptr + sb * NR * 16 + hoff, mask=wmask, other=0) >> hshift
             f = _codes(words, hi, BM, LA, QT)
             if PF:
                 words = nxt
-            xb = gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0)
+            xb = gl.load(x_row + sb * 256 + xoff, mask=xmask, other=0.0)
             p = mma_v2(f, xb, gl.zeros([BM, NC], gl.float32, layout=MMA))
             xs = mma_v2(ones, xb, gl.zeros([16 * W, NC], gl.float32, layout=MMA))
             if R >= 2:
@@ -205,19 +204,46 @@ if _GLUON:
             if R >= 8:
                 xs = _dup_rows(xs)
             xs = gl.convert_layout(xs, MMA, assert_trivial=True)
-            row = sb * N + n_c
-            if QT == 2:  # d sc (q6 - 32) summed: d sc (64 (P - X) - 32 X)
-                s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
-                d = gl.load(d_ptr + row, mask=cmask, other=0.0).to(gl.float32)
-                acc += (s * d[:, None]) * (64.0 * p - 96.0 * xs)
-            else:  # d sc q - dmin m summed: 128 d sc (P - X) - dmin m X
-                s = gl.load(sc_ptr + row[:, None] * 16 + c_c[None, :], mask=cmask[:, None], other=0).to(gl.float32)
-                mn = gl.load(sc_ptr + row[:, None] * 16 + 8 + c_c[None, :], mask=cmask[:, None],
-                             other=0).to(gl.float32)
-                d = gl.load(d_ptr + row * 2, mask=cmask, other=0.0).to(gl.float32)
-                dmin = gl.load(d_ptr + row * 2 + 1, mask=cmask, other=0.0).to(gl.float32)
-                acc += (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
+            acc = _scaled(acc, p, xs, d_ptr, sc_ptr, sb * NR + n_c, cmask, c_c, QT)
+            if TWO:
+                words2 = gl.load(lo_ptr + sb * NR * 32 + OFF2 * 32 + woff, mask=wmask, other=0)
+                hi2 = words2
+                if QT == 2:
+                    hi2 = gl.load(hi_ptr + sb * NR * 16 + OFF2 * 16 + hoff, mask=wmask, other=0) >> hshift
+                p2 = mma_v2(_codes(words2, hi2, BM, LA, QT), xb, gl.zeros([BM, NC], gl.float32, layout=MMA))
+                acc2 = _scaled(acc2, p2, xs, d_ptr, sc_ptr, sb * NR + OFF2 + n_c, cmask, c_c, QT)
         y = gl.sum(acc, axis=1)
+        y2 = y
+        if TWO:
+            y2 = gl.sum(acc2, axis=1)
+        return y, y2, n_c, cmask
+
+    @gluon.jit(do_not_specialize=["b_lo", "b_hi", "b_d", "b_sc"])
+    def gemv_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
+                        TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: gl.constexpr, FUSED_SUM: gl.constexpr,
+                        HAS_B: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr,
+                        LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, PF: gl.constexpr = False):
+        """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER.. (row_sums); the arguments as
+        quant_gemv.gemv_kernel's (QT 0 Q4_K, 2 Q6_K; sc_ptr the scale plane's bytes; HAS_B a second matrix of the
+        same width in the same launch)."""
+        BM: gl.constexpr = 16 * W * R
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        tile = pid_n
+        if HAS_B:
+            is_b = pid_n >= TILES_A
+            tile = gl.where(is_b, pid_n - TILES_A, pid_n)
+            lo_ptr += gl.where(is_b, b_lo, 0)
+            hi_ptr += gl.where(is_b, b_hi, 0)
+            d_ptr += gl.where(is_b, b_d, 0)
+            sc_ptr += gl.where(is_b, b_sc, 0)
+            out_ptr += gl.where(is_b, N, 0)
+            part_ptr += gl.where(is_b, SPLIT * N, 0)
+            N = gl.where(is_b, N_B, N)
+        _enter(PDL)
+        sb0 = pid_k * SB_PER
+        y, _, n_c, cmask = row_sums(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, tile * BM, N, 0, sb0,
+                                    gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, PF, False)
         if SPLIT == 1:
             gl.store(out_ptr + n_c, y.to(out_ptr.dtype.element_ty), mask=cmask)
         else:
