@@ -105,6 +105,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from ktrans.kernels.triton import quant_gemv_reg
 
+MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16"
 fn = quant_gemv_reg.gemv_reg_kernel
 aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr", "N"]
 out = []
@@ -114,13 +115,30 @@ for qt, cc, warps, reps, fused in json.loads(sys.argv[1]):
            "SB_PER": "i32", "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32",
            "b_d": "i32", "b_sc": "i32"}
     mma, la, lb, lw = quant_gemv_reg.layouts(warps, reps)
-    consts = {"QT": qt, "FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma, "LA": la,
-              "LB": lb, "LW": lw, "PF": bool(fused)}
+    consts = {"QT": qt, "FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma,
+              "LA": la, "LB": lb, "LW": lw, "PF": bool(fused)}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
-    out.append({"shared": k.metadata.shared, "mma": k.asm["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.bf16")})
+    out.append({"shared": k.metadata.shared, "mma": k.asm["ptx"].count(MMA_PTX)})
+mfn = quant_gemv_reg.moe_reg_kernel
+maligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "ids_ptr", "rw_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr",
+            "N", "N_ROWS"]
+for qt, gated in ((0, True), (0, False), (2, True), (2, False)):
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i32",
+           "rw_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
+           "sc_ptr": "*i8" if qt == 2 else "*u8", **{n: "i64" if n.startswith("s_") else "i32" for n in (
+               "s_lo", "s_hi", "s_d", "s_sc", "P", "N", "N_ROWS", "NSB", "SB_PER", "X_DIV", "stride_x", "stride_o",
+               "E_X", "x_lo", "x_hi", "x_d", "x_sc")}}
+    mma, la, lb, lw = quant_gemv_reg.layouts(4, 2)
+    consts = {"QT": qt, "GATED": gated, "SPLIT": 2, "HAS_X": True, "PDL": True, "W": 4, "R": 2, "MMA": mma,
+              "LA": la, "LB": lb, "LW": lw}
+    src = GluonASTSource(mfn, signature={**sig, **{k: "constexpr" for k in consts}},
+                         constexprs={(mfn.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs={(mfn.arg_names.index(n),): [["tt.divisibility", 16]] for n in maligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    out.append({"shared": k.metadata.shared, "mma": k.asm["ptx"].count(MMA_PTX)})
 print(json.dumps(out))
 """
 
@@ -143,9 +161,11 @@ def test_compiles_in_registers():
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for case, got in zip(cases, json.loads(run.stdout.splitlines()[-1])):
-        assert got["shared"] <= (16 if case[4] else 0), (case, got)
-        assert got["mma"] > 0, case
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert len(got) == len(cases) + 4
+    for case, g in zip(cases + [[0, 90, 4, 2, 1]] * 4, got):  # then the MoE kernel's four: gated or not, two types
+        assert g["shared"] <= (16 if case[4] else 0), (case, g)
+        assert g["mma"] > 0, case
 
 
 def test_layouts_reject_non_powers_of_two():
@@ -211,3 +231,29 @@ def test_reg_only_where_it_applies(reg):
     assert _close(reg.qlinear(x, w), quant_linear(x, w))
     reg.GEMV["reg"] = 0
     assert not reg.gemv_reg(x, "Q4_K")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, down_type", [(1, "Q6_K"), (2, "Q4_K"), (3, "Q8_0")])
+def test_reg_moe_lanes_path(t, down_type, monkeypatch):
+    """The MoE's few-token path through the register body (LANES["reg"]: gate and up sharing x's operand, split over
+    K; down on the bf16 h; a Q8_0 down keeps the lanes kernel), a skipped slot: within the bf16 output's rounding of
+    the float64 reference (relative Frobenius 1e-2), and near the lanes kernel's output."""
+    from ktrans.kernels.torch.moe import moe_experts
+    from ktrans.kernels.triton import moe_quant as mq
+    from tests.kernels.test_moe_quant import _err, _layer, _routing
+
+    dev = torch.device("cuda")
+    monkeypatch.setitem(mq.LANES, "on", True)
+    monkeypatch.setitem(mq.LANES, "reg", 1)
+    gate_up, down, (g, u, d) = _layer(dev, down_type, h=3 * 256)
+    ids, weights = _routing(t, dev, seed=30 + t)
+    ids[0, 1] = -1
+    x = (torch.randn(t, 3 * 256, generator=torch.Generator().manual_seed(t)) * 0.05).to(torch.bfloat16).to(dev)
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
+    for split in (None, 1, 3):
+        monkeypatch.setitem(mq.LANES, "split", split)
+        y = mq.moe_quant(x, ids, weights, gate_up, down)
+        assert _err(y, ref) < 1e-2, (t, down_type, split)
+    mq.LANES["reg"] = 0
+    assert _err(y, mq.moe_quant(x, ids, weights, gate_up, down).double().cpu()) < 1e-2

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton import interpreting, quant_gemv_reg
 from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, MAXNREG_TYPES, MMA_TYPES, QT_CODE, _scale_words, _sms,
                                          counters, env_ints, gemv_rows, pipe_per_sm, plane_args, plane_offsets,
@@ -58,10 +58,15 @@ _PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
 # mma: gate/up and down through the tensor-core row_dot (quant_gemv._row_dot_mma; Q4_K and Q6_K, bf16 x), mma_bn rows
 # and 4 warps a program, mma_per_sm programs wanted an SM for gate/up's K split. KTRANS_MOE_LANES_MMA=ON[,BN[,PER_SM]].
 _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
+# reg: gate/up and down through the register tensor-core body (quant_gemv_reg.moe_reg_kernel, Gluon; Q4_K and Q6_K,
+# bf16 x; a launch of another type keeps the lanes kernel), reg_bn rows and reg_warps warps a program, reg_per_sm
+# programs wanted an SM for gate/up's K split. KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM]]].
+_REG = env_ints("KTRANS_MOE_LANES_REG", [0, 128, 4, 2])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
-         "one_loop": bool(_PIPE[2]), "mma": _MMA[0], "mma_bn": _MMA[1], "mma_per_sm": _MMA[2]}
+         "one_loop": bool(_PIPE[2]), "mma": _MMA[0], "mma_bn": _MMA[1], "mma_per_sm": _MMA[2],
+         "reg": _REG[0], "reg_bn": _REG[1], "reg_warps": _REG[2], "reg_per_sm": _REG[3]}
 
 
 @triton.jit
@@ -200,6 +205,22 @@ def _expert_strides(planes) -> list[int]:
     return [t.stride(0) if t.numel() > 1 else 0 for t in planes]
 
 
+def _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per, gated, e_x, extra, bn) -> None:
+    """Launch j of the lanes path (0 gate/up, 1 down) by quant_gemv_reg.moe_reg_kernel: the planes as plane_args
+    gives them (the scale plane as bytes), their expert strides and the extra expert's offsets in elements."""
+    warps = LANES["reg_warps"]
+    if bn % (16 * warps):
+        raise ValueError(f"KTRANS_MOE_LANES_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
+    mma, la, lb, lw = quant_gemv_reg.layouts(warps, bn // (16 * warps))
+    planes = plane_args(w)
+    offs = plane_offsets(planes, plane_args(extra[j])) if extra is not None else [0, 0, 0, 0]
+    quant_gemv_reg.moe_reg_kernel[(p, triton.cdiv(n, bn), grid_k)](
+        src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK,
+        sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), e_x, *offs, QT=QT_CODE[w.qtype], GATED=gated,
+        SPLIT=grid_k, HAS_X=extra is not None, W=warps, R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw,
+        num_warps=warps, **launch())
+
+
 def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: PackedWeight,
            down: PackedWeight, extra: tuple[PackedWeight, PackedWeight] | None = None) -> torch.Tensor:
     """The few-token path: two launches (gate and up split over K where the pairs alone would not fill the GPU;
@@ -212,15 +233,20 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     # per launch: the tensor-core row_dot (LANES["mma"]; bf16 x, MMA_TYPES), the lane-group one (rows 0) or the
     # row-owning one (GEMV["rows"]; bf16 x, K-quant types)
-    mma = [int(LANES["mma"]) if w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 else 0 for w in (gate_up, down)]
-    rows = [0 if mma[0] else gemv_rows(x, gate_up.qtype), 0 if mma[1] else gemv_rows(h, down.qtype)]
-    bns = [LANES["mma_bn"] if m else GEMV["rows_bn"] if r else LANES["bn"] * (2 if interpreting() else 1)
-           for m, r in zip(mma, rows)]
+    reg = [bool(LANES["reg"]) and w.qtype in quant_gemv_reg.TYPES and x.dtype == torch.bfloat16 and
+           x.device.type == "cuda" and quant_gemv_reg.available() for w in (gate_up, down)]
+    mma = [int(LANES["mma"]) if w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 and not r else 0
+           for w, r in zip((gate_up, down), reg)]
+    rows = [0 if mma[0] or reg[0] else gemv_rows(x, gate_up.qtype), 0 if mma[1] or reg[1] else gemv_rows(h, down.qtype)]
+    bns = [LANES["reg_bn"] if g else LANES["mma_bn"] if m else GEMV["rows_bn"] if r else
+           LANES["bn"] * (2 if interpreting() else 1) for g, m, r in zip(reg, mma, rows)]
     tiles_i, tiles_h = triton.cdiv(inter, bns[0]), triton.cdiv(hidden, bns[1])
     nsb = gate_up.k // QK
     pipe, per_sm = pipe_per_sm(LANES, rows[0])
     if mma[0]:
         pipe, per_sm = 0, LANES["mma_per_sm"]
+    if reg[0]:
+        pipe, per_sm = 0, LANES["reg_per_sm"]
     split = LANES["split"] or max(1, min(nsb, triton.cdiv(per_sm * _sms(x.device), p * tiles_i)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
@@ -239,6 +265,10 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             xw = extra[j]
             xlo, xhi, xd, _ = plane_args(xw)
             offs = plane_offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
+        if reg[j]:
+            _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per, gated, gate_up.experts,
+                        extra, bns[j])
+            continue
         _moe_lanes_kernel[(p, triton.cdiv(n, bns[j]), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK,
             sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype],

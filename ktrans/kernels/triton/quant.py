@@ -223,9 +223,9 @@ _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
 _MMA_ENV = env_ints("KTRANS_GEMV_MMA", [0, 128, 4, 2, 0])
 MMA_TYPES = ("Q4_K", "Q6_K")
 # reg: the tensor-core body with the dequantized weights kept in registers (ktrans.kernels.triton.quant_gemv_reg,
-# Gluon; Q4_K and Q6_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps, reg_per_sm
-# programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's arithmetic.
-# KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM]]] sets them (ON 1 or 2).
+# Gluon; Q4_K and Q6_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps,
+# reg_per_sm programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's
+# arithmetic. KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM]]] sets them (ON 1 or 2).
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],

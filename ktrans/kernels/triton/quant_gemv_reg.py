@@ -256,3 +256,75 @@ if _GLUON:
                         total += gl.load(part_ptr + s * N + n_c, mask=cmask, other=0.0, cache_modifier=".cg")
                     gl.store(out_ptr + n_c, total.to(out_ptr.dtype.element_ty), mask=cmask)
                     gl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+    @gluon.jit(do_not_specialize=["x_lo", "x_hi", "x_d", "x_sc"])
+    def moe_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,
+                       s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
+                       QT: gl.constexpr, GATED: gl.constexpr, SPLIT: gl.constexpr, HAS_X: gl.constexpr,
+                       PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
+                       LB: gl.constexpr, LW: gl.constexpr):
+        """moe_quant._moe_lanes_kernel with row_sums for its row dots (the MoE's few-token path; the arguments as
+        its, but sc_ptr the scale plane's bytes and s_sc in bytes): pair pid_p (token pid_p // X_DIV, expert
+        ids[pid_p], skipped when negative) times output rows pid_n * BM... GATED: gate and up (rows n and N + n
+        of the stack's [2N, K], one x operand for both) over super-blocks pid_k * SB_PER.., silu(gate) * up into
+        out_ptr [P, N] (SPLIT > 1: fp32 partials [SPLIT, P, 2N] summed in split order by the last program). Else
+        down over all of K, weighted, the last of a token's X_DIV pairs summing them in slot order into out_ptr."""
+        BM: gl.constexpr = 16 * W * R
+        _enter(PDL)
+        pid_p = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        e = gl.load(ids_ptr + pid_p)
+        e64 = gl.maximum(e, 0).to(gl.int64)
+        o_lo, o_hi, o_d, o_sc = e64 * s_lo, e64 * s_hi, e64 * s_d, e64 * s_sc
+        if HAS_X:
+            is_x = e == E_X
+            o_lo = gl.where(is_x, x_lo, o_lo)
+            o_hi = gl.where(is_x, x_hi, o_hi)
+            o_d = gl.where(is_x, x_d, o_d)
+            o_sc = gl.where(is_x, x_sc, o_sc)
+        lo, hi, d, sc = lo_ptr + o_lo, hi_ptr + o_hi, d_ptr + o_d, sc_ptr + o_sc
+        n_c = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+        mask = n_c < N
+        if GATED:
+            if e >= 0:
+                sb0 = pid_k * SB_PER
+                gate, up, _, _ = row_sums(x_ptr + (pid_p // X_DIV) * stride_x, lo, hi, d, sc, N_ROWS, pid_n * BM, N,
+                                          N, sb0, gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, False,
+                                          True)
+                if SPLIT == 1:
+                    h = gate / (1.0 + gl.exp(-gate)) * up
+                    gl.store(out_ptr + pid_p * stride_o + n_c, h.to(out_ptr.dtype.element_ty), mask=mask)
+                else:
+                    part = part_ptr + (pid_k * P + pid_p) * 2 * N
+                    gl.store(part + n_c, gate, mask=mask)
+                    gl.store(part + N + n_c, up, mask=mask)
+                    _barrier()  # every thread's partial stored before the count's release
+                    cnt = cnt_ptr + pid_p * gl.num_programs(1) + pid_n
+                    if gl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
+                        gate = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
+                        up = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
+                        for s in range(SPLIT):
+                            part = part_ptr + (s * P + pid_p) * 2 * N
+                            gate += gl.load(part + n_c, mask=mask, other=0.0, cache_modifier=".cg")
+                            up += gl.load(part + N + n_c, mask=mask, other=0.0, cache_modifier=".cg")
+                        h = gate / (1.0 + gl.exp(-gate)) * up
+                        gl.store(out_ptr + pid_p * stride_o + n_c, h.to(out_ptr.dtype.element_ty), mask=mask)
+                        gl.atomic_xchg(cnt, 0)
+        else:
+            acc = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
+            if e >= 0:
+                acc, _, _, _ = row_sums(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, pid_n * BM, N, 0, 0, NSB, QT,
+                                        W, R, MMA, LA, LB, LW, False, False)
+                acc = acc * gl.load(rw_ptr + pid_p).to(gl.float32)
+            gl.store(part_ptr + pid_p * N + n_c, acc, mask=mask)
+            _barrier()
+            tok = pid_p // X_DIV
+            cnt = cnt_ptr + tok * gl.num_programs(1) + pid_n
+            if gl.atomic_add(cnt, 1, sem="acq_rel") == X_DIV - 1:
+                total = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
+                for j in range(X_DIV):
+                    total += gl.load(part_ptr + (tok * X_DIV + j) * N + n_c, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                gl.store(out_ptr + tok * stride_o + n_c, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt, 0)
