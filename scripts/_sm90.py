@@ -22,7 +22,10 @@ def compile_sm90(fn, signature: dict[str, str], consts: dict, warps: int, stages
     the launched kernel holds four ([1, 4]), so registers, spills and instruction counts from an unaligned compile
     (before session 31) do not describe the launched kernels."""
     aligned = [n for n, t in signature.items() if t.startswith("*")] + list(divisible)
-    src = ASTSource(fn, signature={**signature, **{k: "constexpr" for k in consts}},
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # a Gluon kernel (ktrans.kernels.triton.quant_gemv_reg)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, signature={**signature, **{k: "constexpr" for k in consts}},
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages,

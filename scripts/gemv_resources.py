@@ -5,10 +5,12 @@ GEMV's issue slots, not its bytes, set its pace once enough loads are in flight 
 session 31), so instructions per weight is the figure a new body must lower.
 
     python3 scripts/gemv_resources.py [--types Q4_K,Q6_K] [--pipe 0,3] [--maxnreg 0,80,96] [--warps 4] [--bn 32]
-                                      [--rows 0,4] [--mma 0,1]
+                                      [--rows 0,4] [--mma 0,1] [--reg 0,1,2]
 
 --rows: the lane-group body (0) or the row-owning one with that many threads a row (quant.GEMV["rows"]; --bn is then
-its rows a program). --mma: the tensor-core body (quant_gemv._row_dot_mma, Q4_K and Q6_K; --bn its rows a program).
+its rows a program). --mma: the tensor-core body (quant_gemv._row_dot_mma, Q4_K and Q6_K; --bn its rows a program). --reg: the register tensor-core body (quant_gemv_reg, Gluon; Q4_K and Q6_K; --bn its rows a
+program, 16 x warps x a power of two; 2: its code words loaded a super-block ahead); run it without
+TRITON_INTERPRET (Gluon does not compile under the interpreter).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import tempfile
 import triton
 from _sm90 import compile_sm90
 
-from ktrans.kernels.triton import quant_gemv
+from ktrans.kernels.triton import quant_gemv, quant_gemv_reg
 from ktrans.kernels.triton.quant import QT_CODE
 from ktrans.kernels.triton.quant_layout import QK
 
@@ -31,6 +33,10 @@ SIGNATURE = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr
              "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*i32", "N": "i32", "NSB": "i32", "SB_PER": "i32",
              "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32", "b_d": "i32",
              "b_sc": "i32"}
+REG_SIGNATURE = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
+                 "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*u8", "N": "i32", "NSB": "i32", "SB_PER": "i32",
+                 "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32", "b_d": "i32",
+                 "b_sc": "i32"}
 
 
 def _sass(cubin: bytes) -> list[tuple[int, str]]:
@@ -59,13 +65,18 @@ def _loop(ins: list[tuple[int, str]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("types", "Q4_K,Q6_K"), ("pipe", "0,3"), ("maxnreg", "0,80,96"), ("warps", "4"),
-                          ("bn", "32"), ("rows", "0"), ("mma", "0")):
+                          ("bn", "32"), ("rows", "0"), ("mma", "0"), ("reg", "0")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    for qtype, pipe, cap, warps, bn, rows, mma in itertools.product(
+    for qtype, pipe, cap, warps, bn, rows, mma, reg in itertools.product(
             args.types.split(","), ints(args.pipe), ints(args.maxnreg), ints(args.warps), ints(args.bn),
-            ints(args.rows), ints(args.mma)):
+            ints(args.rows), ints(args.mma), ints(args.reg)):
+        if reg:
+            if rows or mma or pipe or cap or qtype not in quant_gemv_reg.TYPES or bn % (16 * warps):
+                continue
+            _reg(qtype, warps, bn, reg)
+            continue
         if rows and (pipe or qtype == "Q8_0" or mma):  # the row-owning body has no pipelined loop, no Q8_0 form
             continue
         if mma and qtype not in ("Q4_K", "Q6_K"):
@@ -79,6 +90,21 @@ def main() -> None:
         print(f"{qtype} mma={mma} rows={rows} pipe={pipe} maxnreg={cap} warps={warps} bn={bn}: {usage} "
               f"shared={k.metadata.shared} loop {len(body)} instructions, {len(body) / per:.1f} a weight; {top}",
               flush=True)
+
+
+def _reg(qtype: str, warps: int, bn: int, reg: int) -> None:
+    """One line for the register tensor-core body at this tiling (its one-matrix launch with the fused split sum)."""
+    reps = bn // (16 * warps)
+    mma, la, lb, lw = quant_gemv_reg.layouts(warps, reps)
+    sig = {**REG_SIGNATURE, "sc_ptr": "*i8" if qtype == "Q6_K" else "*u8"}
+    consts = {"QT": QT_CODE[qtype], "FUSED_SUM": True, "HAS_B": False, "PDL": True, "W": warps, "R": reps, "MMA": mma,
+              "LA": la, "LB": lb, "LW": lw, "PF": reg == 2}
+    k, usage = compile_sm90(quant_gemv_reg.gemv_reg_kernel, sig, consts, warps, 1, 0, divisible=("N",))
+    body = _loop(_sass(k.asm["cubin"]))
+    per = bn * QK / (32 * warps)
+    top = " ".join(f"{op}:{n}" for op, n in collections.Counter(body).most_common(8))
+    print(f"{qtype} reg={reg} warps={warps} bn={bn}: {usage} shared={k.metadata.shared} loop {len(body)} "
+          f"instructions, {len(body) / per:.2f} a weight; {top}", flush=True)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def main() -> None:
             if mma and (qtype not in quant.MMA_TYPES or maxnreg or bn < 16 * warps):  # a wgmma is 64 rows a warpgroup
                 continue
             if reg:
-                tiling = {"reg_bn": bn, "reg_warps": warps, "reg_per_sm": per_sm}
+                tiling = {"reg_bn": bn, "reg_bn6": bn, "reg_warps": warps, "reg_per_sm": per_sm}
             elif mma:
                 tiling = {"mma_bn": bn, "mma_warps": warps, "mma_per_sm": per_sm, "mma_pipe": pipe}
             else:

@@ -225,15 +225,17 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # reg: the tensor-core body with the dequantized weights kept in registers (ktrans.kernels.triton.quant_gemv_reg,
 # Gluon; Q4_K and Q6_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps,
 # reg_per_sm programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's
-# arithmetic. KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM]]] sets them (ON 1 or 2).
-_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2])
+# arithmetic; reg_bn6: Q6_K's rows a program (its 16 accumulator columns and high-bit words spill at 256 rows and 4
+# warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128). KTRANS_GEMV_REG=ON[,BN[,WARPS[,
+# PER_SM[,BN6]]]] sets them (ON 1 or 2).
+_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
         "mma": _MMA_ENV[0], "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
         "mma_pipe": _MMA_ENV[4], "reg": _REG_ENV[0], "reg_bn": _REG_ENV[1], "reg_warps": _REG_ENV[2],
-        "reg_per_sm": _REG_ENV[3]}
+        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -302,7 +304,7 @@ def _reg_launch(x, out, w, wb, split) -> None:
     """quant_gemv_reg's launch for x [1, K] times w (and wb, of the same type and width, its rows after w's in
     `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
     row tile's last program."""
-    warps, bn = GEMV["reg_warps"], GEMV["reg_bn"]
+    warps, bn = GEMV["reg_warps"], GEMV["reg_bn6"] if w.qtype == "Q6_K" else GEMV["reg_bn"]
     if bn % (16 * warps):
         raise ValueError(f"KTRANS_GEMV_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
     mma, la, lb, lw = quant_gemv_reg.layouts(warps, bn // (16 * warps))
