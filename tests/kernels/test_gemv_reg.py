@@ -190,7 +190,7 @@ def test_reg_gemv_matches_reference(qtype, bn, warps, on, reg):
     """Every split of three super-blocks, within the bf16 output's rounding of the reference, with the code words
     loaded ahead (on = 2) or not."""
     dev = torch.device("cuda")
-    reg.GEMV.update(reg=on, reg_bn=bn, reg_warps=warps)
+    reg.GEMV.update(reg=on, reg_bn=bn, reg_bn6=bn, reg_warps=warps)
     n, k = 200, 768
     w = _weight(qtype, n, k, dev, seed=5)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(dev)
