@@ -234,7 +234,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     # per launch: the tensor-core row_dot (LANES["mma"]; bf16 x, MMA_TYPES), the lane-group one (rows 0) or the
     # row-owning one (GEMV["rows"]; bf16 x, K-quant types)
     reg = [bool(LANES["reg"]) and w.qtype in quant_gemv_reg.TYPES and x.dtype == torch.bfloat16 and
-           x.device.type == "cuda" and quant_gemv_reg.available() for w in (gate_up, down)]
+           quant_gemv_reg.runs_on(x.device) for w in (gate_up, down)]
     mma = [int(LANES["mma"]) if w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 and not r else 0
            for w, r in zip((gate_up, down), reg)]
     rows = [0 if mma[0] or reg[0] else gemv_rows(x, gate_up.qtype), 0 if mma[1] or reg[1] else gemv_rows(h, down.qtype)]

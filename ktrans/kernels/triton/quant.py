@@ -297,7 +297,7 @@ def gemv_reg(x: torch.Tensor, qtype: str) -> bool:
     """Whether the one-row GEMV of activation rows x takes the register tensor-core body (quant_gemv_reg): GEMV["reg"]
     on, a type it covers, bf16 x on a GPU where Gluon compiles."""
     return bool(GEMV["reg"]) and qtype in quant_gemv_reg.TYPES and x.dtype == torch.bfloat16 and \
-        x.device.type == "cuda" and quant_gemv_reg.available()
+        quant_gemv_reg.runs_on(x.device)
 
 
 def _reg_launch(x, out, w, wb, split) -> None:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.quant_gemv import _q6_asm
 
@@ -51,6 +53,16 @@ TYPES = ("Q4_K", "Q6_K")
 def available() -> bool:
     """Whether this body can run here: Gluon imports and Triton compiles for a GPU (not its interpreter)."""
     return _GLUON and not interpreting()
+
+
+def runs_on(device: torch.device) -> bool:
+    """available() and `device` a CUDA GPU with bf16 mma.sync (compute capability 8.0 and newer)."""
+    return device.type == "cuda" and available() and _capability(device.index) >= 8
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _q4_asm() -> str:
