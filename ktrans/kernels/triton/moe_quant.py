@@ -60,7 +60,9 @@ _PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
 _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 # reg: gate/up and down through the register tensor-core body (quant_gemv_reg.moe_reg_kernel, Gluon; Q4_K and Q6_K,
 # bf16 x; a launch of another type keeps the lanes kernel), reg_bn rows and reg_warps warps a program, reg_per_sm
-# programs wanted an SM for gate/up's K split. KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM]]].
+# programs wanted an SM for gate/up's K split. KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM]]]. Off until the whole
+# model is checked under it on a GPU and B=4 and B=64 are timed: on the H100 (session 33, moe_sweep, one 80B layer)
+# B=16 140.6 us (128 rows) and 147.8 (64 rows) against the lanes kernel's 184.4, B=1 24.7 (64 rows) against 25.2.
 _REG = env_ints("KTRANS_MOE_LANES_REG", [0, 128, 4, 2])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)

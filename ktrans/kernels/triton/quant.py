@@ -227,7 +227,11 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # reg_per_sm programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's
 # arithmetic; reg_bn6: Q6_K's rows a program (its 16 accumulator columns and high-bit words spill at 256 rows and 4
 # warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128). KTRANS_GEMV_REG=ON[,BN[,WARPS[,
-# PER_SM[,BN6]]]] sets them (ON 1 or 2).
+# PER_SM[,BN6]]]] sets them (ON 1 or 2). Off: on the H100 (session 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at
+# best (128 rows, 2 an SM) against the lane-group body's 89.3: in_proj_qkvz 15.6 against 17.2 and q_proj 13.1
+# against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7 against 101.4. ~2.3 instructions a weight and no
+# shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency (one super-block of loads in flight a thread, a
+# chain of 16 dependent mma a super-block), not its issue slots, sets its pace.
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
