@@ -109,14 +109,14 @@ MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16"
 fn = quant_gemv_reg.gemv_reg_kernel
 aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr", "N"]
 out = []
-for qt, cc, warps, reps, fused in json.loads(sys.argv[1]):
+for qt, cc, warps, reps, fused, ch in json.loads(sys.argv[1]):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
            "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*i8" if qt == 2 else "*u8", "N": "i32", "NSB": "i32",
            "SB_PER": "i32", "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32",
            "b_d": "i32", "b_sc": "i32"}
     mma, la, lb, lw = quant_gemv_reg.layouts(warps, reps)
     consts = {"QT": qt, "FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90, "W": warps, "R": reps, "MMA": mma,
-              "LA": la, "LB": lb, "LW": lw, "PF": bool(fused)}
+              "LA": la, "LB": lb, "LW": lw, "PF": bool(fused), "CH": ch}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -133,7 +133,7 @@ for qt, gated in ((0, True), (0, False), (2, True), (2, False)):
                "E_X", "x_lo", "x_hi", "x_d", "x_sc")}}
     mma, la, lb, lw = quant_gemv_reg.layouts(4, 2)
     consts = {"QT": qt, "GATED": gated, "SPLIT": 2, "HAS_X": True, "PDL": True, "W": 4, "R": 2, "MMA": mma,
-              "LA": la, "LB": lb, "LW": lw}
+              "LA": la, "LB": lb, "LW": lw, "CH": 2 if gated else 1}
     src = GluonASTSource(mfn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(mfn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(mfn.arg_names.index(n),): [["tt.divisibility", 16]] for n in maligned})
@@ -155,15 +155,15 @@ def test_compiles_in_registers():
     import subprocess
     import sys
 
-    cases = [[qt, cc, warps, reps, fused] for qt in (0, 2) for cc in (80, 90) for warps, reps in ((4, 1), (4, 4))
-             for fused in (0, 1)] + [[0, 90, 8, 2, 1]]
+    cases = [[qt, cc, warps, reps, fused, 1] for qt in (0, 2) for cc in (80, 90) for warps, reps in ((4, 1), (4, 4))
+             for fused in (0, 1)] + [[0, 90, 8, 2, 1, 1], [0, 80, 4, 2, 1, 2], [2, 90, 4, 2, 0, 2]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
     assert len(got) == len(cases) + 4
-    for case, g in zip(cases + [[0, 90, 4, 2, 1]] * 4, got):  # then the MoE kernel's four: gated or not, two types
+    for case, g in zip(cases + [[0, 90, 4, 2, 1, 1]] * 4, got):  # then the MoE kernel's four: gated or not, two types
         assert g["shared"] <= (16 if case[4] else 0), (case, g)
         assert g["mma"] > 0, case
 
@@ -185,12 +185,13 @@ def reg(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
-@pytest.mark.parametrize("bn,warps,on", ((256, 4, 1), (64, 4, 1), (128, 8, 1), (64, 2, 1), (256, 4, 2), (64, 4, 2)))
-def test_reg_gemv_matches_reference(qtype, bn, warps, on, reg):
+@pytest.mark.parametrize("bn,warps,on,chains", ((256, 4, 1, 1), (64, 4, 1, 1), (128, 8, 1, 1), (64, 2, 1, 1),
+                                               (256, 4, 2, 1), (64, 4, 2, 1), (128, 4, 1, 2)))
+def test_reg_gemv_matches_reference(qtype, bn, warps, on, chains, reg):
     """Every split of three super-blocks, within the bf16 output's rounding of the reference, with the code words
-    loaded ahead (on = 2) or not."""
+    loaded ahead (on = 2) or not, each dot as one mma chain or two."""
     dev = torch.device("cuda")
-    reg.GEMV.update(reg=on, reg_bn=bn, reg_bn6=bn, reg_warps=warps)
+    reg.GEMV.update(reg=on, reg_bn=bn, reg_bn6=bn, reg_warps=warps, reg_chains=chains)
     n, k = 200, 768
     w = _weight(qtype, n, k, dev, seed=5)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(dev)
@@ -251,9 +252,10 @@ def test_reg_moe_lanes_path(t, down_type, monkeypatch):
     ids[0, 1] = -1
     x = (torch.randn(t, 3 * 256, generator=torch.Generator().manual_seed(t)) * 0.05).to(torch.bfloat16).to(dev)
     ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
-    for split in (None, 1, 3):
+    for split, chains in ((None, 1), (1, 1), (3, 1), (None, 2)):
         monkeypatch.setitem(mq.LANES, "split", split)
+        monkeypatch.setitem(mq.LANES, "reg_chains", chains)
         y = mq.moe_quant(x, ids, weights, gate_up, down)
-        assert _err(y, ref) < 1e-2, (t, down_type, split)
+        assert _err(y, ref) < 1e-2, (t, down_type, split, chains)
     mq.LANES["reg"] = 0
     assert _err(y, mq.moe_quant(x, ids, weights, gate_up, down).double().cpu()) < 1e-2

@@ -226,20 +226,21 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # Gluon; Q4_K and Q6_K with bf16 x), reg_bn rows a program (16 reg_warps times a power of two), reg_warps warps,
 # reg_per_sm programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's
 # arithmetic; reg_bn6: Q6_K's rows a program (its 16 accumulator columns and high-bit words spill at 256 rows and 4
-# warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128). KTRANS_GEMV_REG=ON[,BN[,WARPS[,
-# PER_SM[,BN6]]]] sets them (ON 1 or 2). Off: on the H100 (session 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at
+# warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128); reg_chains: each super-block's dot
+# as that many independent mma chains (1 or 2; untimed). KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS]]]]] sets
+# them (ON 1 or 2). Off: on the H100 (session 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at
 # best (128 rows, 2 an SM) against the lane-group body's 89.3: in_proj_qkvz 15.6 against 17.2 and q_proj 13.1
 # against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7 against 101.4. ~2.3 instructions a weight and no
 # shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency (one super-block of loads in flight a thread, a
 # chain of 16 dependent mma a super-block), not its issue slots, sets its pace.
-_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128])
+_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
         "mma": _MMA_ENV[0], "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
         "mma_pipe": _MMA_ENV[4], "reg": _REG_ENV[0], "reg_bn": _REG_ENV[1], "reg_warps": _REG_ENV[2],
-        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4]}
+        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4], "reg_chains": _REG_ENV[5]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -328,7 +329,8 @@ def _reg_launch(x, out, w, wb, split) -> None:
     quant_gemv_reg.gemv_reg_kernel[(tiles_a + tiles_b, split)](
         x, out, part, counters(x.device), *planes, w.n, nsb, sb_per, split, tiles_a,
         wb.n if wb is not None else 0, *offs, QT=QT_CODE[w.qtype], FUSED_SUM=split > 1, HAS_B=wb is not None, W=warps,
-        R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw, PF=GEMV["reg"] == 2, num_warps=warps, **launch())
+        R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw, PF=GEMV["reg"] == 2, CH=GEMV["reg_chains"], num_warps=warps,
+        **launch())
 
 
 def tiles(m: int, rows: int = 0, mma: int = 0) -> tuple[int, int, int, int]:

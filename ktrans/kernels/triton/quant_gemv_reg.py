@@ -140,6 +140,23 @@ if _GLUON:
         return gl.convert_layout(gl.reshape(f, [BM, 256]), LA, assert_trivial=True)
 
     @gluon.jit
+    def _dot(a, b, NC: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, CH: gl.constexpr):
+        """a [M, 256] @ b [256, NC] in fp32 (from zero). CH = 2: as two independent chains of 8 mma over K's halves
+        (column bit 7, a register bit of both operands: the split moves no data), summed after; CH = 1: one chain
+        of 16."""
+        M: gl.constexpr = a.shape[0]
+        z = gl.zeros([M, NC], gl.float32, layout=MMA)
+        if CH == 2:
+            a0, a1 = gl.split(gl.permute(gl.reshape(a, [M, 2, 128]), (0, 2, 1)))
+            b0, b1 = gl.split(gl.permute(gl.reshape(b, [2, 128, NC]), (1, 2, 0)))
+            p = mma_v2(gl.convert_layout(a0, LA, assert_trivial=True), gl.convert_layout(b0, LB, assert_trivial=True),
+                       z)
+            q = mma_v2(gl.convert_layout(a1, LA, assert_trivial=True), gl.convert_layout(b1, LB, assert_trivial=True),
+                       z)
+            return p + q
+        return mma_v2(a, b, z)
+
+    @gluon.jit
     def _scaled(acc, p, xs, d_ptr, sc_ptr, row, cmask, c_c, QT: gl.constexpr):
         """acc [BM, NC] += one super-block's sub-block sums p (of the codes times x) and xs (of x) scaled by the rows'
         scales: ggml's d sc q - dmin m summed over a sub-block is 128 d sc (P - X) - dmin m X (Q4_K), d sc (q6 - 32)
@@ -156,13 +173,14 @@ if _GLUON:
     @gluon.jit
     def row_sums(x_row, lo_ptr, hi_ptr, d_ptr, sc_ptr, NR, row0, n_valid, OFF2, sb0, sb1, QT: gl.constexpr,
                  W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-                 LW: gl.constexpr, PF: gl.constexpr, TWO: gl.constexpr):
+                 LW: gl.constexpr, PF: gl.constexpr, TWO: gl.constexpr, CH: gl.constexpr = 1):
         """(y, y2, rows, mask): rows row0.. (BM of them, those < n_valid real) of a matrix whose planes hold NR rows
         a super-block, times the bf16 activation row x_row, over super-blocks sb0..sb1-1, fp32 [BM] in
         SliceLayout(1, MMA); with TWO also rows row0 + OFF2.. (y2; else y2 is y), which share x's operand (the MoE's
         gate and up). PF: the next super-block's code words loaded before the current one's arithmetic (one matrix
-        only). Q6_K has 16 sub-blocks of 16: 16 accumulator columns, words 16.. (threads a = 2, 3) hold sub-blocks
-        8..15, and a word's high bits are those of high-bit word (8 a + m) % 16 at bits 16 (a // 2) + 2s."""
+        only). CH: each dot as CH independent mma chains (_dot). Q6_K has 16 sub-blocks of 16: 16 accumulator
+        columns, words 16.. (threads a = 2, 3) hold sub-blocks 8..15, and a word's high bits are those of high-bit
+        word (8 a + m) % 16 at bits 16 (a // 2) + 2s."""
         BM: gl.constexpr = 16 * W * R
         NC: gl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block, the accumulator's columns
         SPAN: gl.constexpr = 256 // NC  # weights a sub-block
@@ -207,8 +225,8 @@ if _GLUON:
             if PF:
                 words = nxt
             xb = gl.load(x_row + sb * 256 + xoff, mask=xmask, other=0.0)
-            p = mma_v2(f, xb, gl.zeros([BM, NC], gl.float32, layout=MMA))
-            xs = mma_v2(ones, xb, gl.zeros([16 * W, NC], gl.float32, layout=MMA))
+            p = _dot(f, xb, NC, MMA, LA, LB, CH)
+            xs = _dot(ones, xb, NC, MMA, LA, LB, CH)
             if R >= 2:
                 xs = _dup_rows(xs)
             if R >= 4:
@@ -222,7 +240,7 @@ if _GLUON:
                 hi2 = words2
                 if QT == 2:
                     hi2 = gl.load(hi_ptr + sb * NR * 16 + OFF2 * 16 + hoff, mask=wmask, other=0) >> hshift
-                p2 = mma_v2(_codes(words2, hi2, BM, LA, QT), xb, gl.zeros([BM, NC], gl.float32, layout=MMA))
+                p2 = _dot(_codes(words2, hi2, BM, LA, QT), xb, NC, MMA, LA, LB, CH)
                 acc2 = _scaled(acc2, p2, xs, d_ptr, sc_ptr, sb * NR + OFF2 + n_c, cmask, c_c, QT)
         y = gl.sum(acc, axis=1)
         y2 = y
@@ -234,7 +252,8 @@ if _GLUON:
     def gemv_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, NSB, SB_PER, SPLIT,
                         TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: gl.constexpr, FUSED_SUM: gl.constexpr,
                         HAS_B: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr,
-                        LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, PF: gl.constexpr = False):
+                        LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, PF: gl.constexpr = False,
+                        CH: gl.constexpr = 1):
         """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER.. (row_sums); the arguments as
         quant_gemv.gemv_kernel's (QT 0 Q4_K, 2 Q6_K; sc_ptr the scale plane's bytes; HAS_B a second matrix of the
         same width in the same launch)."""
@@ -255,7 +274,7 @@ if _GLUON:
         _enter(PDL)
         sb0 = pid_k * SB_PER
         y, _, n_c, cmask = row_sums(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, tile * BM, N, 0, sb0,
-                                    gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, PF, False)
+                                    gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, PF, False, CH)
         if SPLIT == 1:
             gl.store(out_ptr + n_c, y.to(out_ptr.dtype.element_ty), mask=cmask)
         else:
@@ -274,7 +293,7 @@ if _GLUON:
                        s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                        QT: gl.constexpr, GATED: gl.constexpr, SPLIT: gl.constexpr, HAS_X: gl.constexpr,
                        PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
-                       LB: gl.constexpr, LW: gl.constexpr):
+                       LB: gl.constexpr, LW: gl.constexpr, CH: gl.constexpr = 1):
         """moe_quant._moe_lanes_kernel with row_sums for its row dots (the MoE's few-token path; the arguments as
         its, but sc_ptr the scale plane's bytes and s_sc in bytes): pair pid_p (token pid_p // X_DIV, expert
         ids[pid_p], skipped when negative) times output rows pid_n * BM... GATED: gate and up (rows n and N + n
@@ -303,7 +322,7 @@ if _GLUON:
                 sb0 = pid_k * SB_PER
                 gate, up, _, _ = row_sums(x_ptr + (pid_p // X_DIV) * stride_x, lo, hi, d, sc, N_ROWS, pid_n * BM, N,
                                           N, sb0, gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, False,
-                                          True)
+                                          True, CH)
                 if SPLIT == 1:
                     h = gate / (1.0 + gl.exp(-gate)) * up
                     gl.store(out_ptr + pid_p * stride_o + n_c, h.to(out_ptr.dtype.element_ty), mask=mask)
@@ -327,7 +346,7 @@ if _GLUON:
             acc = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
             if e >= 0:
                 acc, _, _, _ = row_sums(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, pid_n * BM, N, 0, 0, NSB, QT,
-                                        W, R, MMA, LA, LB, LW, False, False)
+                                        W, R, MMA, LA, LB, LW, False, False, CH)
                 acc = acc * gl.load(rw_ptr + pid_p).to(gl.float32)
             gl.store(part_ptr + pid_p * N + n_c, acc, mask=mask)
             _barrier()
