@@ -168,11 +168,12 @@ def test_compiles_in_registers():
         assert g["mma"] > 0, case
 
 
-def test_layouts_reject_non_powers_of_two():
+def test_layouts_reject_what_row_sums_cannot_tile():
     if not quant_gemv_reg._GLUON:
         pytest.skip("this Triton has no Gluon")
-    with pytest.raises(ValueError, match="powers of two"):
-        quant_gemv_reg.layouts(3, 1)
+    for warps, reps in ((3, 1), (4, 3), (4, 16)):
+        with pytest.raises(ValueError, match="powers of two"):
+            quant_gemv_reg.layouts(warps, reps)
 
 
 @pytest.fixture
@@ -259,3 +260,33 @@ def test_reg_moe_lanes_path(t, down_type, monkeypatch):
         assert _err(y, ref) < 1e-2, (t, down_type, split, chains)
     mq.LANES["reg"] = 0
     assert _err(y, mq.moe_quant(x, ids, weights, gate_up, down).double().cpu()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_reg_moe_with_an_extra_expert(monkeypatch):
+    """The shared expert as one more pair a token (id E, its planes reached by offset from the routed stack's, HAS_X)
+    through the register kernel, with bf16 x: routed + weight * shared (float64 references) within the bf16 output's
+    1e-2, with a skipped slot."""
+    from ktrans.kernels.torch.moe import moe_experts
+    from ktrans.kernels.torch.quant import dequantize_packed
+    from ktrans.kernels.triton import moe_quant as mq
+    from ktrans.kernels.triton.quant_layout import as_stack, concat_rows
+    from tests.kernels.test_moe_quant import E, H, I, _err, _layer, _routing, _stack
+
+    dev = torch.device("cuda")
+    monkeypatch.setitem(mq.LANES, "on", True)
+    monkeypatch.setitem(mq.LANES, "reg", 1)
+    t = 3
+    gate_up, down, (g, u, d) = _layer(dev, "Q6_K")
+    sg, su, sd = _stack("Q4_K", I, H, 300, dev), _stack("Q4_K", I, H, 400, dev), _stack("Q6_K", H, I, 500, dev)
+    extra = (as_stack(concat_rows([sg, su]).expert(2)), as_stack(sd.expert(2)))
+    ref_sh = [dequantize_packed(w.to("cpu")).double()[2:3] for w in (sg, su, sd)]
+    ids, weights = _routing(t, dev, seed=12)
+    ids[0, 1] = -1
+    gate_w = torch.rand(t, 1, device=dev)
+    x = (torch.randn(t, H, generator=torch.Generator().manual_seed(4)) * 0.05).to(torch.bfloat16).to(dev)
+    ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d) + moe_experts(
+        x.cpu().double(), torch.zeros(t, 1, dtype=torch.int64), gate_w.cpu().double(), *ref_sh)
+    ids_x = torch.cat([ids, torch.full((t, 1), E, device=dev, dtype=ids.dtype)], 1)
+    y = mq.moe_quant(x, ids_x, torch.cat([weights, gate_w], 1), gate_up, down, extra=extra)
+    assert y.shape == (t, H) and _err(y, ref) < 1e-2

@@ -214,6 +214,8 @@ def _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per,
     warps = LANES["reg_warps"]
     if bn % (16 * warps):
         raise ValueError(f"KTRANS_MOE_LANES_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
+    if w.n * (w.k // QK) * 32 >= 2 ** 31:  # row_sums' plane offsets within an expert are int32
+        raise ValueError(f"moe_quant: an expert's [{w.n}, {w.k}] overflows the register kernel's int32 offsets")
     mma, la, lb, lw = quant_gemv_reg.layouts(warps, bn // (16 * warps))
     planes = plane_args(w)
     offs = plane_offsets(planes, plane_args(extra[j])) if extra is not None else [0, 0, 0, 0]
@@ -261,6 +263,10 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     for j, (w, src, dst, n, x_div, grid_k, gated) in enumerate(((gate_up, x, h, inter, k, split, True),
                                                                (down, h, out, hidden, k, 1, False))):
+        if reg[j]:
+            _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per, gated, gate_up.experts,
+                        extra, bns[j])
+            continue
         lo, hi, d, _ = plane_args(w)
         planes = (lo, hi, d, _scale_words(w))
         offs = [0, 0, 0, 0]
@@ -268,10 +274,6 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
             xw = extra[j]
             xlo, xhi, xd, _ = plane_args(xw)
             offs = plane_offsets(planes, (xlo, xhi, xd, _scale_words(xw)))
-        if reg[j]:
-            _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per, gated, gate_up.experts,
-                        extra, bns[j])
-            continue
         _moe_lanes_kernel[(p, triton.cdiv(n, bns[j]), grid_k)](
             src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK,
             sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), gate_up.experts, *offs, QT=QT_CODE[w.qtype],

@@ -308,7 +308,7 @@ def gemv_reg(x: torch.Tensor, qtype: str) -> bool:
 def _reg_launch(x, out, w, wb, split) -> None:
     """quant_gemv_reg's launch for x [1, K] times w (and wb, of the same type and width, its rows after w's in
     `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
-    row tile's last program."""
+    row tile's last program (always: GEMV["fused_sum"] selects between the lane-group body's two sums only)."""
     warps, bn = GEMV["reg_warps"], GEMV["reg_bn6"] if w.qtype == "Q6_K" else GEMV["reg_bn"]
     if bn % (16 * warps):
         raise ValueError(f"KTRANS_GEMV_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
@@ -316,12 +316,14 @@ def _reg_launch(x, out, w, wb, split) -> None:
     nsb = w.k // QK
     tiles_a = triton.cdiv(w.n, bn)
     tiles_b = triton.cdiv(wb.n, bn) if wb is not None else 0
-    if (w.n + (wb.n if wb is not None else 0)) * nsb * 32 >= 2 ** 31 or tiles_a + tiles_b > _MAX_TILES:
-        raise ValueError(f"quant_gemv_reg: [{w.n}, {w.k}] overflows its int32 offsets or its split-sum counts")
+    if (w.n + (wb.n if wb is not None else 0)) * nsb * 32 >= 2 ** 31:
+        raise ValueError(f"quant_gemv_reg: [{w.n}, {w.k}] overflows its int32 offsets")
     if split is None:
         split = max(1, min(nsb, triton.cdiv(GEMV["reg_per_sm"] * _sms(x.device), tiles_a + tiles_b)))
     sb_per = triton.cdiv(nsb, split)
     split = triton.cdiv(nsb, sb_per)
+    if split > 1 and tiles_a + tiles_b > _MAX_TILES:  # more row tiles than split-sum counts: whole K a program
+        split, sb_per = 1, nsb
     n_all = w.n + (wb.n if wb is not None else 0)
     part = torch.empty(split * n_all if split > 1 else 1, dtype=torch.float32, device=x.device)
     planes = plane_args(w)

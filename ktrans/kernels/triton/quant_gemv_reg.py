@@ -57,11 +57,13 @@ def available() -> bool:
 
 def runs_on(device: torch.device) -> bool:
     """available() and `device` a CUDA GPU with bf16 mma.sync (compute capability 8.0 and newer)."""
-    return device.type == "cuda" and available() and _capability(device.index) >= 8
+    if device.type != "cuda" or not available():
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= 8
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> int:
+def _capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
@@ -89,8 +91,9 @@ if _GLUON:
         """(MMA, A, B, WORDS) for `warps` warps stacked down the rows, `reps` 16-row tiles a warp (BM = 16 warps reps
         rows a program): the accumulator's mma.m16n8k16 layout, its two operands', and the code words' [BM, 4, 8]
         (word 8 a + m of each row) from which the dequantization gives the A operand with no data movement."""
-        if warps & (warps - 1) or reps & (reps - 1):
-            raise ValueError(f"quant_gemv_reg: warps ({warps}) and row tiles a warp ({reps}) must be powers of two")
+        if warps & (warps - 1) or reps & (reps - 1) or not 1 <= reps <= 8:
+            raise ValueError(f"quant_gemv_reg: warps ({warps}) and row tiles a warp ({reps}, at most 8) must be "
+                             "powers of two")
         mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
         a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
