@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting, quant_gemv_reg
 from ktrans.kernels.triton.pdl import enter, launch
+from ktrans.kernels.triton.planes import expert_planes
 from ktrans.kernels.triton.quant import (_MAX_TILES, GEMV, MAXNREG_TYPES, MMA_TYPES, QT_CODE, _scale_words, _sms,
                                          counters, env_ints, gemv_rows, pipe_per_sm, plane_args, plane_offsets,
                                          superblock_dot, tiles)
@@ -133,15 +134,8 @@ def _moe_lanes_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr
     e = tl.load(ids_ptr + pid_p)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mask_n = offs_n < N
-    e64 = tl.maximum(e, 0).to(tl.int64)
-    o_lo, o_hi, o_d, o_sc = e64 * s_lo, e64 * s_hi, e64 * s_d, e64 * s_sc
-    if HAS_X:
-        is_x = e == E_X
-        o_lo = tl.where(is_x, x_lo, o_lo)
-        o_hi = tl.where(is_x, x_hi, o_hi)
-        o_d = tl.where(is_x, x_d, o_d)
-        o_sc = tl.where(is_x, x_sc, o_sc)
-    lo, hi, d, sc = lo_ptr + o_lo, hi_ptr + o_hi, d_ptr + o_d, sc_ptr + o_sc
+    lo, hi, d, sc = expert_planes(e, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc, E_X, x_lo, x_hi, x_d, x_sc,
+                                  HAS_X)
     if GATED:
         if e >= 0:
             x_row = x_ptr + (pid_p // X_DIV) * stride_x
@@ -212,18 +206,15 @@ def _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per,
     """Launch j of the lanes path (0 gate/up, 1 down) by quant_gemv_reg.moe_reg_kernel: the planes as plane_args
     gives them (the scale plane as bytes), their expert strides and the extra expert's offsets in elements."""
     warps = LANES["reg_warps"]
-    if bn % (16 * warps):
-        raise ValueError(f"KTRANS_MOE_LANES_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
+    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps)
     if w.n * (w.k // QK) * 32 >= 2 ** 31:  # row_sums' plane offsets within an expert are int32
         raise ValueError(f"moe_quant: an expert's [{w.n}, {w.k}] overflows the register kernel's int32 offsets")
-    mma, la, lb, lw = quant_gemv_reg.layouts(warps, bn // (16 * warps))
     planes = plane_args(w)
     offs = plane_offsets(planes, plane_args(extra[j])) if extra is not None else [0, 0, 0, 0]
     quant_gemv_reg.moe_reg_kernel[(p, triton.cdiv(n, bn), grid_k)](
         src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK,
         sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), e_x, *offs, QT=QT_CODE[w.qtype], GATED=gated,
-        SPLIT=grid_k, HAS_X=extra is not None, W=warps, R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw,
-        CH=LANES["reg_chains"], num_warps=warps, **launch())
+        SPLIT=grid_k, HAS_X=extra is not None, CH=LANES["reg_chains"], num_warps=warps, **consts, **launch())
 
 
 def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: PackedWeight,
@@ -238,8 +229,7 @@ def _lanes(x: torch.Tensor, ids: torch.Tensor, rw: torch.Tensor, gate_up: Packed
     h = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     # per launch: the tensor-core row_dot (LANES["mma"]; bf16 x, MMA_TYPES), the lane-group one (rows 0) or the
     # row-owning one (GEMV["rows"]; bf16 x, K-quant types)
-    reg = [bool(LANES["reg"]) and w.qtype in quant_gemv_reg.TYPES and x.dtype == torch.bfloat16 and
-           quant_gemv_reg.runs_on(x.device) for w in (gate_up, down)]
+    reg = [bool(LANES["reg"]) and quant_gemv_reg.applies(x, w.qtype) for w in (gate_up, down)]
     mma = [int(LANES["mma"]) if w.qtype in MMA_TYPES and x.dtype == torch.bfloat16 and not r else 0
            for w, r in zip((gate_up, down), reg)]
     rows = [0 if mma[0] or reg[0] else gemv_rows(x, gate_up.qtype), 0 if mma[1] or reg[1] else gemv_rows(h, down.qtype)]

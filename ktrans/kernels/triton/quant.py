@@ -301,8 +301,7 @@ def gemv_mma(x: torch.Tensor, qtype: str) -> int:
 def gemv_reg(x: torch.Tensor, qtype: str) -> bool:
     """Whether the one-row GEMV of activation rows x takes the register tensor-core body (quant_gemv_reg): GEMV["reg"]
     on, a type it covers, bf16 x on a GPU where Gluon compiles."""
-    return bool(GEMV["reg"]) and qtype in quant_gemv_reg.TYPES and x.dtype == torch.bfloat16 and \
-        quant_gemv_reg.runs_on(x.device)
+    return bool(GEMV["reg"]) and quant_gemv_reg.applies(x, qtype)
 
 
 def _reg_launch(x, out, w, wb, split) -> None:
@@ -310,13 +309,12 @@ def _reg_launch(x, out, w, wb, split) -> None:
     `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
     row tile's last program (always: GEMV["fused_sum"] selects between the lane-group body's two sums only)."""
     warps, bn = GEMV["reg_warps"], GEMV["reg_bn6"] if w.qtype == "Q6_K" else GEMV["reg_bn"]
-    if bn % (16 * warps):
-        raise ValueError(f"KTRANS_GEMV_REG: {bn} rows a program is not a multiple of 16 x {warps} warps")
-    mma, la, lb, lw = quant_gemv_reg.layouts(warps, bn // (16 * warps))
+    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps)
     nsb = w.k // QK
     tiles_a = triton.cdiv(w.n, bn)
     tiles_b = triton.cdiv(wb.n, bn) if wb is not None else 0
-    if (w.n + (wb.n if wb is not None else 0)) * nsb * 32 >= 2 ** 31:
+    n_all = w.n + (wb.n if wb is not None else 0)
+    if n_all * nsb * 32 >= 2 ** 31:
         raise ValueError(f"quant_gemv_reg: [{w.n}, {w.k}] overflows its int32 offsets")
     if split is None:
         split = max(1, min(nsb, triton.cdiv(GEMV["reg_per_sm"] * _sms(x.device), tiles_a + tiles_b)))
@@ -324,15 +322,13 @@ def _reg_launch(x, out, w, wb, split) -> None:
     split = triton.cdiv(nsb, sb_per)
     if split > 1 and tiles_a + tiles_b > _MAX_TILES:  # more row tiles than split-sum counts: whole K a program
         split, sb_per = 1, nsb
-    n_all = w.n + (wb.n if wb is not None else 0)
     part = torch.empty(split * n_all if split > 1 else 1, dtype=torch.float32, device=x.device)
     planes = plane_args(w)
     offs = plane_offsets(planes, plane_args(wb)) if wb is not None else [0, 0, 0, 0]
     quant_gemv_reg.gemv_reg_kernel[(tiles_a + tiles_b, split)](
         x, out, part, counters(x.device), *planes, w.n, nsb, sb_per, split, tiles_a,
-        wb.n if wb is not None else 0, *offs, QT=QT_CODE[w.qtype], FUSED_SUM=split > 1, HAS_B=wb is not None, W=warps,
-        R=bn // (16 * warps), MMA=mma, LA=la, LB=lb, LW=lw, PF=GEMV["reg"] == 2, CH=GEMV["reg_chains"], num_warps=warps,
-        **launch())
+        wb.n if wb is not None else 0, *offs, QT=QT_CODE[w.qtype], FUSED_SUM=split > 1, HAS_B=wb is not None,
+        PF=GEMV["reg"] == 2, CH=GEMV["reg_chains"], num_warps=warps, **consts, **launch())
 
 
 def tiles(m: int, rows: int = 0, mma: int = 0) -> tuple[int, int, int, int]:

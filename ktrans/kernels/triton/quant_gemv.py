@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.pdl import enter
+from ktrans.kernels.triton.planes import second_matrix
 
 ONE_F32 = tl.constexpr(0x3F800000)  # the bits of 1.0f
 
@@ -499,15 +500,8 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     pid_k = tl.program_id(1)
     tile = pid_n
     if HAS_B:
-        is_b = pid_n >= TILES_A
-        tile = tl.where(is_b, pid_n - TILES_A, pid_n)
-        lo_ptr += tl.where(is_b, b_lo, 0)
-        hi_ptr += tl.where(is_b, b_hi, 0)
-        d_ptr += tl.where(is_b, b_d, 0)
-        sc_ptr += tl.where(is_b, b_sc, 0)
-        out_ptr += tl.where(is_b, N, 0)
-        part_ptr += tl.where(is_b, SPLIT * N, 0)
-        N = tl.where(is_b, N_B, N)
+        tile, lo_ptr, hi_ptr, d_ptr, sc_ptr, out_ptr, part_ptr, N = second_matrix(
+            pid_n, TILES_A, N, N_B, SPLIT, lo_ptr, hi_ptr, d_ptr, sc_ptr, out_ptr, part_ptr, b_lo, b_hi, b_d, b_sc)
     offs_n = tile * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     sb0 = pid_k * SB_PER

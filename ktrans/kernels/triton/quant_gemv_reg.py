@@ -37,6 +37,7 @@ import functools
 import torch
 
 from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.planes import expert_planes, second_matrix
 from ktrans.kernels.triton.quant_gemv import _q6_asm
 
 try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); without it this body is unavailable
@@ -53,6 +54,11 @@ TYPES = ("Q4_K", "Q6_K")
 def available() -> bool:
     """Whether this body can run here: Gluon imports and Triton compiles for a GPU (not its interpreter)."""
     return _GLUON and not interpreting()
+
+
+def applies(x: torch.Tensor, qtype: str) -> bool:
+    """Whether activations x times a matrix of `qtype` can take this body: a type it covers, bf16 x, and runs_on."""
+    return qtype in TYPES and x.dtype == torch.bfloat16 and runs_on(x.device)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -105,6 +111,14 @@ if _GLUON:
         warp = [[16 << i, 0, 0] for i in range(warps.bit_length() - 1)]
         words = gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps * reps, 4, 8])
         return mma, a, b, words
+
+    def tiling(flag: str, bn: int, warps: int) -> dict:
+        """The kernels' tiling constexprs (W, R and the layouts) for `bn` rows a program on `warps` warps; `flag`, the
+        setting they came from, names a tiling that does not divide into 16-row tiles a warp."""
+        if bn % (16 * warps):
+            raise ValueError(f"{flag}: {bn} rows a program is not a multiple of 16 x {warps} warps")
+        mma, la, lb, lw = layouts(warps, bn // (16 * warps))
+        return {"W": warps, "R": bn // (16 * warps), "MMA": mma, "LA": la, "LB": lb, "LW": lw}
 
     @gluon.jit
     def _enter(PDL: gl.constexpr):
@@ -265,15 +279,9 @@ if _GLUON:
         pid_k = gl.program_id(1)
         tile = pid_n
         if HAS_B:
-            is_b = pid_n >= TILES_A
-            tile = gl.where(is_b, pid_n - TILES_A, pid_n)
-            lo_ptr += gl.where(is_b, b_lo, 0)
-            hi_ptr += gl.where(is_b, b_hi, 0)
-            d_ptr += gl.where(is_b, b_d, 0)
-            sc_ptr += gl.where(is_b, b_sc, 0)
-            out_ptr += gl.where(is_b, N, 0)
-            part_ptr += gl.where(is_b, SPLIT * N, 0)
-            N = gl.where(is_b, N_B, N)
+            tile, lo_ptr, hi_ptr, d_ptr, sc_ptr, out_ptr, part_ptr, N = second_matrix(
+                pid_n, TILES_A, N, N_B, SPLIT, lo_ptr, hi_ptr, d_ptr, sc_ptr, out_ptr, part_ptr, b_lo, b_hi, b_d,
+                b_sc)
         _enter(PDL)
         sb0 = pid_k * SB_PER
         y, _, n_c, cmask = row_sums(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, tile * BM, N, 0, sb0,
@@ -309,15 +317,8 @@ if _GLUON:
         pid_n = gl.program_id(1)
         pid_k = gl.program_id(2)
         e = gl.load(ids_ptr + pid_p)
-        e64 = gl.maximum(e, 0).to(gl.int64)
-        o_lo, o_hi, o_d, o_sc = e64 * s_lo, e64 * s_hi, e64 * s_d, e64 * s_sc
-        if HAS_X:
-            is_x = e == E_X
-            o_lo = gl.where(is_x, x_lo, o_lo)
-            o_hi = gl.where(is_x, x_hi, o_hi)
-            o_d = gl.where(is_x, x_d, o_d)
-            o_sc = gl.where(is_x, x_sc, o_sc)
-        lo, hi, d, sc = lo_ptr + o_lo, hi_ptr + o_hi, d_ptr + o_d, sc_ptr + o_sc
+        lo, hi, d, sc = expert_planes(e, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc, E_X, x_lo, x_hi, x_d,
+                                      x_sc, HAS_X)
         n_c = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
         mask = n_c < N
         if GATED:
