@@ -61,16 +61,18 @@ _PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
 _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 # reg: gate/up and down through the register tensor-core body (quant_gemv_reg.moe_reg_kernel, Gluon; Q4_K and Q6_K,
 # bf16 x; a launch of another type keeps the lanes kernel), reg_bn rows and reg_warps warps a program, reg_per_sm
-# programs wanted an SM for gate/up's K split, reg_chains its dots' independent mma chains (quant.GEMV's, untimed).
-# KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM[,CHAINS]]]]. Off until the whole
+# programs wanted an SM for gate/up's K split, reg_chains its dots' independent mma chains (quant.GEMV's, untimed),
+# reg_stages a Q4_K launch's shared ring of super-blocks (quant.GEMV's; 0 none, 2 or 4; untimed).
+# KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM[,CHAINS[,STAGES]]]]]. Off until the whole
 # model is checked under it on a GPU and B=4 and B=64 are timed: on the H100 (session 33, moe_sweep, one 80B layer)
 # B=16 140.6 us (128 rows) and 147.8 (64 rows) against the lanes kernel's 184.4, B=1 24.7 (64 rows) against 25.2.
-_REG = env_ints("KTRANS_MOE_LANES_REG", [0, 128, 4, 2, 1])
+_REG = env_ints("KTRANS_MOE_LANES_REG", [0, 128, 4, 2, 1, 0])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
          "one_loop": bool(_PIPE[2]), "mma": _MMA[0], "mma_bn": _MMA[1], "mma_per_sm": _MMA[2],
-         "reg": _REG[0], "reg_bn": _REG[1], "reg_warps": _REG[2], "reg_per_sm": _REG[3], "reg_chains": _REG[4]}
+         "reg": _REG[0], "reg_bn": _REG[1], "reg_warps": _REG[2], "reg_per_sm": _REG[3], "reg_chains": _REG[4],
+         "reg_stages": _REG[5]}
 
 
 @triton.jit
@@ -206,13 +208,16 @@ def _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per,
     """Launch j of the lanes path (0 gate/up, 1 down) by quant_gemv_reg.moe_reg_kernel: the planes as plane_args
     gives them (the scale plane as bytes), their expert strides and the extra expert's offsets in elements."""
     warps = LANES["reg_warps"]
-    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps)
     if w.n * (w.k // QK) * 32 >= 2 ** 31:  # row_sums' plane offsets within an expert are int32
         raise ValueError(f"moe_quant: an expert's [{w.n}, {w.k}] overflows the register kernel's int32 offsets")
     planes = plane_args(w)
+    strides = _expert_strides(planes)
+    # the shared ring (Q4_K) copies the planes 16, 8 and 4 bytes at a time: experts 16-byte steps apart
+    ring = all(s * t.element_size() % 16 == 0 for s, t in zip(strides, planes)) and w.qtype == "Q4_K"
+    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps, LANES["reg_stages"] if ring else 0)
     offs = plane_offsets(planes, plane_args(extra[j])) if extra is not None else [0, 0, 0, 0]
     quant_gemv_reg.moe_reg_kernel[(p, triton.cdiv(n, bn), grid_k)](
-        src, dst, part, cnt, ids, rw, *planes, *_expert_strides(planes), p, n, w.n, w.k // QK,
+        src, dst, part, cnt, ids, rw, *planes, *strides, p, n, w.n, w.k // QK,
         sb_per if gated else 1, x_div, src.stride(0), dst.stride(0), e_x, *offs, QT=QT_CODE[w.qtype], GATED=gated,
         SPLIT=grid_k, HAS_X=extra is not None, CH=LANES["reg_chains"], num_warps=warps, **consts, **launch())
 

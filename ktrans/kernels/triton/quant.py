@@ -227,20 +227,21 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # reg_per_sm programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's
 # arithmetic; reg_bn6: Q6_K's rows a program (its 16 accumulator columns and high-bit words spill at 256 rows and 4
 # warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128); reg_chains: each super-block's dot
-# as that many independent mma chains (1 or 2; untimed). KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS]]]]] sets
-# them (ON 1 or 2). Off: on the H100 (session 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at
-# best (128 rows, 2 an SM) against the lane-group body's 89.3: in_proj_qkvz 15.6 against 17.2 and q_proj 13.1
-# against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7 against 101.4. ~2.3 instructions a weight and no
+# as that many independent mma chains (1 or 2; untimed); reg_stages: Q4_K's code words, scales and d through a shared
+# ring of that many super-blocks (2 or 4; 0: none) filled by cp.async ahead of the arithmetic (untimed).
+# KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS[,STAGES]]]]]] sets them (ON 1 or 2). Off: on the H100 (session
+# 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at best (128 rows, 2 an SM) against the lane-group body's 89.3:
+# in_proj_qkvz 15.6 against 17.2 and q_proj 13.1 against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7 against 101.4. ~2.3 instructions a weight and no
 # shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency (one super-block of loads in flight a thread, a
 # chain of 16 dependent mma a super-block), not its issue slots, sets its pace.
-_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1])
+_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1, 0])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
         "mma": _MMA_ENV[0], "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
         "mma_pipe": _MMA_ENV[4], "reg": _REG_ENV[0], "reg_bn": _REG_ENV[1], "reg_warps": _REG_ENV[2],
-        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4], "reg_chains": _REG_ENV[5]}
+        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4], "reg_chains": _REG_ENV[5], "reg_stages": _REG_ENV[6]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -309,7 +310,7 @@ def _reg_launch(x, out, w, wb, split) -> None:
     `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
     row tile's last program (always: GEMV["fused_sum"] selects between the lane-group body's two sums only)."""
     warps, bn = GEMV["reg_warps"], GEMV["reg_bn6"] if w.qtype == "Q6_K" else GEMV["reg_bn"]
-    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps)
+    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps, GEMV["reg_stages"] if w.qtype == "Q4_K" else 0)
     nsb = w.k // QK
     tiles_a = triton.cdiv(w.n, bn)
     tiles_b = triton.cdiv(wb.n, bn) if wb is not None else 0
@@ -403,14 +404,15 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
 
 def plane_offsets(planes, other) -> list[int]:
     """Each of `other`'s planes' offset from `planes`' (kernel arguments, as plane_args and _scale_words give
-    them), in the plane's elements: a kernel reaches a second matrix's planes from the first's pointers."""
+    them), in the plane's elements: a kernel reaches a second matrix's planes from the first's pointers. Each must
+    be a whole number of 16-byte steps (planes.step16; separate allocations always are)."""
     out = []
     for a, b in zip(planes, other):
         if a.dtype != b.dtype or a.device != b.device:
             raise ValueError("the second matrix's planes differ from the first's in dtype or device")
         diff = b.data_ptr() - a.data_ptr()
-        if diff % a.element_size():
-            raise ValueError("the second matrix's planes are not element-aligned with the first's")
+        if diff % 16:
+            raise ValueError(f"the second matrix's planes lie {diff} bytes from the first's: not a 16-byte step")
         out.append(diff // a.element_size())
     return out
 
