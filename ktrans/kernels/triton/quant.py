@@ -232,8 +232,9 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS[,STAGES]]]]]] sets them (ON 1 or 2). Off: on the H100 (session
 # 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at best (128 rows, 2 an SM) against the lane-group body's 89.3:
 # in_proj_qkvz 15.6 against 17.2 and q_proj 13.1 against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7
-# against 101.4. ~2.3 instructions a weight and no shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency (one super-block of loads in flight a thread, a
-# chain of 16 dependent mma a super-block), not its issue slots, sets its pace.
+# against 101.4. ~2.3 instructions a weight and no shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency
+# (one super-block of loads in flight a thread, a chain of 16 dependent mma a super-block), not its issue slots, sets
+# its pace; the ring is written to put all of a short program's loads in flight.
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1, 0])
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
