@@ -156,6 +156,7 @@ def test_mma_moe_lanes_path(t, down_type, triton_device, monkeypatch):
     from tests.kernels.test_moe_quant import _err, _layer, _routing
 
     monkeypatch.setitem(mq.LANES, "on", True)  # the few-token path, whatever KTRANS_MOE_LANES says
+    monkeypatch.setitem(mq.LANES, "reg", 0)  # the lanes kernel's own form (bf16 x would take the register kernel)
     monkeypatch.setitem(mq.LANES, "mma", True)
     gate_up, down, (g, u, d) = _layer(triton_device, down_type, h=3 * 256)
     ids, weights = _routing(t, triton_device, seed=30 + t)

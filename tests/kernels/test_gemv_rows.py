@@ -91,6 +91,7 @@ def test_rows_moe_lanes_path(t, down_type, rows, triton_device, monkeypatch):
     from ktrans.kernels.torch.moe import moe_experts
 
     monkeypatch.setitem(mq.LANES, "on", True)  # the few-token path, whatever KTRANS_MOE_LANES says
+    monkeypatch.setitem(mq.LANES, "reg", 0)  # the lanes kernel's own form (bf16 x would take the register kernel)
     gate_up, down, (g, u, d) = _layer(triton_device, down_type, h=3 * 256)
     ids, weights = _routing(t, triton_device, seed=20 + t)
     ids[0, 1] = -1

@@ -63,10 +63,13 @@ _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 # bf16 x; a launch of another type keeps the lanes kernel), reg_bn rows and reg_warps warps a program, reg_per_sm
 # programs wanted an SM for gate/up's K split, reg_chains its dots' independent mma chains (quant.GEMV's, untimed),
 # reg_stages a Q4_K launch's shared ring of super-blocks (quant.GEMV's; 0 none, 2 or 4; untimed).
-# KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM[,CHAINS[,STAGES]]]]]. Off until the whole
-# model is checked under it on a GPU and B=4 and B=64 are timed: on the H100 (session 33, moe_sweep, one 80B layer)
-# B=16 140.6 us (128 rows) and 147.8 (64 rows) against the lanes kernel's 184.4, B=1 24.7 (64 rows) against 25.2.
-_REG = env_ints("KTRANS_MOE_LANES_REG", [0, 128, 4, 2, 1, 0])
+# KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM[,CHAINS[,STAGES]]]]]; 0 turns it off. On by default since session 34:
+# on the H100 (moe_sweep, one 80B layer, Q4_K down; 128 rows, 4 warps, 4 programs an SM) B=1 25.1 us against the
+# lanes kernel's 25.4, B=2 34.5 / 38.7, B=4 53.9 / 59.7, B=8 83.5 / 105.9, B=16 140.5 / 185.4, B=32 244.9 / 345.0,
+# B=64 430.0 / 664.8; Q6_K down B=1 27.6 / 27.2, B=16 173.9 / 196.0, B=64 558.5 / 705.8. The whole model on the
+# gpu rules matches the reference ops under it (tests/operators/test_gpu_quant_rules.py, 18 passed there). The ring
+# bought nothing (B=16 139.4, B=64 424.0 at 2 stages).
+_REG = env_ints("KTRANS_MOE_LANES_REG", [1, 128, 4, 4, 1, 0])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
