@@ -27,6 +27,9 @@ mma.m16n8k16 A operand, and every layout conversion on the way is asserted trivi
 sm_90 SASS (Triton 3.6 and 3.9, 4 warps, 256 rows a program): ~2.2-2.3 instructions a weight, no shared memory, ~150
 registers; the lane-group body takes 8.5. It runs on every GPU with mma.sync bf16 (sm_80 and newer).
 
+Optionally (row_sums's ST, Q4_K) the code words, scales and d come through a shared ring that cp.async fills ahead;
+on the H100 it bought nothing (doc/benchmarks.md, session 34), so it is off by default.
+
 K is split across programs as in quant_gemv (fp32 partials summed in split order, by the last program of a row tile
 when FUSED_SUM), so its results equal neither body's bit for bit; they are ggml's products summed in fp32.
 """
