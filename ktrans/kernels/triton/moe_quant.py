@@ -215,9 +215,9 @@ def _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per,
         raise ValueError(f"moe_quant: an expert's [{w.n}, {w.k}] overflows the register kernel's int32 offsets")
     planes = plane_args(w)
     strides = _expert_strides(planes)
-    # the shared ring (Q4_K) copies the planes 16, 8 and 4 bytes at a time: experts 16-byte steps apart
-    ring = all(s * t.element_size() % 16 == 0 for s, t in zip(strides, planes)) and w.qtype == "Q4_K"
-    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps, LANES["reg_stages"] if ring else 0)
+    # the shared ring copies the planes 16, 8 and 4 bytes at a time: experts 16-byte steps apart
+    ring = all(s * t.element_size() % 16 == 0 for s, t in zip(strides, planes))
+    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps, LANES["reg_stages"] if ring else 0, w.qtype)
     offs = plane_offsets(planes, plane_args(extra[j])) if extra is not None else [0, 0, 0, 0]
     quant_gemv_reg.moe_reg_kernel[(p, triton.cdiv(n, bn), grid_k)](
         src, dst, part, cnt, ids, rw, *planes, *strides, p, n, w.n, w.k // QK,

@@ -311,7 +311,7 @@ def _reg_launch(x, out, w, wb, split) -> None:
     `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
     row tile's last program (always: GEMV["fused_sum"] selects between the lane-group body's two sums only)."""
     warps, bn = GEMV["reg_warps"], GEMV["reg_bn6"] if w.qtype == "Q6_K" else GEMV["reg_bn"]
-    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps, GEMV["reg_stages"] if w.qtype == "Q4_K" else 0)
+    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps, GEMV["reg_stages"], w.qtype)
     nsb = w.k // QK
     tiles_a = triton.cdiv(w.n, bn)
     tiles_b = triton.cdiv(wb.n, bn) if wb is not None else 0

@@ -140,18 +140,20 @@ if _GLUON:
         cd = gl.BlockedLayout([1], [32], [warps], [0])
         return sw, ss, sd, cs, cd
 
-    def tiling(flag: str, bn: int, warps: int, stages: int = 0) -> dict:
+    def tiling(flag: str, bn: int, warps: int, stages: int = 0, qtype: str = "Q4_K") -> dict:
         """The kernels' tiling constexprs (W, R and the layouts; with `stages`, the shared ring's: ST and staging's)
-        for `bn` rows a program on `warps` warps; `flag`, the setting they came from, names a tiling that does not
-        divide into 16-row tiles a warp or a ring of another size than 0, 2 or 4."""
+        for `bn` rows a program on `warps` warps and a matrix of `qtype` (the ring is Q4_K's: another type gets
+        none); `flag`, the setting they came from, names a tiling that does not divide into 16-row tiles a warp or a
+        ring of another size than 0, 2 or 4."""
         if bn % (16 * warps):
             raise ValueError(f"{flag}: {bn} rows a program is not a multiple of 16 x {warps} warps")
         if stages not in (0, 2, 4):
             raise ValueError(f"{flag}: {stages} stages (0: none, 2 or 4)")
-        mma, la, lb, lw = layouts(warps, bn // (16 * warps))
-        ring = dict(zip(("SW", "SS", "SD", "CS", "CD"), staging(warps, bn // (16 * warps), stages) if stages else
-                        (None,) * 5))
-        return {"W": warps, "R": bn // (16 * warps), "MMA": mma, "LA": la, "LB": lb, "LW": lw, "ST": stages, **ring}
+        reps = bn // (16 * warps)
+        stages = stages if qtype == "Q4_K" else 0
+        mma, la, lb, lw = layouts(warps, reps)
+        ring = dict(zip(("SW", "SS", "SD", "CS", "CD"), staging(warps, reps, stages) if stages else (None,) * 5))
+        return {"W": warps, "R": reps, "MMA": mma, "LA": la, "LB": lb, "LW": lw, "ST": stages, **ring}
 
     @gluon.jit
     def _enter(PDL: gl.constexpr):
@@ -226,34 +228,42 @@ if _GLUON:
         return acc + (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
 
     @gluon.jit
-    def _stage_in(wbuf, sbuf, mbuf, dbuf, st, lo_ptr, sc_ptr, d32, base, woff, wmask, soff, smask, doff, dmask,
-                  live):
+    def _stage_in(bufs, st, lo_ptr, sc_ptr, d32, base, offs, live):
         """Start the copies of one super-block's code words, scales, mins and d/dmin pairs (plane row `base` + the
-        offsets) into stage `st` of the ring (zeros where masked or not `live`)."""
-        _async_load(wbuf.index(st), lo_ptr + base * 32 + woff, mask=wmask & live)
-        _async_load(sbuf.index(st), sc_ptr + base * 16 + soff, mask=smask & live)
-        _async_load(mbuf.index(st), sc_ptr + base * 16 + 8 + soff, mask=smask & live)
-        _async_load(dbuf.index(st), d32 + base + doff, mask=dmask & live)
+        offsets `offs`, with their masks) into stage `st` of the ring's buffers `bufs` (zeros where masked or not
+        `live`)."""
+        woff, wmask, soff, smask, doff, dmask = offs
+        _async_load(bufs[0].index(st), lo_ptr + base * 32 + woff, mask=wmask & live)
+        _async_load(bufs[1].index(st), sc_ptr + base * 16 + soff, mask=smask & live)
+        _async_load(bufs[2].index(st), sc_ptr + base * 16 + 8 + soff, mask=smask & live)
+        _async_load(bufs[3].index(st), d32 + base + doff, mask=dmask & live)
+
+    @gluon.jit
+    def _ring_buffers(BM: gl.constexpr, ST: gl.constexpr, SW: gl.constexpr, SS: gl.constexpr, SD: gl.constexpr):
+        """The ring's buffers for one matrix's rows: code words [ST, BM, 4, 8] int32, scales and mins [ST, BM, 8]
+        uint8 each, d pairs [ST, BM] int32 (staging's layouts)."""
+        return (gl.allocate_shared_memory(gl.int32, [ST, BM, 4, 8], SW),
+                gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS),
+                gl.allocate_shared_memory(gl.int32, [ST, BM], SD))
 
     @gluon.jit
     def _stage_group(bufs, bufs2, st, lo_ptr, sc_ptr, d32, row, OFF2, offs, live, TWO: gl.constexpr):
         """One commit group: _stage_in of plane row `row` into stage `st` of the buffers `bufs` (words, scales, mins,
-        d pairs), and with TWO of row + OFF2 into `bufs2`; `offs` the copies' offsets and masks."""
-        woff, wmask, soff, smask, n_d, dmask = offs
-        _stage_in(bufs[0], bufs[1], bufs[2], bufs[3], st, lo_ptr, sc_ptr, d32, row, woff, wmask, soff, smask, n_d,
-                  dmask, live)
+        d pairs), and with TWO of row + OFF2 into `bufs2`."""
+        _stage_in(bufs, st, lo_ptr, sc_ptr, d32, row, offs, live)
         if TWO:
-            _stage_in(bufs2[0], bufs2[1], bufs2[2], bufs2[3], st, lo_ptr, sc_ptr, d32, row + OFF2, woff, wmask, soff,
-                      smask, n_d, dmask, live)
+            _stage_in(bufs2, st, lo_ptr, sc_ptr, d32, row + OFF2, offs, live)
         async_copy.commit_group()
 
     @gluon.jit
-    def _staged(wbuf, sbuf, mbuf, dbuf, st, LW: gl.constexpr, MMA: gl.constexpr):
-        """(words, s, mn, d, dmin) of stage `st`: the code words in LW, the rest in the accumulator's layout, fp32."""
-        words = wbuf.index(st).load(LW)
-        s = sbuf.index(st).load(MMA).to(gl.float32)
-        mn = mbuf.index(st).load(MMA).to(gl.float32)
-        dd = dbuf.index(st).load(gl.SliceLayout(1, MMA))
+    def _staged(bufs, st, LW: gl.constexpr, MMA: gl.constexpr):
+        """(words, s, mn, d, dmin) of stage `st` of the ring's buffers `bufs`: the code words in LW, the rest in the
+        accumulator's layout, fp32."""
+        words = bufs[0].index(st).load(LW)
+        s = bufs[1].index(st).load(MMA).to(gl.float32)
+        mn = bufs[2].index(st).load(MMA).to(gl.float32)
+        dd = bufs[3].index(st).load(gl.SliceLayout(1, MMA))
         d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
         dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
         return words, s, mn, d, dmin
@@ -282,19 +292,10 @@ if _GLUON:
         super-block's reads of the stage refilled next), its reads, the copies of super-block + ST - 1 into the
         stage freed, then the arithmetic."""
         BM: gl.constexpr = 16 * W * R
-        wbuf = gl.allocate_shared_memory(gl.int32, [ST, BM, 4, 8], SW)
-        sbuf = gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS)
-        mbuf = gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS)
-        dbuf = gl.allocate_shared_memory(gl.int32, [ST, BM], SD)
-        wbuf2 = wbuf
-        sbuf2 = sbuf
-        mbuf2 = mbuf
-        dbuf2 = dbuf
+        bufs = _ring_buffers(BM, ST, SW, SS, SD)
+        bufs2 = bufs
         if TWO:
-            wbuf2 = gl.allocate_shared_memory(gl.int32, [ST, BM, 4, 8], SW)
-            sbuf2 = gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS)
-            mbuf2 = gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS)
-            dbuf2 = gl.allocate_shared_memory(gl.int32, [ST, BM], SD)
+            bufs2 = _ring_buffers(BM, ST, SW, SS, SD)
         d32 = d_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # a row's d, dmin as one word
         # the scales' and the mins' copies: [BM, 8] each; the d pairs': [BM]
         n_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, CS))
@@ -303,8 +304,6 @@ if _GLUON:
         smask = (n_s < n_valid)[:, None] & (c_s < 8)[None, :]
         n_d = row0 + gl.arange(0, BM, layout=CD)
         dmask = n_d < n_valid
-        bufs = (wbuf, sbuf, mbuf, dbuf)
-        bufs2 = (wbuf2, sbuf2, mbuf2, dbuf2)
         offs = (woff, wmask, soff, smask, n_d, dmask)
         for i in gl.static_range(ST - 1):
             _stage_group(bufs, bufs2, i, lo_ptr, sc_ptr, d32, (sb0 + i) * NR, OFF2, offs, sb0 + i < sb1, TWO)
@@ -313,11 +312,11 @@ if _GLUON:
             st = (sb - sb0) % ST
             async_copy.wait_group(ST - 2)
             _barrier()
-            words, s, mn, d, dmin = _staged(wbuf, sbuf, mbuf, dbuf, st, LW, MMA)
+            words, s, mn, d, dmin = _staged(bufs, st, LW, MMA)
             words2 = words
             s2, mn2, d2, dmin2 = s, mn, d, dmin
             if TWO:
-                words2, s2, mn2, d2, dmin2 = _staged(wbuf2, sbuf2, mbuf2, dbuf2, st, LW, MMA)
+                words2, s2, mn2, d2, dmin2 = _staged(bufs2, st, LW, MMA)
             _stage_group(bufs, bufs2, (st + ST - 1) % ST, lo_ptr, sc_ptr, d32, (sb + ST - 1) * NR, OFF2, offs,
                          sb + ST - 1 < sb1, TWO)
             xb = gl.load(x_row + sb * 256 + xoff, mask=xmask, other=0.0)
