@@ -80,6 +80,9 @@ def _add_bench_e2e_parser(bench_sub) -> None:
     b.add_argument("--itl_decodes", type=int, default=4, help="requests decoding while --itl_prefill_len prefills")
     b.add_argument("--profile_steps", type=int, default=8,
                    help="extra batch-1 decode steps run under the profiler for the GPU's kernel time")
+    b.add_argument("--profile_batch", type=int, default=0,
+                   help="also profile --profile_steps decode steps of this many requests together (the JSON's "
+                        "profiled_batch: wall, GPU busy, kernels by time); 0: batch 1 only")
     b.add_argument("--use_cuda_graph", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps replay CUDA graphs (default: on where the model's batches are on a GPU)")
     b.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

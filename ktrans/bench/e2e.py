@@ -56,6 +56,9 @@ class E2EOptions:
     dtype: str | None = None  # as ktrans serve: bfloat16 where the rules use CUDA, else float32
     seed: int = 0
     profile_steps: int = 8
+    # also profile steps of this many requests decoding together (0: only batch 1): where a batch's step goes, by
+    # kernel, beside the batch-1 split
+    profile_batch: int = 0
     use_cuda_graph: bool | None = None  # as ktrans serve: on where the model's batches are on a GPU
     prefill_lens: tuple[int, ...] = ()  # more prompt lengths whose time to first token is measured (batch 1)
     itl_prefill_len: int = 0  # a prompt this long arrives while itl_decodes requests decode: their ITL (0: skip)
@@ -82,6 +85,8 @@ class E2EOptions:
             raise ValueError(f"--prefill_lens must be positive integers, got {self.prefill_lens}")
         if self.profile_steps < 0:
             raise ValueError(f"--profile_steps must be >= 0, got {self.profile_steps}")
+        if self.profile_batch < 0:
+            raise ValueError(f"--profile_batch must be >= 0, got {self.profile_batch}")
         for name in ("max_batch_size", "cache_lens", "prefix_cache_max_snapshots"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -233,26 +238,33 @@ class _Bench:
                 "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
                 "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
 
-    def gpu_busy_per_step(self, steps: int, prompt_len: int) -> tuple[float, float, float, dict, dict] | None:
+    def gpu_busy_per_step(self, steps: int, prompt_len: int, batch: int = 1
+                          ) -> tuple[float, float, float, dict, dict, float] | None:
         """(mean GPU busy seconds, device operations, host launches, the TOP_KERNELS kernels by device time: name ->
-        (us, calls) a step, the same by own time: measure.own_times) of a batch-1 decode step, from the profiler
-        (None without CUDA). A device operation is one kernel, copy or memset on the device; a host launch is one CUDA
-        runtime call that puts work on a stream (a kernel, copy, memset or whole graph): without CUDA graphs the two
-        counts are about equal, with them one graph launch carries the step's kernels."""
+        (us, calls) a step, the same by own time: measure.own_times, mean wall seconds) of a decode step of `batch`
+        requests, from the profiler (None without CUDA). A device operation is one kernel, copy or memset on the
+        device; a host launch is one CUDA runtime call that puts work on a stream (a kernel, copy, memset or whole
+        graph): without CUDA graphs the two counts are about equal, with them one graph launch carries the step's
+        kernels. The requests are all past their prefill before the profiled steps start."""
         if not self.devices or steps == 0:
             return None
         from torch.profiler import ProfilerActivity, profile
 
         params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-        prompt = torch.randint(0, self.vocab, (prompt_len,), generator=self.gen).tolist()
-        stream = self.engine.submit(prompt, params)
-        while not stream.drain() and self.engine.poll():  # prefill and the first decode step, unprofiled
-            pass
+        streams = [self.engine.submit(torch.randint(0, self.vocab, (prompt_len,), generator=self.gen).tolist(),
+                                      params) for _ in range(batch)]
+        started = [False] * batch
+        while not all(started) and self.engine.poll():  # prefills and the first decode steps, unprofiled
+            started = [s or bool(st.drain()) for s, st in zip(started, streams)]
+        if not all(started):
+            raise RuntimeError(f"bench e2e: the engine stopped before the {batch} profiled requests decoded")
         self._sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             for _ in range(steps):
                 self.engine.poll()
             self._sync()
+            wall = (time.perf_counter() - t0) / steps
         while self.engine.poll():
             pass
         device_ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -264,7 +276,7 @@ class _Bench:
         busy_us = busy_union([(e.time_range.start, e.time_range.end, WAIT_KERNEL in e.name) for e in device_ops])
         launches = [e for e in prof.events() if e.name in _LAUNCH_CALLS]
         return (busy_us / 1e6 / steps, len(device_ops) / steps, len(launches) / steps, top_kernels(device_ops, steps),
-                top_kernels(device_ops, steps, own=True))
+                top_kernels(device_ops, steps, own=True), wall)
 
 
 def _mean(xs) -> float | None:
@@ -311,7 +323,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     model, tokenizer, name, injection = load(serve, show_progress=show_progress)
     load_s = time.perf_counter() - t0
     devices = cuda_devices(model)
-    max_b = max(opts.batch_sizes)
+    max_b = max(*opts.batch_sizes, opts.profile_batch)
     per_req = opts.prompt_len + opts.gen_len + 1
     longest = max((n + 3 for n in opts.prefill_lens), default=0)  # a prefill-only request: prompt, 2 tokens
     chunk = opts.chunk_size or default_chunk_size(model)
@@ -380,7 +392,17 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
             log(f"  during the measured {phase} steps: {len(got.compiled)} Triton compiles "
                 f"({', '.join(got.kernels)}), {len(got.tuned)} autotunings ({', '.join(got.tuned)})")
     profiled = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len)
-    gpu_s, device_ops, launches, top, own = profiled if profiled is not None else (None, None, None, None, None)
+    gpu_s, device_ops, launches, top, own, _ = profiled if profiled is not None else (None,) * 6
+    profiled_batch = None
+    if opts.profile_batch:
+        got = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len, opts.profile_batch)
+        if got is not None:
+            busy, ops, _, top_b, own_b, wall_b = got
+            profiled_batch = {"batch_size": opts.profile_batch, "wall_ms": 1e3 * wall_b, "gpu_ms": 1e3 * busy,
+                              "device_ops": ops, "gpu_kernels_us": top_b, "gpu_kernels_own_us": own_b}
+            log(f"  a {opts.profile_batch}-request decode step (profiled): wall {1e3 * wall_b:.2f} ms, GPU busy "
+                f"{1e3 * busy:.2f} ms, {ops:.0f} device ops; own time by kernel (us, calls): " +
+                "; ".join(f"{k} {us:.0f} ({n:g})" for k, (us, n) in list(own_b.items())[:10]))
     if "step_ms" in one:
         wall, cpu_ms = one["step_ms"]["wall"], one["step_ms"]["cpu_experts"]
         gpu_ms = 1e3 * gpu_s if gpu_s is not None else 0.0
@@ -416,6 +438,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
         "ttft_ms": {str(s["batch_size"]): s["ttft_ms"] for s in results},
         "tpot_ms": {str(s["batch_size"]): s["tpot_ms"] for s in results},
         "split_ms": split,
+        "profiled_batch": profiled_batch,
         "prefill": prefill,
         "itl_during_prefill": itl,
         "triton_compiles": {phase: got.compiled for phase, got in compiles.items()},

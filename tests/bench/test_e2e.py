@@ -13,7 +13,7 @@ from ktrans.config import RULES_DIR
 
 FIELDS = {"model", "gguf_path", "rules", "options", "layers", "threads", "machine", "load_s", "prefill_tok_s",
           "decode_tok_s", "ttft_ms", "tpot_ms", "split_ms", "batches", "host_rss_gib", "host_peak_rss_gib",
-          "host_hugepages_gib", "gpu_memory"}
+          "host_hugepages_gib", "gpu_memory", "profiled_batch"}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,7 @@ def test_every_field(report):
     huge = report["host_hugepages_gib"]  # where /proc has smaps_rollup: the THP part of the process's memory
     assert huge is None or 0 <= huge <= report["host_peak_rss_gib"]
     assert report["gpu_memory"] == {} and report["machine"]["gpus"] == []
+    assert report["profiled_batch"] is None  # not asked for (and no GPU to profile)
     assert report["machine"]["threads_per_core"] in (None, 1, 2, 4, 8) and report["machine"]["pool_pinned"] in (True, False)
 
 
@@ -175,3 +176,28 @@ def test_own_time_leaves_a_kernels_wait_for_its_predecessor_out():
     own = top_kernels(events, steps=1, own=True)
     assert own["_stage_out_kernel"] == (3.0, 1.0) and own["_stage_in_kernel"] == (3.0, 1.0)
     assert list(own)[0] == "_cpu_wait_kernel"
+
+
+def test_profile_batch_flag_is_checked():
+    from ktrans.bench.e2e import E2EOptions
+
+    with pytest.raises(ValueError, match="--profile_batch"):
+        E2EOptions(profile_batch=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiled_batch_step_on_the_gpu():
+    """--profile_batch 3 on the GPU rules: three requests' decode steps profiled after their prefills; the step's
+    GPU busy time is inside its wall time, its kernels are named, and the engine was sized for the three."""
+    out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--optimize_config_path",
+                          str(RULES_DIR / "Qwen3Next-gpu.yaml"), "--prompt_len", "24", "--gen_len", "4",
+                          "--batch_sizes", "1", "--profile_steps", "3", "--profile_batch", "3", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    pb = got["profiled_batch"]
+    assert pb["batch_size"] == 3 and got["engine"]["max_batch_size"] >= 3
+    assert 0 < pb["gpu_ms"] <= pb["wall_ms"] * 1.05 and pb["device_ops"] > 0
+    assert pb["gpu_kernels_own_us"] and all(us >= 0 and n > 0 for us, n in pb["gpu_kernels_own_us"].values())
+    assert got["split_ms"]["gpu_measured"] is True  # the batch-1 profile is still there
