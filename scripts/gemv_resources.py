@@ -8,7 +8,7 @@ session 31), so instructions per weight is the figure a new body must lower.
                                       [--rows 0,4] [--mma 0,1] [--reg 0,1,2]
 
 --rows: the lane-group body (0) or the row-owning one with that many threads a row (quant.GEMV["rows"]; --bn is then
-its rows a program). --mma: the tensor-core body (quant_gemv._row_dot_mma, Q4_K and Q6_K; --bn its rows a program). --reg: the register tensor-core body (quant_gemv_reg, Gluon; Q4_K and Q6_K; --bn its rows a
+its rows a program). --mma: the tensor-core body (quant_gemv_mma.row_dot_mma, Q4_K and Q6_K; --bn its rows a program). --reg: the register tensor-core body (quant_gemv_reg, Gluon; Q4_K and Q6_K; --bn its rows a
 program, 16 x warps x a power of two; 2: its code words loaded a super-block ahead); run it without
 TRITON_INTERPRET (Gluon does not compile under the interpreter).
 """

@@ -1,4 +1,4 @@
-"""The one-row GEMV's tensor-core body (GEMV["mma"], ktrans.kernels.triton.quant_gemv._row_dot_mma: codes as bf16
+"""The one-row GEMV's tensor-core body (GEMV["mma"], ktrans.kernels.triton.quant_gemv_mma.row_dot_mma: codes as bf16
 1 + q / 2^b, dotted with x placed block-diagonally, the sub-block scales applied after the dot) against the float64
 reference and against the lane-group body, for Q4_K and Q6_K, at awkward shapes: N = 200 (a partial last row tile),
 K = 768 (three super-blocks: a split leaves a program one), split K or not, as a pair of matrices in one launch, and
@@ -129,9 +129,9 @@ def test_codes_ptx_bits():
     """Output element 2j + h (register $j, half h, low half first) is 1 + q / 16 of nibble j + 4h (Q4_K), and
     1 + q6 / 64 of the word's sub-block j + 4h with its two high bits at bits 2(j + 4h) of the high word (Q6_K),
     for random words."""
-    from ktrans.kernels.triton import quant_gemv
+    from ktrans.kernels.triton import quant_gemv_mma
 
-    q4, q6 = quant_gemv._Q4_ASM.value, quant_gemv._Q6_ASM.value
+    q4, q6 = quant_gemv_mma._Q4_ASM.value, quant_gemv_mma._Q6_ASM.value
     rng = np.random.default_rng(0)
     for _ in range(64):
         a, b = (int(v) for v in rng.integers(0, 2 ** 32, size=2))

@@ -34,7 +34,7 @@ def _a_operand(qtype: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     [n, 16] (Q6_K) by the kernel's own PTX (emulated), in the dot's column order k = 64 j + 8 m + 2 a + e: register
     $j's half e of word 8 a + m (Q6_K: its high-bit word (8 a + m) % 16 shifted right by 16 (a // 2), as the kernel
     shifts it)."""
-    from ktrans.kernels.triton.quant_gemv import _q6_asm
+    from ktrans.kernels.triton.quant_gemv_mma import _q6_asm
 
     text = quant_gemv_reg._q4_asm() if qtype == "Q4_K" else _q6_asm()
     n = lo.shape[0]

@@ -56,7 +56,7 @@ _CAPS = [int(v) for v in (os.environ.get("KTRANS_MOE_LANES_MAXNREG") or "80").sp
 # loop (_moe_lanes_kernel ONE_LOOP); KTRANS_MOE_LANES_PIPE=S[,PER_SM[,ONE_LOOP]]. Off: no gain on the H100 (session 31,
 # moe_sweep, one 80B layer at B=1: 25.6 us plain, 26.6 pipelined, 27.2 in one loop at 8 warps).
 _PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
-# mma: gate/up and down through the tensor-core row_dot (quant_gemv._row_dot_mma; Q4_K and Q6_K, bf16 x), mma_bn rows
+# mma: gate/up and down through the tensor-core row_dot (quant_gemv_mma.row_dot_mma; Q4_K and Q6_K, bf16 x), mma_bn rows
 # and 4 warps a program, mma_per_sm programs wanted an SM for gate/up's K split. KTRANS_MOE_LANES_MMA=ON[,BN[,PER_SM]].
 _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 # reg: gate/up and down through the register tensor-core body (quant_gemv_reg.moe_reg_kernel, Gluon; Q4_K and Q6_K,

@@ -209,7 +209,7 @@ _ROWS_ENV = env_ints("KTRANS_GEMV_ROWS", [0, 128, 4])
 # at Q4_K, but lost on the K=4096 shapes and at Q6_K; a layer's nine shapes 90.6 against the default's 90.0 us. Its
 # loop issues ~8 instructions a weight (scripts/gemv_resources.py), which the issue slots, not the bytes, pace.
 _PIPE_ENV = env_ints("KTRANS_GEMV_PIPE", [0, 2])
-# mma: the tensor-core body (quant_gemv._row_dot_mma: a super-block's codes as bf16 1 + q / 2^b by one shift and one
+# mma: the tensor-core body (quant_gemv_mma.row_dot_mma: a super-block's codes as bf16 1 + q / 2^b by one shift and one
 # logic op a weight pair, dotted on tensor cores with x placed block-diagonally, the sub-block scales applied after
 # the dot; ~2.7 instructions a weight at Q4_K against the lane-group body's 7.5-8.5) for Q4_K and Q6_K with bf16 x,
 # mma_bn rows and mma_warps warps a program, mma_per_sm programs wanted an SM, mma_pipe its loop's stages (0: a

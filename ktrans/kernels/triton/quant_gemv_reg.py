@@ -2,7 +2,7 @@
 one bf16 activation row, W [N, K] in the packed layout (ktrans.kernels.triton.quant_layout). Opt-in (quant.GEMV["reg"],
 `KTRANS_GEMV_REG`); the oracle is ktrans.kernels.torch.quant.quant_linear.
 
-Why a second tensor-core body. quant_gemv._row_dot_mma (plain Triton) spends ~2.7 instructions a weight but is slower
+Why a second tensor-core body. quant_gemv_mma.row_dot_mma (plain Triton) spends ~2.7 instructions a weight but is slower
 than the CUDA-core body: Triton lays the dequantized tile out for the elementwise code, then converts it to the dot's
 operand layout through shared memory (4 bytes of shared traffic a weight, barriers every super-block; session 32).
 Gluon states layouts explicitly, so here the code words are loaded in the layout whose dequantization *is* the
@@ -41,7 +41,7 @@ import torch
 
 from ktrans.kernels.triton import interpreting
 from ktrans.kernels.triton.planes import expert_planes, second_matrix, step16
-from ktrans.kernels.triton.quant_gemv import _q6_asm
+from ktrans.kernels.triton.quant_gemv_mma import _q6_asm
 
 try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); without it this body is unavailable
     from triton.experimental import gluon
