@@ -65,8 +65,14 @@ def _decode(batch: int, kv_len: int, dev: torch.device, split_tokens: int | None
         plan = tri.DecodePlan(-(-kv_len // split_tokens), split_tokens)
     kv_bytes = 2 * batch * kv_len * c.num_key_value_heads * c.head_dim * k.element_size()
     flops = 4 * batch * kv_len * c.num_attention_heads * c.head_dim
+
+    def copy(i: int):  # another layer's cache of the same size (a decode step's attention layers, back to back)
+        k_i, v_i, tables_i, lens_i = _paged_cache(batch, kv_len, dev)
+        q_i, out_i = torch.randn_like(q), torch.empty_like(q)
+        return lambda: tri.paged_decode(q_i, k_i, v_i, lens_i, tables_i, PAGE, c.head_dim ** -0.5, plan, out=out_i)
+
     return Timed(lambda: tri.paged_decode(q, k, v, lens, tables, PAGE, c.head_dim ** -0.5, plan, out=out),
-                 kv_bytes, flops)
+                 kv_bytes, flops, copies=copy if dev.type == "cuda" else None)
 
 
 @case("attention", "decode 32k B=1", ("decode",))
