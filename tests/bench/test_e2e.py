@@ -60,6 +60,7 @@ def test_steps_add_up(report):
     b1, b3 = report["batches"]
     # 40 prompt tokens in chunks of 32: 2 prefill steps; the 2nd makes the first token; 5 decode steps follow
     assert (b1["steps"], b1["decode_steps"]) == (2 + 5, 5)
+    assert b1["graph_captures"] is None and b3["graph_captures"] is None  # no CUDA graphs on the CPU
     assert 1 <= b3["decode_steps"] <= 5 and b3["steps"] > b1["steps"]
     assert b1["ttft_ms"] > 0 and b1["tpot_ms"] > 0
     sp = report["split_ms"]
@@ -201,3 +202,5 @@ def test_profiled_batch_step_on_the_gpu():
     assert 0 < pb["gpu_ms"] <= pb["wall_ms"] * 1.05 and pb["device_ops"] > 0
     assert pb["gpu_kernels_own_us"] and all(us >= 0 and n > 0 for us, n in pb["gpu_kernels_own_us"].values())
     assert got["split_ms"]["gpu_measured"] is True  # the batch-1 profile is still there
+    # the measured run's graph buckets were captured by the run of its shape beforehand
+    assert got["cuda_graphs"]["captured"] >= 1 and got["batches"][0]["graph_captures"] == 0
