@@ -79,23 +79,26 @@ def test_gemm_prefill_tile(qtype, triton_device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused_sum", [False, True])
-def test_gemv_captured_in_a_cuda_graph(fused_sum, monkeypatch):
-    """The split-K GEMV replays from a CUDA graph on new activations as an eager call computes them (with the
-    fused sum: the per-tile counters are back at zero after every replay)."""
+@pytest.mark.parametrize("m", [1, 16])
+def test_gemv_captured_in_a_cuda_graph(fused_sum, m, monkeypatch):
+    """The split-K GEMV (one row) and tile path (16 rows: a 16-request decode step's projections) replay from a
+    CUDA graph on new activations as an eager call computes them (with the fused sum: the per-tile counters are
+    back at zero after every replay)."""
     from ktrans.kernels.triton import quant
     from ktrans.kernels.triton.quant import qlinear
 
     monkeypatch.setitem(quant.GEMV, "fused_sum", fused_sum)
+    monkeypatch.setitem(quant.GEMV, "tile_fused_sum", fused_sum)
     dev = torch.device("cuda")
     w = _weight("Q4_K", 2048, 2048, dev)
-    x = torch.randn(1, 2048, device=dev).to(torch.bfloat16)
+    x = torch.randn(m, 2048, device=dev).to(torch.bfloat16)
     qlinear(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = qlinear(x, w)
     for _ in range(2):
-        x.copy_(torch.randn(1, 2048, device=dev).to(torch.bfloat16))
+        x.copy_(torch.randn(m, 2048, device=dev).to(torch.bfloat16))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, qlinear(x, w)) and _err(y, quant_linear(x, w)) < 1e-2
@@ -158,6 +161,28 @@ def test_gemv_fused_split_sum_equals_two_launches(qtype, triton_device, monkeypa
         for split, y in want.items():
             assert torch.equal(quant.qlinear(x, w, split=split), y), (qtype, split)
     assert not quant.counters(x.device).any()
+
+
+@pytest.mark.parametrize("m", [3, 16, 40])
+def test_tile_path_fused_split_sum_equals_two_launches(m, triton_device, monkeypatch):
+    """The few-row and tile paths (3 rows: fp32 products; 16: tensor-core code dots; 40: bf16 tiles) sum their split
+    partials in the tile's last program too (GEMV["tile_fused_sum"]): in order, so the outputs equal the separate sum
+    kernel's, bf16 and fp32 out; the counters are zero after each call, so repeated calls (a graph's replays) agree."""
+    from ktrans.kernels.triton import quant
+
+    n, k = 200, 1536  # six super-blocks: splits of three and of two
+    for qtype, dtype in (("Q4_K", torch.bfloat16), ("Q6_K", torch.float32)):
+        w = _weight(qtype, n, k, triton_device, seed=5)
+        x = torch.randn(m, k, device=triton_device).to(torch.bfloat16).to(dtype)
+        monkeypatch.setitem(quant.GEMV, "tile_fused_sum", False)
+        want = {split: quant.qlinear(x, w, split=split) for split in (2, 3)}
+        monkeypatch.setitem(quant.GEMV, "tile_fused_sum", True)
+        for _ in range(2):
+            for split, y in want.items():
+                assert torch.equal(quant.qlinear(x, w, split=split), y), (qtype, m, split)
+                assert not quant.counters(x.device).any()
+        tol = 2e-5 if m <= 32 and dtype == torch.float32 else 1e-2
+        assert _err(want[3], quant_linear(x, w)) < tol, (qtype, m)
 
 
 @pytest.mark.parametrize("qtype", TYPES)

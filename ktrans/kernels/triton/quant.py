@@ -122,8 +122,14 @@ def superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr,
 
 
 @triton.jit
-def _qlinear_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, stride_xm, stride_om,
-                    stride_os, QT: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _qlinear_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, SPLIT,
+                    stride_xm, QT: tl.constexpr, MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    FUSED_SUM: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Tile (pid_n, pid_m) of y [M, N] over super-blocks pid_k * SB_PER..: SPLIT = 1, into out_ptr (x's dtype); else
+    the fp32 partial into part_ptr [SPLIT, M, N], and with FUSED_SUM the tile's last program to finish (counted in
+    cnt_ptr[tile], zero between calls) sums the SPLIT partials in order into out_ptr, as _sum_splits_kernel does,
+    and zeroes the count (one launch instead of two, as quant_gemv.gemv_kernel's fused sum)."""
+    enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -136,8 +142,21 @@ def _qlinear_kernel(x_ptr, out_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB
     for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
         acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
                              mask_n, QT, MODE)
-    ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    at = offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
+        if FUSED_SUM:
+            tl.debug_barrier()  # every thread's partial stored before the count's release
+            tile = pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros([BM, BN], dtype=tl.float32)
+                for s in range(SPLIT):
+                    total += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -236,7 +255,11 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # (one super-block of loads in flight a thread, a chain of 16 dependent mma a super-block), not its issue slots, sets
 # its pace; the ring is written to put all of a short program's loads in flight.
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1, 0])
+# tile_fused_sum: the few-row and tile paths' split-K partials summed by each tile's last program, as the GEMV's, not
+# by _sum_splits_kernel (a second launch a projection: 537 us, 174 launches of a 16-request step on the H100, session
+# 35); the same bits. Opt-in (KTRANS_GEMV_TILE_FUSED_SUM=1) until timed end to end.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
+        "tile_fused_sum": os.environ.get("KTRANS_GEMV_TILE_FUSED_SUM", "0") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
         "maxnreg": int(os.environ.get("KTRANS_GEMV_MAXNREG") or 80) or None,
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
@@ -385,18 +408,17 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    fused = False
+    tiles_n = triton.cdiv(n, bn)
+    fused = split > 1 and GEMV["fused_sum" if mode == 3 else "tile_fused_sum"] and grid_nm <= _MAX_TILES
     if mode == 3:
         lo, hi, d, _ = plane_args(w)
-        tiles_n = triton.cdiv(n, bn)
-        fused = split > 1 and GEMV["fused_sum"] and tiles_n <= _MAX_TILES
         cnt = counters(x.device) if fused else dst
         extra = _gemv_options(w.qtype, rows, mma)
         gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
                                       0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
                                       PIPE=pipe, MMA=mma, num_warps=warps, **extra, **launch())
     else:
-        _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps)
+        _launch_tiles(x, out, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps, fused)
     if split > 1 and not fused:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, split, m * n, BLOCK=block, **launch())
@@ -459,14 +481,16 @@ def qlinear_pair(x: torch.Tensor, wa: PackedWeight, wb: PackedWeight,
     return out[:, : wa.n], out[:, wa.n:]
 
 
-def _launch_tiles(x, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps) -> None:
+def _launch_tiles(x, out, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps, fused) -> None:
     key = (x.device, w.qtype, mode, bm, bn)
+    cnt = counters(x.device) if fused else dst
     for stages in _STAGES.get(key, (None, 2, 1)):
         try:
             grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
             extra = {} if stages is None else {"num_stages": stages}
-            _qlinear_kernel[grid](x, dst, *plane_args(w), m, n, nsb, sb_per, x.stride(0), n, m * n,
-                                  QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn, num_warps=warps, **extra)
+            _qlinear_kernel[grid](x, out, dst, cnt, *plane_args(w), m, n, nsb, sb_per, split, x.stride(0),
+                                  QT=QT_CODE[w.qtype], MODE=mode, BM=bm, BN=bn, FUSED_SUM=fused, num_warps=warps,
+                                  **extra, **launch())
             _STAGES[key] = (stages,)
             return
         except OutOfResources:
