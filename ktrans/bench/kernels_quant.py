@@ -92,7 +92,7 @@ def _gemv_case(shapes, m: int, qtype: str = "Q4_K"):
             return lambda: [qlinear(xs[k], w) for w, (_, _, k) in zip(ws_i, shapes)]
 
         return Timed(fn, sum(w.nbytes for w in ws) + io, flops if m > 16 else 0, peer, "bf16_cublas",
-                     copies=copy if m == 1 else None)
+                     copies=copy if m <= 16 else None)
     return setup
 
 
@@ -104,6 +104,10 @@ case("quant", "gemv q6_k deltanet.in_proj_qkvz [12288x2048] M=1", ("decode",))(_
 # the output projection, Q6_K in a Q4_K_M file: the largest single read of a decode token (255 MB at the 80B's vocab)
 case("quant", "gemv q6_k lm_head [151936x2048] M=1", ("decode",))(_gemv_case((("lm_head", 151936, 2048),), 1, "Q6_K"))
 case("quant", "gemv q4_k deltanet.in_proj_qkvz [12288x2048] M=16", ("decode",))(_gemv_case(DELTANET[:1], 16))
+# a 16-request decode step's projections (the tile path: 60% of that step's GPU time on the H100, session 35)
+for _group, _shapes in (("deltanet", DELTANET), ("attention", ATTENTION), ("shared_expert", SHARED)):
+    case("quant", f"gemv q4_k {_group} layer projections M=16", ("decode",))(_gemv_case(_shapes, 16))
+case("quant", "gemv q6_k lm_head [151936x2048] M=16", ("decode",))(_gemv_case((("lm_head", 151936, 2048),), 16, "Q6_K"))
 for _one in (DELTANET[0], DELTANET[2], ATTENTION[0]):
     case("quant", f"gemm q4_k {_one[0]} [{_one[1]}x{_one[2]}] M=4096", ("prefill",))(_gemv_case((_one,), 4096))
 
