@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ktrans.kernels.triton import interpreting, quant_gemv_reg
+from ktrans.kernels.triton import interpreting, quant_gemv_reg, quant_rows_reg
 from ktrans.kernels.triton.pdl import enter, launch
 from ktrans.kernels.triton.quant_gemv import gemv_kernel
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
@@ -255,9 +255,8 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # (one super-block of loads in flight a thread, a chain of 16 dependent mma a super-block), not its issue slots, sets
 # its pace; the ring is written to put all of a short program's loads in flight.
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1, 0])
-# tile_fused_sum: the few-row and tile paths' split-K partials summed by each tile's last program, as the GEMV's, not
-# by _sum_splits_kernel (a second launch a projection: 537 us, 174 launches of a 16-request step on the H100, session
-# 35); the same bits. Opt-in (KTRANS_GEMV_TILE_FUSED_SUM=1) until timed end to end.
+# tile_fused_sum (KTRANS_GEMV_TILE_FUSED_SUM=1; opt-in until timed): the tile path's split sums in each tile's last
+# program, not _sum_splits_kernel (537 us, 174 launches of a 16-request step on the H100, session 35); the same bits.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
         "tile_fused_sum": os.environ.get("KTRANS_GEMV_TILE_FUSED_SUM", "0") == "1",
         "stages": None, "rows": _ROWS_ENV[0], "rows_bn": _ROWS_ENV[1], "rows_warps": _ROWS_ENV[2],
@@ -391,6 +390,8 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
+    if quant_rows_reg.applies(x, w.qtype):  # 2..16 bf16 rows of Q4_K, opt-in
+        return quant_rows_reg.qlinear_rows(x, w, plane_args(w), counters(x.device), _sms(x.device), split)
     if m == 1 and gemv_reg(x, w.qtype):
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
         _reg_launch(x, out, w, None, split)
@@ -408,15 +409,14 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
     split = triton.cdiv(nsb, sb_per)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    tiles_n = triton.cdiv(n, bn)
     fused = split > 1 and GEMV["fused_sum" if mode == 3 else "tile_fused_sum"] and grid_nm <= _MAX_TILES
     if mode == 3:
         lo, hi, d, _ = plane_args(w)
         cnt = counters(x.device) if fused else dst
         extra = _gemv_options(w.qtype, rows, mma)
-        gemv_kernel[(tiles_n, split)](x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split,
-                                      0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype], BN=bn, FUSED_SUM=fused, ROWS=rows,
-                                      PIPE=pipe, MMA=mma, num_warps=warps, **extra, **launch())
+        gemv_kernel[(triton.cdiv(n, bn), split)](
+            x, out, dst, cnt, lo, hi, d, _scale_words(w), n, nsb, sb_per, split, 0, 0, 0, 0, 0, 0, QT=QT_CODE[w.qtype],
+            BN=bn, FUSED_SUM=fused, ROWS=rows, PIPE=pipe, MMA=mma, num_warps=warps, **extra, **launch())
     else:
         _launch_tiles(x, out, dst, w, m, n, nsb, sb_per, split, mode, bm, bn, warps, fused)
     if split > 1 and not fused:

@@ -1,0 +1,231 @@
+"""The Q4_K linear at 2-16 activation rows (a batch's decode projections) on tensor cores, the dequantized weights kept
+in registers (Gluon): y = x W^T, x [M, K] bf16, W [N, K] in the packed layout (ktrans.kernels.triton.quant_layout).
+Opt-in (ROWS_REG, `KTRANS_GEMV_ROWS_REG`) until timed on a GPU; the oracle is ktrans.kernels.torch.quant.quant_linear.
+
+Why. At 16 rows the projections go through quant's tile path, whose dequantized tile reaches its dots through
+shared memory: on the H100 it is 60% of a 16-request decode step's GPU time (7.5 of 12.7 ms, doc/benchmarks.md,
+session 35), six times what the same weights cost at one row.
+
+How. The weights are the mma.m16n8k16 B operand here (quant_gemv_reg's body has them as A): thread (g, t) of a warp
+holds, of each 8-row tile, row g's code words 8 t .. 8 t + 7 (two 16-byte loads), and the dot's K order is
+quant_gemv_reg's (column k = 64 j + 8 m + 2 a + e is weight 8 a + m of sub-block j + 4 e), so those words become the B
+fragments of all sixteen K tiles by the same PTX (1 + q / 128, exact in bf16). The A operand holds eight activation
+rows twice: row 8 e + t is token t's x at the columns of parity e and zero at the others. The dot over K chunk j
+(columns 64 j .. 64 j + 63) then gives, in row 8 e + t, token t's sum over sub-block j + 4 e of (1 + q / 128) x, and a
+second dot of the same A against ones the sums of x, X. Each chunk's sums are scaled by their rows' sub-block
+scales as ggml sums them (128 d sc (P - X) - dmin m X) into the accumulator; at the end each token's two rows (e = 0
+and 1: registers of one thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens; more tokens are
+more programs along the grid's first axis, next to each other, so their weights come from the L2. K is split across
+programs as in quant_gemv (the fp32 partials summed in split order by each tile's last program).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ktrans.kernels.triton import quant_gemv_reg
+from ktrans.kernels.triton.pdl import launch
+
+MAX_ROWS = 16
+_ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS_REG", "0").split(",") if v.strip()] or [0]
+# on; row tiles of 8 a warp (a program's rows: 8 x tiles x warps); warps; programs wanted an SM (K is split to reach
+# them). Untimed: the defaults are quant_gemv_reg's one-row tiling (128 rows, 4 warps), 2 programs an SM
+ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [4, 4, 2][len(_ENV) - 1:]))
+
+
+def applies(x: torch.Tensor, qtype: str) -> bool:
+    """Whether this body takes x [M, K] times a `qtype` matrix: on, Q4_K, 2..MAX_ROWS bf16 rows, a GPU it runs on."""
+    return bool(ROWS_REG["on"]) and qtype == "Q4_K" and 2 <= x.shape[0] <= MAX_ROWS and \
+        x.dtype == torch.bfloat16 and quant_gemv_reg.runs_on(x.device)
+
+
+if quant_gemv_reg._GLUON:
+    import functools
+
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from ktrans.kernels.triton.quant_gemv_reg import _Q4_ASM, _barrier, _enter, _join8
+
+    @functools.lru_cache(maxsize=None)
+    def layouts(warps: int, tiles: int) -> tuple:
+        """(MMA, A, B, WORDS) for `warps` warps side by side along the rows of W, `tiles` 8-row tiles a warp: the
+        accumulator's [16, BN] mma.m16n8k16 layout, its two operands', and the code words' [BN, 4, 8] (word 8 a + m
+        of each row) whose dequantization is the B operand [256, BN] with no data movement."""
+        if warps & (warps - 1) or tiles & (tiles - 1) or not 1 <= tiles <= 8:
+            raise ValueError(f"quant_rows_reg: warps ({warps}) and 8-row tiles a warp ({tiles}, at most 8) must be "
+                             "powers of two")
+        mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, warps], instr_shape=[16, 8])
+        a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # registers: the 8 consecutive words (two 16-byte loads), then the further row tiles; lanes: the word group
+        # a (the B fragment's K pair), then rows 0..7; warps: 8-row tiles
+        reg = [[0, 0, 1], [0, 0, 2], [0, 0, 4]] + [[8 * warps << i, 0, 0] for i in range(tiles.bit_length() - 1)]
+        lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        warp = [[8 << i, 0, 0] for i in range(warps.bit_length() - 1)]
+        words = gl.DistributedLinearLayout(reg, lane, warp, [], [8 * warps * tiles, 4, 8])
+        return mma, a, b, words
+
+    def tiling(flag: str, warps: int, tiles: int) -> dict:
+        """The kernel's tiling constexprs; `flag` names the setting a bad tiling came from."""
+        try:
+            mma, la, lb, lw = layouts(warps, tiles)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+        return {"W": warps, "NT": tiles, "MMA": mma, "LA": la, "LB": lb, "LW": lw}
+
+    @gluon.jit
+    def _codes_b(words, BN: gl.constexpr, LB: gl.constexpr):
+        """Code words [BN, 4, 8] (word 8 a + m) -> the B operand [256, BN] bf16: row k = 64 j + 8 m + 2 a + e of
+        column n is row n's word 8 a + m's nibble j + 4 e as 1 + q / 128 (quant_gemv_reg._q4_asm)."""
+        f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
+                                      is_pure=True, pack=8)  # [BN, 4, 8, 2, 2, 2]: element 2 j + e of a word
+        f = gl.reshape(gl.permute(gl.reshape(f, [BN, 4, 8, 4, 2]), (0, 3, 2, 1, 4)), [BN, 256])
+        return gl.convert_layout(gl.permute(f, (1, 0)), LB, assert_trivial=True)
+
+    @gluon.jit
+    def _halves_k(t, L: gl.constexpr, AXIS: gl.constexpr):
+        """t split along its K axis (AXIS 1: A [R, K]; 0: B [K, C]) into its two halves, each in L (K's top bit
+        is a register bit of both operands: no data moves)."""
+        if AXIS == 1:
+            R: gl.constexpr = t.shape[0]
+            K: gl.constexpr = t.shape[1]
+            u0, u1 = gl.split(gl.permute(gl.reshape(t, [R, 2, K // 2]), (0, 2, 1)))
+        else:
+            K: gl.constexpr = t.shape[0]
+            C: gl.constexpr = t.shape[1]
+            u0, u1 = gl.split(gl.permute(gl.reshape(t, [2, K // 2, C]), (1, 2, 0)))
+        return gl.convert_layout(u0, L, assert_trivial=True), gl.convert_layout(u1, L, assert_trivial=True)
+
+    @gluon.jit
+    def _quarters_k(t, L: gl.constexpr, AXIS: gl.constexpr):
+        """t's four K chunks of 64 (chunk j: columns 64 j ..), each in L."""
+        h0, h1 = _halves_k(t, L, AXIS)
+        c0, c1 = _halves_k(h0, L, AXIS)
+        c2, c3 = _halves_k(h1, L, AXIS)
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _token_rows(t):
+        """[16, C] (row 8 e + t) -> ([8, C] row t of e = 0, the same of e = 1): row bit 3 is a register bit."""
+        C: gl.constexpr = t.shape[1]
+        return gl.split(gl.permute(gl.reshape(t, [2, 8, C]), (1, 2, 0)))
+
+    @gluon.jit
+    def _chunk_sums(acc, a, b, ones, z, w_s, w_m, d, dmin, J: gl.constexpr, hi):
+        """acc += chunk J's sums (A chunk a, B chunk b) scaled by sub-blocks J (rows e = 0) and J + 4 (e = 1): the
+        scales are byte J of w_s's (scales 0..3 | 4..7) and w_m's (mins) int32 words [2, BN]-wise, hi the rows of
+        e = 1; d already times 128."""
+        p = mma_v2(a, b, z)
+        xs = mma_v2(a, ones, z)
+        s_lo = ((w_s[0] >> (8 * J)) & 0xFF).to(gl.float32)
+        s_hi = ((w_s[1] >> (8 * J)) & 0xFF).to(gl.float32)
+        m_lo = ((w_m[0] >> (8 * J)) & 0xFF).to(gl.float32)
+        m_hi = ((w_m[1] >> (8 * J)) & 0xFF).to(gl.float32)
+        s = gl.where(hi, (s_hi * d)[None, :], (s_lo * d)[None, :])
+        m = gl.where(hi, (m_hi * dmin)[None, :], (m_lo * dmin)[None, :])
+        return acc + s * (p - xs) - m * xs
+
+    @gluon.jit
+    def rows_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, SPLIT,
+                        stride_x, FUSED_SUM: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, NT: gl.constexpr,
+                        MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr):
+        """Tokens pid_g * 8.. (of M) times rows pid_n * BN.. of W over super-blocks pid_k * SB_PER..: SPLIT = 1, y
+        into out_ptr [M, N]; else the fp32 partial into part_ptr [SPLIT, M, N], and with FUSED_SUM the tile's last
+        program (counted in cnt_ptr[tile], zero between calls) sums the partials in order and zeroes the count.
+        sc_ptr: the scale plane's bytes (a row's 8 scales, then its 8 mins); d_ptr: its fp16 d, dmin pairs."""
+        BN: gl.constexpr = 8 * W * NT
+        _enter(PDL)
+        pid_g = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        row0 = pid_n * BN
+        t0 = pid_g * 8
+        # the code words: row n, word 8 a + m
+        n_w = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+        a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+        m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+        woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
+        wmask = (n_w < N)[:, None, None]
+        # A: row r = 8 e + t is token t0 + t's x at the columns of parity e (column k's x: sub-block * 32 + word)
+        r_a = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
+        k_a = gl.arange(0, 256, layout=gl.SliceLayout(0, LA))
+        sub = k_a // 64 + 4 * (k_a % 2)
+        word = ((k_a // 2) % 4) * 8 + (k_a // 8) % 8
+        tok = t0 + r_a % 8
+        xoff = tok[:, None] * stride_x + (sub * 32 + word)[None, :]
+        xmask = (tok < M)[:, None] & ((k_a % 2)[None, :] == (r_a // 8)[:, None])
+        ones = gl.full([64, BN], 1.0, gl.bfloat16, layout=LB)
+        # the scales, d and dmin of the accumulator's columns (rows of W), as int32 words
+        n_c = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+        cmask = n_c < N
+        r_c = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        hi = (r_c >= 8)[:, None]
+        sc32 = sc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        d32 = d_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        z = gl.zeros([16, BN], gl.float32, layout=MMA)
+        acc = z
+        sb0 = pid_k * SB_PER
+        for sb in range(sb0, gl.minimum(sb0 + SB_PER, NSB)):
+            words = gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0)
+            b0, b1, b2, b3 = _quarters_k(_codes_b(words, BN, LB), LB, 0)
+            a0, a1, a2, a3 = _quarters_k(gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0), LA, 1)
+            rows = sb * N + n_c
+            w_s = (gl.load(sc32 + rows * 4, mask=cmask, other=0), gl.load(sc32 + rows * 4 + 1, mask=cmask, other=0))
+            w_m = (gl.load(sc32 + rows * 4 + 2, mask=cmask, other=0),
+                   gl.load(sc32 + rows * 4 + 3, mask=cmask, other=0))
+            dd = gl.load(d32 + rows, mask=cmask, other=0)
+            d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 128.0
+            dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+            acc = _chunk_sums(acc, a0, b0, ones, z, w_s, w_m, d, dmin, 0, hi)
+            acc = _chunk_sums(acc, a1, b1, ones, z, w_s, w_m, d, dmin, 1, hi)
+            acc = _chunk_sums(acc, a2, b2, ones, z, w_s, w_m, d, dmin, 2, hi)
+            acc = _chunk_sums(acc, a3, b3, ones, z, w_s, w_m, d, dmin, 3, hi)
+        y0, y1 = _token_rows(acc)
+        tk, _ = _token_rows(gl.zeros([16, BN], gl.int32, layout=MMA) + (t0 + r_c % 8)[:, None])
+        nn, _ = _token_rows(gl.zeros([16, BN], gl.int32, layout=MMA) + n_c[None, :])
+        offs = tk * N + nn
+        mask = (tk < M) & (nn < N)
+        y = y0 + y1
+        if SPLIT == 1:
+            gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.store(part_ptr + pid_k * M * N + offs, y, mask=mask)
+            if FUSED_SUM:
+                _barrier()  # every thread's partial stored before the count's release
+                tile = pid_n * gl.num_programs(0) + pid_g
+                if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                    total = gl.zeros_like(y)
+                    for s in range(SPLIT):
+                        total += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                    gl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split: int | None) -> torch.Tensor:
+    """x [M, K] (2..MAX_ROWS bf16 rows) times the Q4_K matrix w -> [M, N] bf16, through rows_reg_kernel; `planes`
+    are quant.plane_args(w), `cnt` the device's split-sum counts (quant.counters), `sms` its SM count; `split`: K
+    splits (None: enough programs for ROWS_REG["per_sm"] an SM)."""
+    m, n, nsb = x.shape[0], w.n, w.k // 256
+    warps, tiles = ROWS_REG["warps"], ROWS_REG["tiles"]
+    consts = tiling("KTRANS_GEMV_ROWS_REG", warps, tiles)
+    bn, groups = 8 * warps * tiles, triton.cdiv(m, 8)
+    grid_nm = triton.cdiv(n, bn) * groups
+    if max(n * nsb * 32, m * n * nsb) >= 2 ** 31:
+        raise ValueError(f"quant_rows_reg: [{n}, {w.k}] at {m} rows overflows its int32 offsets")
+    if split is None:
+        split = max(1, min(nsb, triton.cdiv(ROWS_REG["per_sm"] * sms, grid_nm)))
+    sb_per = triton.cdiv(nsb, split)
+    split = triton.cdiv(nsb, sb_per)
+    if split > 1 and grid_nm > cnt.numel():  # more tiles than split-sum counts: whole K a program
+        split, sb_per = 1, nsb
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    lo, _, d, sc = planes
+    rows_reg_kernel[(groups, triton.cdiv(n, bn), split)](
+        x, out, part, cnt, lo, d, sc, m, n, nsb, sb_per, split, x.stride(0), FUSED_SUM=split > 1,
+        num_warps=warps, **consts, **launch())
+    return out

@@ -1,0 +1,192 @@
+"""The Q4_K linear at 2-16 rows on tensor cores with the weights in registers (ktrans.kernels.triton.quant_rows_reg,
+Gluon; opt-in, `KTRANS_GEMV_ROWS_REG`).
+
+As for the one-row register body (tests/kernels/test_gemv_reg.py), Gluon does not run under the interpreter:
+- the index algebra, on the CPU: the B operand from the code words by the PTX's own bit operations (the one-row
+  body's A operand, transposed), the A operand (each token twice, one copy a column parity) by the kernel's own
+  offset and mask formulas, the chunk dots, the sums of x and the scale step as the kernel takes them from the scale
+  plane's words, give quant_linear's output;
+- the compile, without a GPU: sm_80 and sm_90, every layout conversion asserted trivial, no shared memory beyond
+  the split sum's count, and the expected mma and 16-byte load counts;
+- on a GPU (marked `gpu`): against the float64 reference at awkward shapes (N = 200, a partial row tile; K = 768,
+  three super-blocks; 2 to 16 rows, a partial token group; every split), and bitwise the same across splits' sums.
+
+Tolerance: y is bf16, each output the float64 product rounded once to bf16 up to fp32 summation error (the dots'
+products are exact): |y - ref| <= 2^-7 |ref| + 1e-5 max|ref|, as the other GEMV bodies' tests state it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf.quants")
+from ktrans.kernels.torch.quant import quant_linear  # noqa: E402
+from ktrans.kernels.triton import quant_gemv_reg, quant_rows_reg  # noqa: E402
+from tests.kernels.test_gemv_reg import _a_operand, _columns  # noqa: E402
+from tests.kernels.test_gemv_rows import _close  # noqa: E402
+from tests.kernels.test_quant_triton import _weight  # noqa: E402
+
+gluon_only = pytest.mark.skipif(not quant_gemv_reg._GLUON, reason="this Triton has no Gluon")
+
+
+def test_operands_make_the_reference():
+    """B (the PTX's bits, transposed) and A (tokens t0.. at rows 8 e + t, the columns of parity e) by the kernel's
+    formulas: each chunk j's dots are the tokens' sums over sub-blocks j (e = 0) and j + 4 (e = 1), and the kernel's
+    scale step on the scale plane's int32 words gives quant_linear's output (fp32: within 1e-6 of the largest)."""
+    n, k, m = 24, 512, 5
+    w = _weight("Q4_K", n, k, "cpu", seed=12)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
+    xd = x.double().numpy()
+    lo = w.lo.view(torch.int32).numpy().reshape(w.nsb, n, 32).view(np.uint32)
+    sc32 = w.sc.view(torch.int32).numpy().reshape(w.nsb, n, 4)
+    dd = w.d.float().numpy().reshape(w.nsb, n, 2).astype(np.float64)
+    # the kernel's A formulas: row r = 8 e + t, column k: x of token t at sub-block * 32 + word where k % 2 == e
+    r, kk = np.arange(16)[:, None], np.arange(256)[None, :]
+    sub = kk // 64 + 4 * (kk % 2)
+    word = ((kk // 2) % 4) * 8 + (kk // 8) % 8
+    assert (_columns("Q4_K")[1] == (sub * 32 + word)[0]).all()  # the one-row body's column order
+    tok, live = r % 8, (kk % 2) == (r // 8)
+    y = np.zeros((16, n))
+    for sb in range(w.nsb):
+        b = _a_operand("Q4_K", lo[sb], None).T  # [256, n]
+        a = np.where(live & (tok < m), xd[np.minimum(tok, m - 1), sb * 256 + sub * 32 + word], 0.0)
+        d, dmin = dd[sb, :, 0] * 128.0, dd[sb, :, 1]
+        for j in range(4):
+            p = a[:, 64 * j:64 * j + 64] @ b[64 * j:64 * j + 64]
+            xs = a[:, 64 * j:64 * j + 64] @ np.ones((64, n))
+            for e in range(2):
+                c = j + 4 * e  # the sub-block these rows summed
+                want = (xd[:, sb * 256 + c * 32:sb * 256 + c * 32 + 32]).sum(1)
+                np.testing.assert_allclose(xs[8 * e:8 * e + m, 0], want, rtol=1e-12, atol=1e-12)
+            byte = lambda wd: ((wd >> (8 * j)) & 0xFF).astype(np.float64)  # noqa: E731
+            s = np.where(r >= 8, byte(sc32[sb, :, 1]) * d, byte(sc32[sb, :, 0]) * d)
+            mn = np.where(r >= 8, byte(sc32[sb, :, 3]) * dmin, byte(sc32[sb, :, 2]) * dmin)
+            y += s * (p - xs) - mn * xs
+    got = y[:8] + y[8:]
+    ref = quant_linear(x.float(), w).double().numpy()
+    np.testing.assert_allclose(got[:m], ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    assert not got[m:].any()  # the token group's pad rows stay zero
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from ktrans.kernels.triton import quant_rows_reg as qr
+
+fn = qr.rows_reg_kernel
+aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "d_ptr", "sc_ptr", "N", "stride_x"]
+out = []
+for cc, warps, tiles, fused in json.loads(sys.argv[1]):
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
+           "d_ptr": "*fp16", "sc_ptr": "*u8", "M": "i32", "N": "i32", "NSB": "i32", "SB_PER": "i32", "SPLIT": "i32",
+           "stride_x": "i32"}
+    consts = {"FUSED_SUM": fused, "PDL": cc >= 90, **qr.tiling("test", warps, tiles)}
+    src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    out.append({"shared": k.metadata.shared, "mma": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16"),
+                "v4": ptx.count("ld.global.v4.b32")})
+print(json.dumps(out))
+"""
+
+
+@gluon_only
+@pytest.mark.slow
+def test_compiles_in_registers():
+    """Compiled for sm_80 and sm_90 without a GPU, in a process without the interpreter: every convert_layout is
+    asserted trivial, so a layout that moved data would not compile; nothing goes through shared memory but the split
+    sum's count; a super-block's dots are 4 chunks x 2 (the sums and the sums of x) x 4 K tiles x the warp's 8-row
+    tiles, and each tile's code words two 16-byte loads."""
+    cases = [(90, 4, 4, True), (80, 4, 2, False), (90, 2, 1, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (cc, warps, tiles, fused), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        assert got["mma"] == 32 * tiles and got["v4"] == 2 * tiles, (cc, tiles, got)
+        assert got["shared"] <= (16 if fused else 0), (cc, got)
+
+
+def test_tilings_are_checked():
+    if not quant_gemv_reg._GLUON:
+        pytest.skip("this Triton has no Gluon")
+    with pytest.raises(ValueError, match="KTRANS_GEMV_ROWS_REG.*powers of two"):
+        quant_rows_reg.tiling("KTRANS_GEMV_ROWS_REG", 3, 4)
+    with pytest.raises(ValueError, match="at most 8"):
+        quant_rows_reg.tiling("KTRANS_GEMV_ROWS_REG", 4, 16)
+
+
+def test_applies_only_where_it_can():
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    was = dict(quant_rows_reg.ROWS_REG)
+    try:
+        quant_rows_reg.ROWS_REG["on"] = 1
+        assert not quant_rows_reg.applies(x, "Q4_K")  # a CPU tensor
+        quant_rows_reg.ROWS_REG["on"] = 0
+        assert not quant_rows_reg.applies(x, "Q4_K")
+    finally:
+        quant_rows_reg.ROWS_REG.update(was)
+
+
+@pytest.fixture
+def rows_reg():
+    was = dict(quant_rows_reg.ROWS_REG)
+    quant_rows_reg.ROWS_REG["on"] = 1
+    yield
+    quant_rows_reg.ROWS_REG.update(was)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [2, 5, 8, 13, 16])
+@pytest.mark.parametrize("warps,tiles", [(4, 4), (4, 1), (2, 2)])
+def test_rows_reg_matches_reference(m, warps, tiles, rows_reg):
+    """2 to 16 rows (a partial token group at 5 and 13) at N = 200 (a partial row tile) and K = 768 (three
+    super-blocks), every split: within the stated tolerance of the float64 reference; the split sums in order, so
+    splits agree with each other to the bf16 rounding of one sum order."""
+    from ktrans.kernels.triton import quant
+
+    quant_rows_reg.ROWS_REG.update(warps=warps, tiles=tiles)
+    dev = torch.device("cuda")
+    w = _weight("Q4_K", 200, 768, dev, seed=21)
+    x = (torch.randn(m, 768, device=dev) * 0.5).to(torch.bfloat16)
+    assert quant_rows_reg.applies(x, "Q4_K")
+    ref = quant_linear(x.float(), w).double()
+    for split in (None, 1, 2, 3):
+        y = quant.qlinear(x, w, split=split)
+        assert y.shape == (m, 200) and y.dtype == torch.bfloat16
+        assert _close(y, ref), (m, warps, tiles, split)
+    assert not quant.counters(dev).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rows_reg_in_a_cuda_graph(rows_reg):
+    """Replayed from a CUDA graph on new activations as an eager call computes them, counters back at zero."""
+    from ktrans.kernels.triton import quant
+
+    dev = torch.device("cuda")
+    w = _weight("Q4_K", 2048, 2048, dev)
+    x = torch.randn(16, 2048, device=dev).to(torch.bfloat16)
+    quant.qlinear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = quant.qlinear(x, w)
+    for _ in range(2):
+        x.copy_(torch.randn(16, 2048, device=dev).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, quant.qlinear(x, w))
+        assert _close(y, quant_linear(x.float(), w).double())
+    assert not quant.counters(dev).any()
