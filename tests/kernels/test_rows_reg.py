@@ -75,7 +75,7 @@ def test_operands_make_the_reference():
 
 
 _COMPILE = """
-import json, sys
+import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -94,8 +94,14 @@ for cc, warps, tiles, fused in json.loads(sys.argv[1]):
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
     ptx = k.asm["ptx"]
+    cubin = tempfile.mktemp(suffix=".cubin")
+    with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+    use = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
+                          "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+    stack = re.search(r"STACK:(\d+)", use)
     out.append({"shared": k.metadata.shared, "mma": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16"),
-                "v4": ptx.count("ld.global.v4.b32")})
+                "v4": ptx.count("ld.global.v4.b32"), "stack": int(stack.group(1)) if stack else None})
 print(json.dumps(out))
 """
 
@@ -106,8 +112,8 @@ def test_compiles_in_registers():
     """Compiled for sm_80 and sm_90 without a GPU, in a process without the interpreter: every convert_layout is
     asserted trivial, so a layout that moved data would not compile; nothing goes through shared memory but the split
     sum's count; a super-block's dots are 4 chunks x 2 (the sums and the sums of x) x 4 K tiles x the warp's 8-row
-    tiles, and each tile's code words two 16-byte loads."""
-    cases = [(90, 4, 4, True), (80, 4, 2, False), (90, 2, 1, True)]
+    tiles, and each tile's code words two 16-byte loads; the default tiling spills no registers."""
+    cases = [(90, 4, 2, True), (80, 4, 2, False), (90, 2, 1, True)]  # the default tiling first
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -115,6 +121,7 @@ def test_compiles_in_registers():
     for (cc, warps, tiles, fused), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
         assert got["mma"] == 32 * tiles and got["v4"] == 2 * tiles, (cc, tiles, got)
         assert got["shared"] <= (16 if fused else 0), (cc, got)
+        assert got["stack"] in (0, None), (cc, warps, tiles, got)  # no register spills (None: no cuobjdump here)
 
 
 def test_tilings_are_checked():

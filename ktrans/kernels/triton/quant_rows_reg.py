@@ -31,8 +31,9 @@ from ktrans.kernels.triton.pdl import launch
 MAX_ROWS = 16
 _ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS_REG", "0").split(",") if v.strip()] or [0]
 # on; row tiles of 8 a warp (a program's rows: 8 x tiles x warps); warps; programs wanted an SM (K is split to reach
-# them). Untimed: the defaults are quant_gemv_reg's one-row tiling (128 rows, 4 warps), 2 programs an SM
-ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [4, 4, 2][len(_ENV) - 1:]))
+# them). Untimed: 2 tiles, 4 warps (64 rows a program), 2 programs an SM. sm_90 with Triton 3.9: 170 registers at 2
+# tiles, 166 at 1; 4 tiles spill (255 and a 40-byte stack): the x operand's 128 offsets a thread stay in registers
+ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [2, 4, 2][len(_ENV) - 1:]))
 
 
 def applies(x: torch.Tensor, qtype: str) -> bool:
