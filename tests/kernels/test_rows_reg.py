@@ -36,9 +36,10 @@ gluon_only = pytest.mark.skipif(not quant_gemv_reg._GLUON, reason="this Triton h
 
 
 def test_operands_make_the_reference():
-    """B (the PTX's bits, transposed) and A (tokens t0.. at rows 8 e + t, the columns of parity e) by the kernel's
-    formulas: each chunk j's dots are the tokens' sums over sub-blocks j (e = 0) and j + 4 (e = 1), and the kernel's
-    scale step on the scale plane's int32 words gives quant_linear's output (fp32: within 1e-6 of the largest)."""
+    """B (the PTX's bits, transposed) and A (tokens t0.. at rows 8 e + t, the columns of parity e, by the column
+    formulas and by _x_operand's joins and permutes of x loaded by sub-block): each chunk j's dots are the tokens'
+    sums over sub-blocks j (e = 0) and j + 4 (e = 1), and the kernel's scale step on the scale plane's int32 words
+    gives quant_linear's output (fp32: within 1e-6 of the largest)."""
     n, k, m = 24, 512, 5
     w = _weight("Q4_K", n, k, "cpu", seed=12)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
@@ -68,6 +69,15 @@ def test_operands_make_the_reference():
             s = np.where(r >= 8, byte(sc32[sb, :, 1]) * d, byte(sc32[sb, :, 0]) * d)
             mn = np.where(r >= 8, byte(sc32[sb, :, 3]) * dmin, byte(sc32[sb, :, 2]) * dmin)
             y += s * (p - xs) - mn * xs
+    # the kernel builds that A from x loaded as [token, sub-block c, a, m] (_x_operand): the same matrix
+    xv = np.stack([xd[min(t, m - 1), :256].reshape(8, 4, 8) * (t < m) for t in range(8)])  # super-block 0
+    x6 = xv.reshape(8, 2, 4, 4, 8).transpose(0, 2, 3, 4, 1)  # [t, j, a, m, e]
+    x_e0, x_e1 = x6[..., 0], x6[..., 1]
+    z = np.zeros_like(x_e0)
+    built = np.stack([np.stack([x_e0, z], -1), np.stack([z, x_e1], -1)], -1)  # gl.join: a new last axis
+    built = built.transpose(5, 0, 1, 3, 2, 4).reshape(16, 256)
+    want = np.where(live & (tok < m), xd[np.minimum(tok, m - 1), sub * 32 + word], 0.0)
+    np.testing.assert_array_equal(built, want)
     got = y[:8] + y[8:]
     ref = quant_linear(x.float(), w).double().numpy()
     np.testing.assert_allclose(got[:m], ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
@@ -112,14 +122,14 @@ def test_compiles_in_registers():
     """Compiled for sm_80 and sm_90 without a GPU, in a process without the interpreter: every convert_layout is
     asserted trivial, so a layout that moved data would not compile; nothing goes through shared memory but the split
     sum's count; a super-block's dots are 4 chunks x 2 (the sums and the sums of x) x 4 K tiles x the warp's 8-row
-    tiles, and each tile's code words two 16-byte loads; the default tiling spills no registers."""
+    tiles, each tile's code words two 16-byte loads and x's eight; the default tiling spills no registers."""
     cases = [(90, 4, 2, True), (80, 4, 2, False), (90, 2, 1, True)]  # the default tiling first
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for (cc, warps, tiles, fused), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
-        assert got["mma"] == 32 * tiles and got["v4"] == 2 * tiles, (cc, tiles, got)
+        assert got["mma"] == 32 * tiles and got["v4"] == 2 * tiles + 8, (cc, tiles, got)
         assert got["shared"] <= (16 if fused else 0), (cc, got)
         assert got["stack"] in (0, None), (cc, warps, tiles, got)  # no register spills (None: no cuobjdump here)
 

@@ -10,13 +10,14 @@ How. The weights are the mma.m16n8k16 B operand here (quant_gemv_reg's body has 
 holds, of each 8-row tile, row g's code words 8 t .. 8 t + 7 (two 16-byte loads), and the dot's K order is
 quant_gemv_reg's (column k = 64 j + 8 m + 2 a + e is weight 8 a + m of sub-block j + 4 e), so those words become the B
 fragments of all sixteen K tiles by the same PTX (1 + q / 128, exact in bf16). The A operand holds eight activation
-rows twice: row 8 e + t is token t's x at the columns of parity e and zero at the others. The dot over K chunk j
-(columns 64 j .. 64 j + 63) then gives, in row 8 e + t, token t's sum over sub-block j + 4 e of (1 + q / 128) x, and a
-second dot of the same A against ones the sums of x, X. Each chunk's sums are scaled by their rows' sub-block
-scales as ggml sums them (128 d sc (P - X) - dmin m X) into the accumulator; at the end each token's two rows (e = 0
-and 1: registers of one thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens; more tokens are
-more programs along the grid's first axis, next to each other, so their weights come from the L2. K is split across
-programs as in quant_gemv (the fp32 partials summed in split order by each tile's last program).
+rows twice: row 8 e + u is token u's x at the columns of parity e and zero at the others (thread (g, t) loads token
+g's words 8 t .. 8 t + 7 of every sub-block, 16 bytes each, and joins them with zeros into its fragments). The dot
+over K chunk j (columns 64 j .. 64 j + 63) then gives, in row 8 e + u, token u's sum over sub-block j + 4 e of
+(1 + q / 128) x, and a second dot of the same A against ones the sums of x, X. Each chunk's sums are scaled by their
+rows' sub-block scales as ggml sums them (128 d sc (P - X) - dmin m X) into the accumulator; at the end each token's
+two rows (e = 0 and 1: registers of one thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens;
+more tokens are more programs along the grid's first axis, next to each other, so their weights come from the L2. K
+is split across programs as in quant_gemv (the fp32 partials summed in split order by each tile's last program).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from ktrans.kernels.triton.pdl import launch
 MAX_ROWS = 16
 _ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS_REG", "0").split(",") if v.strip()] or [0]
 # on; row tiles of 8 a warp (a program's rows: 8 x tiles x warps); warps; programs wanted an SM (K is split to reach
-# them). Untimed: 2 tiles, 4 warps (64 rows a program), 2 programs an SM. sm_90 with Triton 3.9: 170 registers at 2
-# tiles, 166 at 1; 4 tiles spill (255 and a 40-byte stack): the x operand's 128 offsets a thread stay in registers
+# them). Untimed: 2 tiles, 4 warps (64 rows a program), 2 programs an SM. sm_90 with Triton 3.9: 130 registers at 2
+# tiles, 96 at 1, 250 at 4; 8 spill
 ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [2, 4, 2][len(_ENV) - 1:]))
 
 
@@ -68,15 +69,21 @@ if quant_gemv_reg._GLUON:
         lane = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
         warp = [[8 << i, 0, 0] for i in range(warps.bit_length() - 1)]
         words = gl.DistributedLinearLayout(reg, lane, warp, [], [8 * warps * tiles, 4, 8])
-        return mma, a, b, words
+        # x [8 tokens, 8 sub-blocks, 4 word groups a, 8 words m]: a thread holds its token's 8 words 8 a .. of every
+        # sub-block (8 16-byte loads), every warp the same (warp bases zero: each needs the whole A operand)
+        xs = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 2, 0, 0],
+                                         [0, 4, 0, 0]], [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0],
+                                                         [4, 0, 0, 0]],
+                                        [[0, 0, 0, 0]] * (warps.bit_length() - 1), [], [8, 8, 4, 8])
+        return mma, a, b, words, xs
 
     def tiling(flag: str, warps: int, tiles: int) -> dict:
         """The kernel's tiling constexprs; `flag` names the setting a bad tiling came from."""
         try:
-            mma, la, lb, lw = layouts(warps, tiles)
+            mma, la, lb, lw, lx = layouts(warps, tiles)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
-        return {"W": warps, "NT": tiles, "MMA": mma, "LA": la, "LB": lb, "LW": lw}
+        return {"W": warps, "NT": tiles, "MMA": mma, "LA": la, "LB": lb, "LW": lw, "LX": lx}
 
     @gluon.jit
     def _codes_b(words, BN: gl.constexpr, LB: gl.constexpr):
@@ -110,6 +117,17 @@ if quant_gemv_reg._GLUON:
         return c0, c1, c2, c3
 
     @gluon.jit
+    def _x_operand(xv, LA: gl.constexpr):
+        """x [8 tokens t, 8 sub-blocks c, 4 a, 8 m] (c = j + 4 e) -> the A operand [16, 256]: row 8 e' + t, column
+        64 j + 8 m + 2 a + e is token t's x of sub-block j + 4 e, word 8 a + m, where e = e', else 0."""
+        x6 = gl.permute(gl.reshape(xv, [8, 2, 4, 4, 8]), (0, 2, 3, 4, 1))  # [t, j, a, m, e]
+        x_e0, x_e1 = gl.split(x6)
+        z = gl.zeros_like(x_e0)
+        a = gl.join(gl.join(x_e0, z), gl.join(z, x_e1))  # [t, j, a, m, e, e']
+        a = gl.reshape(gl.permute(a, (5, 0, 1, 3, 2, 4)), [16, 256])
+        return gl.convert_layout(a, LA, assert_trivial=True)
+
+    @gluon.jit
     def _token_rows(t):
         """[16, C] (row 8 e + t) -> ([8, C] row t of e = 0, the same of e = 1): row bit 3 is a register bit."""
         C: gl.constexpr = t.shape[1]
@@ -133,7 +151,8 @@ if quant_gemv_reg._GLUON:
     @gluon.jit
     def rows_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, SPLIT,
                         stride_x, FUSED_SUM: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, NT: gl.constexpr,
-                        MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr):
+                        MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr,
+                        LX: gl.constexpr):
         """Tokens pid_g * 8.. (of M) times rows pid_n * BN.. of W over super-blocks pid_k * SB_PER..: SPLIT = 1, y
         into out_ptr [M, N]; else the fp32 partial into part_ptr [SPLIT, M, N], and with FUSED_SUM the tile's last
         program (counted in cnt_ptr[tile], zero between calls) sums the partials in order and zeroes the count.
@@ -151,14 +170,14 @@ if quant_gemv_reg._GLUON:
         m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
         woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
         wmask = (n_w < N)[:, None, None]
-        # A: row r = 8 e + t is token t0 + t's x at the columns of parity e (column k's x: sub-block * 32 + word)
-        r_a = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-        k_a = gl.arange(0, 256, layout=gl.SliceLayout(0, LA))
-        sub = k_a // 64 + 4 * (k_a % 2)
-        word = ((k_a // 2) % 4) * 8 + (k_a // 8) % 8
-        tok = t0 + r_a % 8
-        xoff = tok[:, None] * stride_x + (sub * 32 + word)[None, :]
-        xmask = (tok < M)[:, None] & ((k_a % 2)[None, :] == (r_a // 8)[:, None])
+        # x of tokens t0.. by sub-block c and word 8 a + m (made into the A operand by _x_operand)
+        t_x = t0 + gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
+        c_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
+        a_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LX))))
+        m_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LX))))
+        xoff = (t_x * stride_x)[:, None, None, None] + (c_x * 32)[None, :, None, None] + \
+            (a_x * 8)[None, None, :, None] + m_x[None, None, None, :]
+        xmask = (t_x < M)[:, None, None, None] & (m_x >= 0)[None, None, None, :]
         ones = gl.full([64, BN], 1.0, gl.bfloat16, layout=LB)
         # the scales, d and dmin of the accumulator's columns (rows of W), as int32 words
         n_c = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
@@ -173,7 +192,8 @@ if quant_gemv_reg._GLUON:
         for sb in range(sb0, gl.minimum(sb0 + SB_PER, NSB)):
             words = gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0)
             b0, b1, b2, b3 = _quarters_k(_codes_b(words, BN, LB), LB, 0)
-            a0, a1, a2, a3 = _quarters_k(gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0), LA, 1)
+            xa = _x_operand(gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0), LA)
+            a0, a1, a2, a3 = _quarters_k(xa, LA, 1)
             rows = sb * N + n_c
             w_s = (gl.load(sc32 + rows * 4, mask=cmask, other=0), gl.load(sc32 + rows * 4 + 1, mask=cmask, other=0))
             w_m = (gl.load(sc32 + rows * 4 + 2, mask=cmask, other=0),
