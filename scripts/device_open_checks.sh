@@ -39,6 +39,11 @@
 #                                                routing statistics, then GPU_EXPERTS (64) of each layer's experts on
 #                                                the GPU, 0..N-1 and the N most-routed; ~6 min
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
+#   bash scripts/device_open_checks.sh rows      issue 16's 2-16-row projections: the rows kernel's and the tile
+#                                                path's GPU tests beside the file writer, the M=16 cases under each
+#                                                ROWS_AB setting, then all on the GPU at batch 4 and 16 (profiled)
+#                                                under each E2E_AB setting; ~8 min (two calls: NO_E2E=1, then
+#                                                NO_TESTS=1 NO_KERNELS=1)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -275,8 +280,33 @@ long)
     --prompt_len 64 --gen_len 16 --batch_sizes 1 --prefill_lens 131072 --max_batch_size 1 --profile_steps 0 \
     --use_cuda_graph
   ;;
+rows)
+  # issue 16: a batch's decode projections (2-16 rows) through quant_rows_reg (KTRANS_GEMV_ROWS_REG) against the tile
+  # path (its split sum fused or not: KTRANS_GEMV_TILE_FUSED_SUM), session 35's 7.5 ms of a 16-request step
+  start_writer "$OUT/mk.log"
+  [ -n "${NO_TESTS:-}" ] || TESTS="tests/kernels/test_rows_reg.py tests/kernels/test_quant_triton.py" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-150} run_tests
+  [ -n "${NO_KERNELS:-}" ] && ROWS_AB=" "
+  for v in ${ROWS_AB:-KTRANS_GEMV_ROWS_REG=0 KTRANS_GEMV_ROWS_REG=1 KTRANS_GEMV_ROWS_REG=1,4,4,2 KTRANS_GEMV_TILE_FUSED_SUM=1}; do
+    # shellcheck disable=SC2086
+    env ${v//+/ } timeout 90 ktrans bench kernels --json --reps 20 --family quant --match "M=16" \
+      > "$OUT/rows_${v//[^A-Za-z0-9]/_}.jsonl" 2>/dev/null
+    python3 -c "import json,sys; [print(sys.argv[2], r['case'], r.get('us'), r.get('frac_of_hbm'), r.get('streamed_us'), r.get('streamed_frac_of_hbm'), r.get('error', '')) for r in map(json.loads, open(sys.argv[1])) if r.get('case')]" \
+      "$OUT/rows_${v//[^A-Za-z0-9]/_}.jsonl" "$v"
+  done
+  [ -z "${NO_E2E:-}" ] || exit 0
+  while [ -n "$(busy make-tiny)" ]; do sleep 2; done
+  [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
+  python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-gpu.yaml /tmp/gpu-triton.yaml triton
+  for v in ${E2E_AB:-KTRANS_GEMV_ROWS_REG=1 KTRANS_GEMV_ROWS_REG=0+KTRANS_GEMV_TILE_FUSED_SUM=1 KTRANS_GEMV_ROWS_REG=0}; do
+    # shellcheck disable=SC2086  # A=1+B=2: two variables
+    env ${v//+/ } E2E_TIMEOUT=${E2E_TIMEOUT:-200} bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
+      e2e rows_${v//[^A-Za-z0-9]/_} --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 \
+      --batch_sizes 4,16 --profile_steps 3 --profile_batch 16 --use_cuda_graph"
+  done
+  ;;
 *)
-  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|serve|hot|long" >&2
+  echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|serve|gdn|hot|long|rows" >&2
   exit 2
   ;;
 esac
