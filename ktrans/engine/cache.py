@@ -10,11 +10,11 @@ through it.
   whoever writes past a shared prefix writes into its own pages.
 - **DeltaNet state slots are owned, never shared**: decode updates a slot in place. `alloc_slot()` /
   `free_slot(slot)`; `copy_slot(src, dst)` (or `copy_slots`) copies every linear-attention layer's conv and
-  recurrent state rows on the pool's device, one batched `index_copy_` per pool tensor, with no host sync. Under a
-  model split over devices the pools are per device (runtime.pools.SplitKVPool / SplitStatePool) and share these
-  ids: one page or slot id names the same rows in every device's part, so the bookkeeping here is device-blind.
-  That is how a state snapshot (a slot the prefix cache keeps) is taken from a request's slot, and how a hit
-  gives a request its own copy.
+  recurrent state rows on the pool's device, one batched `index_copy_` a kind (a part keeps its layers in one
+  tensor a kind), with no host sync. Under a model split over devices the pools are per device
+  (runtime.pools.SplitKVPool / SplitStatePool) and share these ids: one page or slot id names the same rows in
+  every device's part, so the bookkeeping here is device-blind. That is how a state snapshot (a slot the prefix
+  cache keeps) is taken from a request's slot, and how a hit gives a request its own copy.
 - **Snapshot slots are a second range of the same pool**: slots [num_slots, num_slots + num_snapshot_slots) are
   handed out only by `alloc_snapshot_slot()` (the prefix cache's), so a request never takes a snapshot's place
   and the scheduler's `num_free_slots` counts request slots only. `copy_page_rows(src, dst, n)` copies a page's
@@ -191,7 +191,7 @@ class CacheManager:
         self.copy_slots([src], [dst])
 
     def copy_slots(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
-        """Row dst[i] := row src[i] of every conv and recurrent state tensor: one index_copy_ per pool tensor.
+        """Row dst[i] := row src[i] of every conv and recurrent state tensor: one index_copy_ a kind and pool part.
 
         Indices given as ints go to the device through pinned memory without blocking (and are cached for
         reuse), so nothing waits for the device; a caller with the indices already on the device passes tensors.
@@ -212,13 +212,15 @@ class CacheManager:
                 raise ValueError(f"copy_slots: the destinations {dst} repeat a slot")
             if not src:
                 return
-        # A split pool's tensors sit on several devices: each device reads its own copy of the indices.
+        # A split pool's parts sit on several devices: each device reads its own copy of the indices. A part keeps
+        # its layers' slots in one tensor a kind (StatePool.conv_all, ssm_all): one copy a kind and part.
         index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for t in (*self.states.conv, *self.states.ssm):
-            if t.device not in index:
-                index[t.device] = self._device_index(src, t.device), self._device_index(dst, t.device)
-            src_i, dst_i = index[t.device]
-            t.index_copy_(0, dst_i, t.index_select(0, src_i))
+        for part in self.states.parts:
+            for t in (part.conv_all, part.ssm_all):
+                if t.device not in index:
+                    index[t.device] = self._device_index(src, t.device), self._device_index(dst, t.device)
+                src_i, dst_i = index[t.device]
+                t.index_copy_(1, dst_i, t.index_select(1, src_i))
 
     def _device_index(self, idx: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
         if isinstance(idx, torch.Tensor):

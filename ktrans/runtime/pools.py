@@ -96,8 +96,12 @@ class StatePool:
                             enumerate(_layers(layers, config.linear_attention_layers, "linear-attention"))}
         conv_shape = (num_slots + 1, config.conv_dim, config.linear_conv_kernel_dim - 1)
         ssm_shape = (num_slots + 1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
-        self.conv = [torch.zeros(conv_shape, dtype=dtype, device=device) for _ in self.layer_index]
-        self.ssm = [torch.zeros(ssm_shape, dtype=torch.float32, device=device) for _ in self.layer_index]
+        # every layer's slots in one tensor a kind ([layers, slots + 1, ...]), each layer's a view of it: a slot's
+        # copy (the prefix cache's snapshots) is one index_copy_ a kind, not one a layer (72 launches at the 80B)
+        n = len(self.layer_index)
+        self.conv_all = torch.zeros((n, *conv_shape), dtype=dtype, device=device)
+        self.ssm_all = torch.zeros((n, *ssm_shape), dtype=torch.float32, device=device)
+        self.conv, self.ssm = list(self.conv_all.unbind(0)), list(self.ssm_all.unbind(0))
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.layer_index[layer_id]

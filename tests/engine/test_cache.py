@@ -142,6 +142,22 @@ def test_copy_slot_copies_exactly_the_src_rows_of_every_layer():
     _copy_slots_cases("cpu")
 
 
+def test_copy_slot_is_one_copy_a_kind(monkeypatch):
+    """Every layer's state slots are views of one tensor a kind (StatePool.conv_all, ssm_all), so a slot's copy is
+    two index_copy_ calls, not two a layer (the prefix cache's snapshots: 72 launches at the 80B's 36 layers)."""
+    c = manager(num_slots=3)
+    pool = c.states
+    for views, whole in ((pool.conv, pool.conv_all), (pool.ssm, pool.ssm_all)):
+        assert len(views) == whole.shape[0] == len(CONFIG.linear_attention_layers)
+        assert all(v.is_contiguous() and v.data_ptr() == whole[i].data_ptr() for i, v in enumerate(views))
+    calls = []
+    real = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda t, *a: calls.append(t.shape) or real(t, *a))
+    a, b = c.alloc_slot(), c.alloc_slot()
+    c.copy_slot(a, b)
+    assert calls == [pool.conv_all.shape, pool.ssm_all.shape]
+
+
 def test_copy_slot_refuses_free_slots_and_repeated_destinations():
     c = manager(num_slots=3)
     a, b = c.alloc_slot(), c.alloc_slot()
