@@ -238,19 +238,21 @@ class _Bench:
                 "itl_count": len(itl), "itl_p50_ms": 1e3 * pct(0.5), "itl_p99_ms": 1e3 * pct(0.99),
                 "itl_max_ms": 1e3 * itl[-1], "holds": pct(0.99) <= chunk + 2 * pct(0.5)}
 
-    def gpu_busy_per_step(self, steps: int, prompt_len: int, batch: int = 1
+    def gpu_busy_per_step(self, steps: int, prompt_len: int, batch: int = 1, max_tokens: int = 0
                           ) -> tuple[float, float, float, dict, dict, float] | None:
         """(mean GPU busy seconds, device operations, host launches, the TOP_KERNELS kernels by device time: name ->
         (us, calls) a step, the same by own time: measure.own_times, mean wall seconds) of a decode step of `batch`
         requests, from the profiler (None without CUDA). A device operation is one kernel, copy or memset on the
         device; a host launch is one CUDA runtime call that puts work on a stream (a kernel, copy, memset or whole
         graph): without CUDA graphs the two counts are about equal, with them one graph launch carries the step's
-        kernels. The requests are all past their prefill before the profiled steps start."""
+        kernels. The requests are all past their prefill before the profiled steps start, and none ends in them
+        (each asks for max_tokens, at least steps + 2: the first to start must outlast the others' prefills; a
+        request that produced other than one token a profiled step raises)."""
         if not self.devices or steps == 0:
             return None
         from torch.profiler import ProfilerActivity, profile
 
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max(steps + 2, max_tokens), ignore_eos=True)
         streams = [self.engine.submit(torch.randint(0, self.vocab, (prompt_len,), generator=self.gen).tolist(),
                                       params) for _ in range(batch)]
         started = [False] * batch
@@ -265,8 +267,13 @@ class _Bench:
                 self.engine.poll()
             self._sync()
             wall = (time.perf_counter() - t0) / steps
+        made = [sum(len(o.token_ids) for o in st.drain()) for st in streams]
         while self.engine.poll():
             pass
+        if made != [steps] * batch:
+            raise RuntimeError(f"bench e2e: the {steps} profiled steps were not all {batch}-request decode steps "
+                               f"(tokens each request made in them: {made}); a longer --gen_len lets the first "
+                               "requests outlast the others' prefills")
         device_ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         # the flag path's poll for the CPU experts is the stream waiting, not the GPU working (see `cpu_wait` in
         # the split: it is in the top kernels' list, out of the busy union). A kernel launched with programmatic
@@ -404,7 +411,7 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     gpu_s, device_ops, launches, top, own, _ = profiled if profiled is not None else (None,) * 6
     profiled_batch = None
     if opts.profile_batch:
-        got = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len, opts.profile_batch)
+        got = bench.gpu_busy_per_step(opts.profile_steps, opts.prompt_len, opts.profile_batch, opts.gen_len)
         if got is not None:
             busy, ops, _, top_b, own_b, wall_b = got
             profiled_batch = {"batch_size": opts.profile_batch, "wall_ms": 1e3 * wall_b, "gpu_ms": 1e3 * busy,
