@@ -8,8 +8,9 @@ As for the one-row register body (tests/kernels/test_gemv_reg.py), Gluon does no
   plane's words, give quant_linear's output;
 - the compile, without a GPU: sm_80 and sm_90, every layout conversion asserted trivial, no shared memory beyond
   the split sum's count, and the expected mma and 16-byte load counts;
-- on a GPU (marked `gpu`): against the float64 reference at awkward shapes (N = 200, a partial row tile; K = 768,
-  three super-blocks; 2 to 16 rows, a partial token group; every split), and bitwise the same across splits' sums.
+- on a GPU (marked `gpu`): against the float64 reference at awkward shapes (N = 203, a partial row tile and 8-row
+  tile; K = 768, three super-blocks; 2 to 16 rows, a partial token group; every split; strided rows), the same bits
+  run to run, and the inputs it does not take left to the other paths.
 
 Tolerance: y is bf16, each output the float64 product rounded once to bf16 up to fp32 summation error (the dots'
 products are exact): |y - ref| <= 2^-7 |ref| + 1e-5 max|ref|, as the other GEMV bodies' tests state it.
@@ -94,11 +95,11 @@ from ktrans.kernels.triton import quant_rows_reg as qr
 fn = qr.rows_reg_kernel
 aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "d_ptr", "sc_ptr", "N", "stride_x"]
 out = []
-for cc, warps, tiles, fused in json.loads(sys.argv[1]):
+for cc, warps, tiles in json.loads(sys.argv[1]):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
            "d_ptr": "*fp16", "sc_ptr": "*u8", "M": "i32", "N": "i32", "NSB": "i32", "SB_PER": "i32", "SPLIT": "i32",
            "stride_x": "i32"}
-    consts = {"FUSED_SUM": fused, "PDL": cc >= 90, **qr.tiling("test", warps, tiles)}
+    consts = {"PDL": cc >= 90, **qr.tiling("test", warps, tiles)}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -123,14 +124,14 @@ def test_compiles_in_registers():
     asserted trivial, so a layout that moved data would not compile; nothing goes through shared memory but the split
     sum's count; a super-block's dots are 4 chunks x 2 (the sums and the sums of x) x 4 K tiles x the warp's 8-row
     tiles, each tile's code words two 16-byte loads and x's eight; the default tiling spills no registers."""
-    cases = [(90, 4, 2, True), (80, 4, 2, False), (90, 2, 1, True)]  # the default tiling first
+    cases = [(90, 4, 2), (80, 4, 2), (90, 2, 1)]  # the default tiling first
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for (cc, warps, tiles, fused), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+    for (cc, warps, tiles), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
         assert got["mma"] == 32 * tiles and got["v4"] == 2 * tiles + 8, (cc, tiles, got)
-        assert got["shared"] <= (16 if fused else 0), (cc, got)
+        assert got["shared"] <= 16, (cc, got)  # the split sum's count, broadcast once
         assert got["stack"] in (0, None), (cc, warps, tiles, got)  # no register spills (None: no cuobjdump here)
 
 
@@ -145,12 +146,13 @@ def test_tilings_are_checked():
 
 def test_applies_only_where_it_can():
     x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    w = _weight("Q4_K", 16, 512, "cpu")
     was = dict(quant_rows_reg.ROWS_REG)
     try:
         quant_rows_reg.ROWS_REG["on"] = 1
-        assert not quant_rows_reg.applies(x, "Q4_K")  # a CPU tensor
+        assert not quant_rows_reg.applies(x, w)  # a CPU tensor
         quant_rows_reg.ROWS_REG["on"] = 0
-        assert not quant_rows_reg.applies(x, "Q4_K")
+        assert not quant_rows_reg.applies(x, w)
     finally:
         quant_rows_reg.ROWS_REG.update(was)
 
@@ -166,24 +168,42 @@ def rows_reg():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [2, 5, 8, 13, 16])
-@pytest.mark.parametrize("warps,tiles", [(4, 4), (4, 1), (2, 2)])
+@pytest.mark.parametrize("warps,tiles", [(4, 2), (4, 4), (4, 1), (2, 2)])
 def test_rows_reg_matches_reference(m, warps, tiles, rows_reg):
-    """2 to 16 rows (a partial token group at 5 and 13) at N = 200 (a partial row tile) and K = 768 (three
-    super-blocks), every split: within the stated tolerance of the float64 reference; the split sums in order, so
-    splits agree with each other to the bf16 rounding of one sum order."""
+    """2 to 16 rows (a partial token group at 5 and 13) at N = 203 (a partial row tile, and a partial 8-row tile in
+    it) and K = 768 (three super-blocks), every split: within the stated tolerance of the float64 reference, and the
+    same bits run to run (the split sums in a fixed order); x's rows strided as a slice of a wider buffer."""
     from ktrans.kernels.triton import quant
 
     quant_rows_reg.ROWS_REG.update(warps=warps, tiles=tiles)
     dev = torch.device("cuda")
-    w = _weight("Q4_K", 200, 768, dev, seed=21)
-    x = (torch.randn(m, 768, device=dev) * 0.5).to(torch.bfloat16)
-    assert quant_rows_reg.applies(x, "Q4_K")
-    ref = quant_linear(x.float(), w).double()
-    for split in (None, 1, 2, 3):
-        y = quant.qlinear(x, w, split=split)
-        assert y.shape == (m, 200) and y.dtype == torch.bfloat16
-        assert _close(y, ref), (m, warps, tiles, split)
+    w = _weight("Q4_K", 203, 768, dev, seed=21)
+    buf = (torch.randn(m, 768 + 64, device=dev) * 0.5).to(torch.bfloat16)
+    for x in (buf[:, :768].contiguous(), buf[:, 64:]):
+        assert quant_rows_reg.applies(x, w)
+        ref = quant_linear(x.float(), w).double()
+        for split in (None, 1, 2, 3):
+            y = quant.qlinear(x, w, split=split)
+            assert y.shape == (m, 203) and y.dtype == torch.bfloat16
+            assert _close(y, ref), (m, warps, tiles, split, x.stride())
+            assert torch.equal(y, quant.qlinear(x, w, split=split))
     assert not quant.counters(dev).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rows_reg_leaves_the_rest_to_the_other_paths(rows_reg):
+    """One row, 17 rows, fp16 or fp32 x and a Q6_K matrix do not take this body, and still give the reference's
+    products (by the one-row GEMV or the tile path)."""
+    from ktrans.kernels.triton import quant
+
+    dev = torch.device("cuda")
+    q4, q6 = _weight("Q4_K", 96, 512, dev, seed=3), _weight("Q6_K", 96, 512, dev, seed=4)
+    for m, dtype, w in ((1, torch.bfloat16, q4), (17, torch.bfloat16, q4), (4, torch.float16, q4),
+                        (4, torch.float32, q4), (4, torch.bfloat16, q6)):
+        x = (torch.randn(m, 512, device=dev) * 0.5).to(dtype)
+        assert not quant_rows_reg.applies(x, w), (m, dtype, w.qtype)
+        assert _close(quant.qlinear(x, w), quant_linear(x.float(), w).double()), (m, dtype, w.qtype)
 
 
 @pytest.mark.gpu

@@ -37,10 +37,14 @@ _ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS_REG", "0").split(",") i
 ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [2, 4, 2][len(_ENV) - 1:]))
 
 
-def applies(x: torch.Tensor, qtype: str) -> bool:
-    """Whether this body takes x [M, K] times a `qtype` matrix: on, Q4_K, 2..MAX_ROWS bf16 rows, a GPU it runs on."""
-    return bool(ROWS_REG["on"]) and qtype == "Q4_K" and 2 <= x.shape[0] <= MAX_ROWS and \
-        x.dtype == torch.bfloat16 and quant_gemv_reg.runs_on(x.device)
+def applies(x: torch.Tensor, w) -> bool:
+    """Whether this body takes x [M, K] times the packed matrix w: on, Q4_K, 2..MAX_ROWS bf16 rows, a GPU it runs on,
+    and a size its int32 offsets and grid hold (else the caller's tile path takes it)."""
+    if not (ROWS_REG["on"] and w.qtype == "Q4_K" and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
+            and quant_gemv_reg.runs_on(x.device)):
+        return False
+    nsb, bn = w.k // 256, 8 * ROWS_REG["warps"] * ROWS_REG["tiles"]
+    return max(w.n * nsb * 32, x.shape[0] * w.n * nsb) < 2 ** 31 and triton.cdiv(w.n, bn) < 65536
 
 
 if quant_gemv_reg._GLUON:
@@ -54,9 +58,10 @@ if quant_gemv_reg._GLUON:
 
     @functools.lru_cache(maxsize=None)
     def layouts(warps: int, tiles: int) -> tuple:
-        """(MMA, A, B, WORDS) for `warps` warps side by side along the rows of W, `tiles` 8-row tiles a warp: the
-        accumulator's [16, BN] mma.m16n8k16 layout, its two operands', and the code words' [BN, 4, 8] (word 8 a + m
-        of each row) whose dequantization is the B operand [256, BN] with no data movement."""
+        """(MMA, A, B, WORDS, X) for `warps` warps side by side along the rows of W, `tiles` 8-row tiles a warp: the
+        accumulator's [16, BN] mma.m16n8k16 layout, its two operands', the code words' [BN, 4, 8] (word 8 a + m
+        of each row) whose dequantization is the B operand [256, BN] with no data movement, and x's [8, 8, 4, 8]
+        (_x_operand's input)."""
         if warps & (warps - 1) or tiles & (tiles - 1) or not 1 <= tiles <= 8:
             raise ValueError(f"quant_rows_reg: warps ({warps}) and 8-row tiles a warp ({tiles}, at most 8) must be "
                              "powers of two")
@@ -150,12 +155,12 @@ if quant_gemv_reg._GLUON:
 
     @gluon.jit
     def rows_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, SPLIT,
-                        stride_x, FUSED_SUM: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, NT: gl.constexpr,
+                        stride_x, PDL: gl.constexpr, W: gl.constexpr, NT: gl.constexpr,
                         MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr,
                         LX: gl.constexpr):
         """Tokens pid_g * 8.. (of M) times rows pid_n * BN.. of W over super-blocks pid_k * SB_PER..: SPLIT = 1, y
-        into out_ptr [M, N]; else the fp32 partial into part_ptr [SPLIT, M, N], and with FUSED_SUM the tile's last
-        program (counted in cnt_ptr[tile], zero between calls) sums the partials in order and zeroes the count.
+        into out_ptr [M, N]; else the fp32 partial into part_ptr [SPLIT, M, N], and the tile's last program
+        (counted in cnt_ptr[tile], zero between calls) sums the partials in order and zeroes the count.
         sc_ptr: the scale plane's bytes (a row's 8 scales, then its 8 mins); d_ptr: its fp16 d, dmin pairs."""
         BN: gl.constexpr = 8 * W * NT
         _enter(PDL)
@@ -215,19 +220,18 @@ if quant_gemv_reg._GLUON:
             gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             gl.store(part_ptr + pid_k * M * N + offs, y, mask=mask)
-            if FUSED_SUM:
-                _barrier()  # every thread's partial stored before the count's release
-                tile = pid_n * gl.num_programs(0) + pid_g
-                if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-                    total = gl.zeros_like(y)
-                    for s in range(SPLIT):
-                        total += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                    gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                    gl.atomic_xchg(cnt_ptr + tile, 0)
+            _barrier()  # every thread's partial stored before the count's release
+            tile = pid_n * gl.num_programs(0) + pid_g
+            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                total = gl.zeros_like(y)
+                for s in range(SPLIT):
+                    total += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split: int | None) -> torch.Tensor:
-    """x [M, K] (2..MAX_ROWS bf16 rows) times the Q4_K matrix w -> [M, N] bf16, through rows_reg_kernel; `planes`
+    """x [M, K] times the Q4_K matrix w (where applies) -> [M, N] bf16, through rows_reg_kernel; `planes`
     are quant.plane_args(w), `cnt` the device's split-sum counts (quant.counters), `sms` its SM count; `split`: K
     splits (None: enough programs for ROWS_REG["per_sm"] an SM)."""
     m, n, nsb = x.shape[0], w.n, w.k // 256
@@ -235,8 +239,6 @@ def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split:
     consts = tiling("KTRANS_GEMV_ROWS_REG", warps, tiles)
     bn, groups = 8 * warps * tiles, triton.cdiv(m, 8)
     grid_nm = triton.cdiv(n, bn) * groups
-    if max(n * nsb * 32, m * n * nsb) >= 2 ** 31:
-        raise ValueError(f"quant_rows_reg: [{n}, {w.k}] at {m} rows overflows its int32 offsets")
     if split is None:
         split = max(1, min(nsb, triton.cdiv(ROWS_REG["per_sm"] * sms, grid_nm)))
     sb_per = triton.cdiv(nsb, split)
@@ -247,6 +249,5 @@ def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split:
     part = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
     lo, _, d, sc = planes
     rows_reg_kernel[(groups, triton.cdiv(n, bn), split)](
-        x, out, part, cnt, lo, d, sc, m, n, nsb, sb_per, split, x.stride(0), FUSED_SUM=split > 1,
-        num_warps=warps, **consts, **launch())
+        x, out, part, cnt, lo, d, sc, m, n, nsb, sb_per, split, x.stride(0), num_warps=warps, **consts, **launch())
     return out
