@@ -26,7 +26,7 @@ import os
 import torch
 import triton
 
-from ktrans.kernels.triton import quant_gemv_reg
+from ktrans.kernels.triton.gluon_common import _GLUON, runs_on
 from ktrans.kernels.triton.pdl import launch
 
 MAX_ROWS = 16
@@ -41,20 +41,20 @@ def applies(x: torch.Tensor, w) -> bool:
     """Whether this body takes x [M, K] times the packed matrix w: on, Q4_K, 2..MAX_ROWS bf16 rows, a GPU it runs on,
     and a size its int32 offsets and grid hold (else the caller's tile path takes it)."""
     if not (ROWS_REG["on"] and w.qtype == "Q4_K" and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
-            and quant_gemv_reg.runs_on(x.device)):
+            and runs_on(x.device)):
         return False
     nsb, bn = w.k // 256, 8 * ROWS_REG["warps"] * ROWS_REG["tiles"]
     return max(w.n * nsb * 32, x.shape[0] * w.n * nsb) < 2 ** 31 and triton.cdiv(w.n, bn) < 65536
 
 
-if quant_gemv_reg._GLUON:
+if _GLUON:
     import functools
 
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ktrans.kernels.triton.quant_gemv_reg import _Q4_ASM, _barrier, _enter, _join8
+    from ktrans.kernels.triton.gluon_common import _Q4_ASM, _barrier, _enter, _join8
 
     @functools.lru_cache(maxsize=None)
     def layouts(warps: int, tiles: int) -> tuple:
@@ -93,7 +93,7 @@ if quant_gemv_reg._GLUON:
     @gluon.jit
     def _codes_b(words, BN: gl.constexpr, LB: gl.constexpr):
         """Code words [BN, 4, 8] (word 8 a + m) -> the B operand [256, BN] bf16: row k = 64 j + 8 m + 2 a + e of
-        column n is row n's word 8 a + m's nibble j + 4 e as 1 + q / 128 (quant_gemv_reg._q4_asm)."""
+        column n is row n's word 8 a + m's nibble j + 4 e as 1 + q / 128 (gluon_common._q4_asm)."""
         f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
                                       is_pure=True, pack=8)  # [BN, 4, 8, 2, 2, 2]: element 2 j + e of a word
         f = gl.reshape(gl.permute(gl.reshape(f, [BN, 4, 8, 4, 2]), (0, 3, 2, 1, 4)), [BN, 256])

@@ -1,0 +1,75 @@
+"""What the Gluon kernels (quant_gemv_reg, quant_rows_reg) share: whether Gluon can run here, the PTX that turns Q4_K
+code words into bf16 pairs (Q6_K's is quant_gemv_mma's), and small Gluon helpers (PDL's entry, the barrier and
+cp.async under Triton 3.6's and 3.9's names, a word joined eightfold for the PTX's pack of 8).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ktrans.kernels.triton import interpreting
+from ktrans.kernels.triton.quant_gemv_mma import _q6_asm
+
+try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); without it these bodies are unavailable
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    _GLUON = True
+except ImportError:  # pragma: no cover - an older Triton
+    _GLUON = False
+
+
+def available() -> bool:
+    """Whether the Gluon bodies can run here: Gluon imports and Triton compiles for a GPU (not its interpreter)."""
+    return _GLUON and not interpreting()
+
+
+def runs_on(device: torch.device) -> bool:
+    """available() and `device` a CUDA GPU with bf16 mma.sync (compute capability 8.0 and newer)."""
+    if device.type != "cuda" or not available():
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= 8
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _q4_asm() -> str:
+    """PTX: a code word ($4) -> four registers of two bf16 each, pair j = nibbles j (low half) and j + 4 (high half)
+    as 1 + q / 128: the pair sits at bits 4j..4j+3 and 4j+16..4j+19, so one shift right by 4j puts it at the two
+    halves' mantissa bits 0-3, and lop3 0xEA ((t & mask) | bits) masks it and ORs in 1.0's bits."""
+    text = "{\n.reg .b32 t;\n"
+    for j in range(4):
+        src = "$4"
+        if j:
+            text += f"shr.u32 t, $4, {4 * j};\n"
+            src = "t"
+        text += f"lop3.b32 ${j}, {src}, 0x000F000F, 0x3F803F80, 0xEA;\n"
+    return text + "}"
+
+
+if _GLUON:
+    _Q4_ASM = gl.constexpr(_q4_asm())
+    _Q6_ASM = gl.constexpr(_q6_asm())
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name, 3.9's
+    # cp.async global -> shared: Triton 3.9's name (its old one raises there), 3.6's
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    @gluon.jit
+    def _enter(PDL: gl.constexpr):
+        """ktrans.kernels.triton.pdl.enter, in Gluon."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+    @gluon.jit
+    def _join8(t):
+        """t [...] -> [..., 2, 2, 2]: eight copies (the asm's pack of 8 takes one word eight times)."""
+        t2 = gl.join(t, t)
+        t4 = gl.join(t2, t2)
+        return gl.join(t4, t4)
