@@ -98,7 +98,7 @@ def test_operands_make_the_reference(qtype):
     np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
 
-_COMPILE = """
+_COMPILE = r"""
 import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget

@@ -85,7 +85,7 @@ def test_operands_make_the_reference():
     assert not got[m:].any()  # the token group's pad rows stay zero
 
 
-_COMPILE = """
+_COMPILE = r"""
 import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
