@@ -1,5 +1,5 @@
-"""The Q4_K linear at 2-16 rows on tensor cores with the weights in registers (ktrans.kernels.triton.quant_rows_reg,
-Gluon; opt-in, `KTRANS_GEMV_ROWS_REG`).
+"""The Q4_K and Q6_K linear at 2-16 rows on tensor cores with the weights in registers
+(ktrans.kernels.triton.quant_rows_reg, Gluon; opt-in, `KTRANS_GEMV_ROWS_REG`).
 
 As for the one-row register body (tests/kernels/test_gemv_reg.py), Gluon does not run under the interpreter:
 - the index algebra, on the CPU: the B operand from the code words by the PTX's own bit operations (the one-row
@@ -85,6 +85,52 @@ def test_operands_make_the_reference():
     assert not got[m:].any()  # the token group's pad rows stay zero
 
 
+def test_q6_k_operands_make_the_reference():
+    """Q6_K: its word groups a = 2, 3 hold sub-blocks 8.., so A's rows are 8 e + 4 h + u (four tokens), token u's x
+    where the column's parity is e and a // 2 is h (by the kernel's formulas and by _x_operand6's joins of x loaded
+    as [u, h, c, a, m]); each chunk j's dots are sums over sub-blocks j + 4 e + 8 h, and the signed scale bytes of the
+    plane's words give, with d sc (64 P - 96 X), quant_linear's output."""
+    n, k, m = 24, 512, 3
+    w = _weight("Q6_K", n, k, "cpu", seed=13)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(4)) * 0.5).to(torch.bfloat16)
+    xd = x.double().numpy()
+    lo = w.lo.view(torch.int32).numpy().reshape(w.nsb, n, 32).view(np.uint32)
+    hi = w.hi.view(torch.int32).numpy().reshape(w.nsb, n, 16).view(np.uint32)
+    sc32 = w.sc.view(torch.int32).numpy().reshape(w.nsb, n, 4)
+    dd = w.d.float().numpy().reshape(w.nsb, n).astype(np.float64)
+    r, kk = np.arange(16)[:, None], np.arange(256)[None, :]
+    aa = (kk // 2) % 4
+    sub = kk // 64 + 4 * (kk % 2) + 8 * (aa // 2)
+    word = (aa * 8 + (kk // 8) % 8) % 16
+    assert (_columns("Q6_K")[1] == (sub * 16 + word)[0]).all()
+    u, e, h = r % 4, r // 8, (r // 4) % 2
+    live = ((kk % 2) == e) & ((aa // 2) == h) & (u < m)
+    y = np.zeros((16, n))
+    for sb in range(w.nsb):
+        b = _a_operand("Q6_K", lo[sb], hi[sb]).T
+        a = np.where(live, xd[np.minimum(u, m - 1), sb * 256 + sub * 16 + word], 0.0)
+        if sb == 0:  # _x_operand6 builds the same A from x loaded as [u, h, c, a, m]
+            uu, hh, cc, a4, mm = np.meshgrid(np.arange(4), np.arange(2), np.arange(8), np.arange(4), np.arange(8),
+                                             indexing="ij")
+            xv = np.where((uu < m) & (hh == a4 // 2),
+                          xd[np.minimum(uu, m - 1), (cc + 8 * (a4 // 2)) * 16 + 8 * (a4 % 2) + mm], 0.0)
+            x6 = xv.reshape(4, 2, 2, 4, 4, 8).transpose(0, 1, 3, 4, 5, 2)  # [u, h, j, a, m, e]
+            z = np.zeros_like(x6[..., 0])
+            built = np.stack([np.stack([x6[..., 0], z], -1), np.stack([z, x6[..., 1]], -1)], -1)
+            np.testing.assert_array_equal(built.transpose(6, 1, 0, 2, 4, 3, 5).reshape(16, 256), a)
+        for j in range(4):
+            p = a[:, 64 * j:64 * j + 64] @ b[64 * j:64 * j + 64]
+            xs = a[:, 64 * j:64 * j + 64] @ np.ones((64, n))
+            word_i = (e + 2 * h)[:, 0]  # the scale word of each row's sub-block j + 4 e + 8 h
+            sw = sc32[sb][:, word_i].T  # [16, n]
+            s8 = ((sw.astype(np.int64) << (24 - 8 * j)) & 0xFFFFFFFF).astype(np.uint32).view(np.int32) >> 24
+            y += (s8 * dd[sb][None, :]) * (64 * p - 96 * xs)
+    got = y.reshape(2, 2, 4, n).sum((0, 1))
+    ref = quant_linear(x.float(), w).double().numpy()
+    np.testing.assert_allclose(got[:m], ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    assert not got[m:].any()
+
+
 _COMPILE = r"""
 import json, os, re, subprocess, sys, tempfile
 import triton
@@ -93,13 +139,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from ktrans.kernels.triton import quant_rows_reg as qr
 
 fn = qr.rows_reg_kernel
-aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "d_ptr", "sc_ptr", "N", "stride_x"]
+aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr", "N", "stride_x"]
 out = []
-for cc, warps, tiles in json.loads(sys.argv[1]):
+for cc, warps, tiles, qtype in json.loads(sys.argv[1]):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
-           "d_ptr": "*fp16", "sc_ptr": "*u8", "M": "i32", "N": "i32", "NSB": "i32", "SB_PER": "i32", "SPLIT": "i32",
-           "stride_x": "i32"}
-    consts = {"PDL": cc >= 90, **qr.tiling("test", warps, tiles)}
+           "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*i8" if qtype == "Q6_K" else "*u8", "M": "i32", "N": "i32",
+           "NSB": "i32", "SB_PER": "i32", "SPLIT": "i32", "stride_x": "i32"}
+    consts = {"PDL": cc >= 90, **qr.tiling("test", warps, tiles, qtype)}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -124,13 +170,14 @@ def test_compiles_in_registers():
     asserted trivial, so a layout that moved data would not compile; nothing goes through shared memory but the split
     sum's count; a super-block's dots are 4 chunks x 2 (the sums and the sums of x) x 4 K tiles x the warp's 8-row
     tiles, each tile's code words two 16-byte loads and x's eight; the default tiling spills no registers."""
-    cases = [(90, 4, 2), (80, 4, 2), (90, 2, 1)]  # the default tiling first
+    cases = [(90, 4, 2, "Q4_K"), (80, 4, 2, "Q4_K"), (90, 2, 1, "Q4_K"), (90, 4, 2, "Q6_K"), (80, 4, 2, "Q6_K")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for (cc, warps, tiles), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
-        assert got["mma"] == 32 * tiles and got["v4"] == 2 * tiles + 8, (cc, tiles, got)
+    for (cc, warps, tiles, qtype), got in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        # Q6_K: the high-bit words' two more 16-byte loads a tile
+        assert got["mma"] == 32 * tiles and got["v4"] == (4 if qtype == "Q6_K" else 2) * tiles + 8, (cc, qtype, got)
         assert got["shared"] <= 16, (cc, got)  # the split sum's count, broadcast once
         assert got["stack"] in (0, None), (cc, warps, tiles, got)  # no register spills (None: no cuobjdump here)
 
@@ -167,17 +214,19 @@ def rows_reg():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [2, 5, 8, 13, 16])
 @pytest.mark.parametrize("warps,tiles", [(4, 2), (4, 4), (4, 1), (2, 2)])
-def test_rows_reg_matches_reference(m, warps, tiles, rows_reg):
-    """2 to 16 rows (a partial token group at 5 and 13) at N = 203 (a partial row tile, and a partial 8-row tile in
-    it) and K = 768 (three super-blocks), every split: within the stated tolerance of the float64 reference, and the
-    same bits run to run (the split sums in a fixed order); x's rows strided as a slice of a wider buffer."""
+def test_rows_reg_matches_reference(qtype, m, warps, tiles, rows_reg):
+    """2 to 16 rows (a partial token group at 5 and 13; Q6_K's groups are of four) at N = 203 (a partial row tile,
+    and a partial 8-row tile in it) and K = 768 (three super-blocks), every split: within the stated tolerance of the
+    float64 reference, and the same bits run to run (the split sums in a fixed order); x's rows strided as a slice
+    of a wider buffer."""
     from ktrans.kernels.triton import quant
 
     quant_rows_reg.ROWS_REG.update(warps=warps, tiles=tiles)
     dev = torch.device("cuda")
-    w = _weight("Q4_K", 203, 768, dev, seed=21)
+    w = _weight(qtype, 203, 768, dev, seed=21)
     buf = (torch.randn(m, 768 + 64, device=dev) * 0.5).to(torch.bfloat16)
     for x in (buf[:, :768].contiguous(), buf[:, 64:]):
         assert quant_rows_reg.applies(x, w)
@@ -185,7 +234,7 @@ def test_rows_reg_matches_reference(m, warps, tiles, rows_reg):
         for split in (None, 1, 2, 3):
             y = quant.qlinear(x, w, split=split)
             assert y.shape == (m, 203) and y.dtype == torch.bfloat16
-            assert _close(y, ref), (m, warps, tiles, split, x.stride())
+            assert _close(y, ref), (qtype, m, warps, tiles, split, x.stride())
             assert torch.equal(y, quant.qlinear(x, w, split=split))
     assert not quant.counters(dev).any()
 
@@ -193,14 +242,14 @@ def test_rows_reg_matches_reference(m, warps, tiles, rows_reg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rows_reg_leaves_the_rest_to_the_other_paths(rows_reg):
-    """One row, 17 rows, fp16 or fp32 x and a Q6_K matrix do not take this body, and still give the reference's
-    products (by the one-row GEMV or the tile path)."""
+    """One row, 17 rows, fp16 or fp32 x and a Q8_0 or Q5_K matrix do not take this body, and still give the
+    reference's products (by the one-row GEMV or the tile path)."""
     from ktrans.kernels.triton import quant
 
     dev = torch.device("cuda")
-    q4, q6 = _weight("Q4_K", 96, 512, dev, seed=3), _weight("Q6_K", 96, 512, dev, seed=4)
+    q4, q8, q5 = (_weight(t, 96, 512, dev, seed=3) for t in ("Q4_K", "Q8_0", "Q5_K"))
     for m, dtype, w in ((1, torch.bfloat16, q4), (17, torch.bfloat16, q4), (4, torch.float16, q4),
-                        (4, torch.float32, q4), (4, torch.bfloat16, q6)):
+                        (4, torch.float32, q4), (4, torch.bfloat16, q8), (4, torch.bfloat16, q5)):
         x = (torch.randn(m, 512, device=dev) * 0.5).to(dtype)
         assert not quant_rows_reg.applies(x, w), (m, dtype, w.qtype)
         assert _close(quant.qlinear(x, w), quant_linear(x.float(), w).double()), (m, dtype, w.qtype)

@@ -390,7 +390,7 @@ def qlinear(x: torch.Tensor, w: PackedWeight, split: int | None = None) -> torch
         return x.new_empty(0, w.n)
     x = x if x.stride(1) == 1 else x.contiguous()
     m, n, nsb = x.shape[0], w.n, w.k // QK
-    if quant_rows_reg.applies(x, w):  # 2..16 bf16 rows of Q4_K, opt-in
+    if quant_rows_reg.applies(x, w):  # 2..16 bf16 rows of Q4_K or Q6_K, opt-in
         return quant_rows_reg.qlinear_rows(x, w, plane_args(w), counters(x.device), _sms(x.device), split)
     if m == 1 and gemv_reg(x, w.qtype):
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)

@@ -1,5 +1,5 @@
-"""The Q4_K linear at 2-16 activation rows (a batch's decode projections) on tensor cores, the dequantized weights kept
-in registers (Gluon): y = x W^T, x [M, K] bf16, W [N, K] in the packed layout (ktrans.kernels.triton.quant_layout).
+"""The Q4_K and Q6_K linear at 2-16 activation rows (a batch's decode projections) on tensor cores, the dequantized
+weights kept in registers (Gluon): y = x W^T, x [M, K] bf16, W [N, K] in the packed layout (quant_layout).
 Opt-in (ROWS_REG, `KTRANS_GEMV_ROWS_REG`) until timed on a GPU; the oracle is ktrans.kernels.torch.quant.quant_linear.
 
 Why. At 16 rows the projections go through quant's tile path, whose dequantized tile reaches its dots through
@@ -18,6 +18,11 @@ rows' sub-block scales as ggml sums them (128 d sc (P - X) - dmin m X) into the 
 two rows (e = 0 and 1: registers of one thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens;
 more tokens are more programs along the grid's first axis, next to each other, so their weights come from the L2. K
 is split across programs as in quant_gemv (the fp32 partials summed in split order by each tile's last program).
+
+Q6_K (16 sub-blocks of 16; lm_head and some projections of a Q4_K_M file) takes the one-row body's Q6_K order: word
+groups a = 2, 3 hold sub-blocks 8.., so a chunk's columns span four sub-blocks (parity e, half h = a // 2). A's rows
+are then 8 e + 4 h + u, four tokens a program, x given only to the threads whose h matches; each row's sum is scaled
+by its sub-block's signed scale, d sc (64 P - 96 X), and a token's four rows are summed at the end.
 """
 from __future__ import annotations
 
@@ -38,9 +43,9 @@ ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [2, 4, 2][len(_EN
 
 
 def applies(x: torch.Tensor, w) -> bool:
-    """Whether this body takes x [M, K] times the packed matrix w: on, Q4_K, 2..MAX_ROWS bf16 rows, a GPU it runs on,
+    """Whether this body takes x [M, K] times the packed matrix w: on, Q4_K or Q6_K, 2..MAX_ROWS bf16 rows, a GPU,
     and a size its int32 offsets and grid hold (else the caller's tile path takes it)."""
-    if not (ROWS_REG["on"] and w.qtype == "Q4_K" and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
+    if not (ROWS_REG["on"] and w.qtype in ("Q4_K", "Q6_K") and 2 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
             and runs_on(x.device)):
         return False
     nsb, bn = w.k // 256, 8 * ROWS_REG["warps"] * ROWS_REG["tiles"]
@@ -54,10 +59,10 @@ if _GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ktrans.kernels.triton.gluon_common import _Q4_ASM, _barrier, _enter, _join8
+    from ktrans.kernels.triton.gluon_common import _Q4_ASM, _Q6_ASM, _barrier, _enter, _join8
 
     @functools.lru_cache(maxsize=None)
-    def layouts(warps: int, tiles: int) -> tuple:
+    def layouts(warps: int, tiles: int, qtype: str = "Q4_K") -> tuple:
         """(MMA, A, B, WORDS, X) for `warps` warps side by side along the rows of W, `tiles` 8-row tiles a warp: the
         accumulator's [16, BN] mma.m16n8k16 layout, its two operands', the code words' [BN, 4, 8] (word 8 a + m
         of each row) whose dequantization is the B operand [256, BN] with no data movement, and x's [8, 8, 4, 8]
@@ -75,27 +80,40 @@ if _GLUON:
         warp = [[8 << i, 0, 0] for i in range(warps.bit_length() - 1)]
         words = gl.DistributedLinearLayout(reg, lane, warp, [], [8 * warps * tiles, 4, 8])
         # x [8 tokens, 8 sub-blocks, 4 word groups a, 8 words m]: a thread holds its token's 8 words 8 a .. of every
-        # sub-block (8 16-byte loads), every warp the same (warp bases zero: each needs the whole A operand)
-        xs = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 2, 0, 0],
-                                         [0, 4, 0, 0]], [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0],
-                                                         [4, 0, 0, 0]],
-                                        [[0, 0, 0, 0]] * (warps.bit_length() - 1), [], [8, 8, 4, 8])
+        # sub-block (8 16-byte loads), every warp the same (warp bases zero: each needs the whole A operand). Q6_K:
+        # [4 tokens u, 2 halves h, 8 sub-blocks c, 4 a, 8 m], lane bits 2-4 the row g = 4 h + u
+        nw = warps.bit_length() - 1
+        if qtype == "Q6_K":
+            xs = gl.DistributedLinearLayout(
+                [[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]],
+                [[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0]],
+                [[0, 0, 0, 0, 0]] * nw, [], [4, 2, 8, 4, 8])
+        else:
+            xs = gl.DistributedLinearLayout([[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 2, 0, 0],
+                                             [0, 4, 0, 0]], [[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0],
+                                                             [4, 0, 0, 0]], [[0, 0, 0, 0]] * nw, [], [8, 8, 4, 8])
         return mma, a, b, words, xs
 
-    def tiling(flag: str, warps: int, tiles: int) -> dict:
-        """The kernel's tiling constexprs; `flag` names the setting a bad tiling came from."""
+    def tiling(flag: str, warps: int, tiles: int, qtype: str = "Q4_K") -> dict:
+        """The kernel's tiling constexprs for a `qtype` matrix; `flag` names the setting a bad tiling came from."""
         try:
-            mma, la, lb, lw, lx = layouts(warps, tiles)
+            mma, la, lb, lw, lx = layouts(warps, tiles, qtype)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
-        return {"W": warps, "NT": tiles, "MMA": mma, "LA": la, "LB": lb, "LW": lw, "LX": lx}
+        return {"QT": 2 if qtype == "Q6_K" else 0, "W": warps, "NT": tiles, "MMA": mma, "LA": la, "LB": lb, "LW": lw,
+                "LX": lx}
 
     @gluon.jit
-    def _codes_b(words, BN: gl.constexpr, LB: gl.constexpr):
+    def _codes_b(words, hi, BN: gl.constexpr, LB: gl.constexpr, QT: gl.constexpr):
         """Code words [BN, 4, 8] (word 8 a + m) -> the B operand [256, BN] bf16: row k = 64 j + 8 m + 2 a + e of
-        column n is row n's word 8 a + m's nibble j + 4 e as 1 + q / 128 (gluon_common._q4_asm)."""
-        f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
-                                      is_pure=True, pack=8)  # [BN, 4, 8, 2, 2, 2]: element 2 j + e of a word
+        column n is row n's word 8 a + m's nibble j + 4 e as 1 + q / 128 (gluon_common._q4_asm), or with its two
+        high bits from `hi` as 1 + q6 / 64 (Q6_K, QT 2: quant_gemv_mma._q6_asm)."""
+        if QT == 2:
+            f = gl.inline_asm_elementwise(_Q6_ASM, "=r,=r,=r,=r" + ",r" * 16, [_join8(words), _join8(hi)],
+                                          dtype=gl.bfloat16, is_pure=True, pack=8)
+        else:
+            f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
+                                          is_pure=True, pack=8)  # [BN, 4, 8, 2, 2, 2]: element 2 j + e of a word
         f = gl.reshape(gl.permute(gl.reshape(f, [BN, 4, 8, 4, 2]), (0, 3, 2, 1, 4)), [BN, 256])
         return gl.convert_layout(gl.permute(f, (1, 0)), LB, assert_trivial=True)
 
@@ -133,6 +151,29 @@ if _GLUON:
         return gl.convert_layout(a, LA, assert_trivial=True)
 
     @gluon.jit
+    def _x_operand6(xv, LA: gl.constexpr):
+        """Q6_K: x [4 tokens u, 2 halves h, 8 sub-blocks c, 4 a, 8 m] (loaded as sub-block c + 8 h' of a = 2 h' + ..,
+        zero where h is not h') -> the A operand [16, 256]: row 8 e' + 4 h + u, column 64 j + 8 m + 2 a + e is token
+        u's x there where e = e', else 0."""
+        x6 = gl.permute(gl.reshape(xv, [4, 2, 2, 4, 4, 8]), (0, 1, 3, 4, 5, 2))  # [u, h, j, a, m, e]
+        x_e0, x_e1 = gl.split(x6)
+        z = gl.zeros_like(x_e0)
+        a = gl.join(gl.join(x_e0, z), gl.join(z, x_e1))  # [u, h, j, a, m, e, e']
+        a = gl.reshape(gl.permute(a, (6, 1, 0, 2, 4, 3, 5)), [16, 256])
+        return gl.convert_layout(a, LA, assert_trivial=True)
+
+    @gluon.jit
+    def _chunk_sums6(acc, a, b, ones, z, w, d, J: gl.constexpr, e_r, h_r):
+        """Q6_K: acc += chunk J's sums scaled by the rows' sub-blocks J + 4 e + 8 h (rows 8 e + 4 h + u): the int8
+        scale is byte J of the row's scale word e + 2 h (w: the four words, [BN] each); d sc (q6 - 32) summed is
+        d sc (64 P - 96 X)."""
+        p = mma_v2(a, b, z)
+        xs = mma_v2(a, ones, z)
+        sw = gl.where(h_r, gl.where(e_r, w[3][None, :], w[2][None, :]), gl.where(e_r, w[1][None, :], w[0][None, :]))
+        sc = ((sw << (24 - 8 * J)) >> 24).to(gl.float32)
+        return acc + (sc * d[None, :]) * (64.0 * p - 96.0 * xs)
+
+    @gluon.jit
     def _token_rows(t):
         """[16, C] (row 8 e + t) -> ([8, C] row t of e = 0, the same of e = 1): row bit 3 is a register bit."""
         C: gl.constexpr = t.shape[1]
@@ -154,41 +195,62 @@ if _GLUON:
         return acc + s * (p - xs) - m * xs
 
     @gluon.jit
-    def rows_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, SPLIT,
-                        stride_x, PDL: gl.constexpr, W: gl.constexpr, NT: gl.constexpr,
+    def rows_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, M, N, NSB, SB_PER, SPLIT,
+                        stride_x, QT: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, NT: gl.constexpr,
                         MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr,
                         LX: gl.constexpr):
         """Tokens pid_g * 8.. (of M) times rows pid_n * BN.. of W over super-blocks pid_k * SB_PER..: SPLIT = 1, y
         into out_ptr [M, N]; else the fp32 partial into part_ptr [SPLIT, M, N], and the tile's last program
         (counted in cnt_ptr[tile], zero between calls) sums the partials in order and zeroes the count.
-        sc_ptr: the scale plane's bytes (a row's 8 scales, then its 8 mins); d_ptr: its fp16 d, dmin pairs."""
+        sc_ptr: the scale plane's bytes (Q4_K: a row's 8 scales, then its 8 mins; Q6_K, QT 2: its 16 int8 scales);
+        d_ptr: its fp16 d, dmin pairs (Q6_K: d alone). Q6_K takes four tokens a program (TOK): its columns of word
+        group a hold sub-blocks 8 (a // 2) + j + 4 e, so the rows are 8 e + 4 h + u and h must match a // 2."""
         BN: gl.constexpr = 8 * W * NT
+        TOK: gl.constexpr = 4 if QT == 2 else 8
         _enter(PDL)
         pid_g = gl.program_id(0)
         pid_n = gl.program_id(1)
         pid_k = gl.program_id(2)
         row0 = pid_n * BN
-        t0 = pid_g * 8
+        t0 = pid_g * TOK
         # the code words: row n, word 8 a + m
         n_w = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
         a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
         m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
         woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
         wmask = (n_w < N)[:, None, None]
-        # x of tokens t0.. by sub-block c and word 8 a + m (made into the A operand by _x_operand)
-        t_x = t0 + gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
-        c_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
-        a_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LX))))
-        m_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LX))))
-        xoff = (t_x * stride_x)[:, None, None, None] + (c_x * 32)[None, :, None, None] + \
-            (a_x * 8)[None, None, :, None] + m_x[None, None, None, :]
-        xmask = (t_x < M)[:, None, None, None] & (m_x >= 0)[None, None, None, :]
+        hoff = n_w[:, None, None] * 16 + ((a_w % 2) * 8)[None, :, None] + m_w[None, None, :]
+        hshift = (16 * (a_w // 2))[None, :, None]
+        if QT == 2:  # x of tokens t0.. : [u, h, c, a, m] at sub-block c + 8 (a // 2), word (8 a + m) % 16
+            L4: gl.constexpr = gl.SliceLayout(4, LX)
+            u_x = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+            h_x = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+            c_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+            a_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+            m_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3,
+                                                                                                           LX)))))
+            t_x = t0 + u_x
+            xoff4 = (t_x * stride_x)[:, None, None, None] + (h_x * 0)[None, :, None, None] + \
+                (c_x * 16)[None, None, :, None] + ((a_x // 2) * 128 + (a_x % 2) * 8)[None, None, None, :]
+            xmask4 = (t_x < M)[:, None, None, None] & (h_x[None, :, None, None] == (a_x // 2)[None, None, None, :]) \
+                & (c_x >= 0)[None, None, :, None]
+            xoff = xoff4[:, :, :, :, None] + m_x[None, None, None, None, :]
+            xmask = xmask4[:, :, :, :, None] & (m_x >= 0)[None, None, None, None, :]
+        else:  # x of tokens t0.. by sub-block c and word 8 a + m (made into the A operand by _x_operand)
+            t_x = t0 + gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
+            c_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LX))))
+            a_x = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LX))))
+            m_x = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LX))))
+            xoff = (t_x * stride_x)[:, None, None, None] + (c_x * 32)[None, :, None, None] + \
+                (a_x * 8)[None, None, :, None] + m_x[None, None, None, :]
+            xmask = (t_x < M)[:, None, None, None] & (m_x >= 0)[None, None, None, :]
         ones = gl.full([64, BN], 1.0, gl.bfloat16, layout=LB)
         # the scales, d and dmin of the accumulator's columns (rows of W), as int32 words
         n_c = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
         cmask = n_c < N
         r_c = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-        hi = (r_c >= 8)[:, None]
+        hi = (r_c >= 8)[:, None]  # rows of e = 1
+        h_r = ((r_c // 4) % 2 == 1)[:, None]  # Q6_K: rows of h = 1
         sc32 = sc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         d32 = d_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         z = gl.zeros([16, BN], gl.float32, layout=MMA)
@@ -196,26 +258,45 @@ if _GLUON:
         sb0 = pid_k * SB_PER
         for sb in range(sb0, gl.minimum(sb0 + SB_PER, NSB)):
             words = gl.load(lo_ptr + sb * N * 32 + woff, mask=wmask, other=0)
-            b0, b1, b2, b3 = _quarters_k(_codes_b(words, BN, LB), LB, 0)
-            xa = _x_operand(gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0), LA)
+            hw = words
+            if QT == 2:
+                hw = gl.load(hi_ptr + sb * N * 16 + hoff, mask=wmask, other=0) >> hshift
+            b0, b1, b2, b3 = _quarters_k(_codes_b(words, hw, BN, LB, QT), LB, 0)
+            if QT == 2:
+                xa = _x_operand6(gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0), LA)
+            else:
+                xa = _x_operand(gl.load(x_ptr + sb * 256 + xoff, mask=xmask, other=0.0), LA)
             a0, a1, a2, a3 = _quarters_k(xa, LA, 1)
             rows = sb * N + n_c
-            w_s = (gl.load(sc32 + rows * 4, mask=cmask, other=0), gl.load(sc32 + rows * 4 + 1, mask=cmask, other=0))
-            w_m = (gl.load(sc32 + rows * 4 + 2, mask=cmask, other=0),
-                   gl.load(sc32 + rows * 4 + 3, mask=cmask, other=0))
-            dd = gl.load(d32 + rows, mask=cmask, other=0)
-            d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 128.0
-            dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-            acc = _chunk_sums(acc, a0, b0, ones, z, w_s, w_m, d, dmin, 0, hi)
-            acc = _chunk_sums(acc, a1, b1, ones, z, w_s, w_m, d, dmin, 1, hi)
-            acc = _chunk_sums(acc, a2, b2, ones, z, w_s, w_m, d, dmin, 2, hi)
-            acc = _chunk_sums(acc, a3, b3, ones, z, w_s, w_m, d, dmin, 3, hi)
-        y0, y1 = _token_rows(acc)
-        tk, _ = _token_rows(gl.zeros([16, BN], gl.int32, layout=MMA) + (t0 + r_c % 8)[:, None])
-        nn, _ = _token_rows(gl.zeros([16, BN], gl.int32, layout=MMA) + n_c[None, :])
+            w = (gl.load(sc32 + rows * 4, mask=cmask, other=0), gl.load(sc32 + rows * 4 + 1, mask=cmask, other=0),
+                 gl.load(sc32 + rows * 4 + 2, mask=cmask, other=0), gl.load(sc32 + rows * 4 + 3, mask=cmask, other=0))
+            if QT == 2:
+                d = gl.load(d_ptr + rows, mask=cmask, other=0.0).to(gl.float32)
+                acc = _chunk_sums6(acc, a0, b0, ones, z, w, d, 0, hi, h_r)
+                acc = _chunk_sums6(acc, a1, b1, ones, z, w, d, 1, hi, h_r)
+                acc = _chunk_sums6(acc, a2, b2, ones, z, w, d, 2, hi, h_r)
+                acc = _chunk_sums6(acc, a3, b3, ones, z, w, d, 3, hi, h_r)
+            else:
+                dd = gl.load(d32 + rows, mask=cmask, other=0)
+                d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 128.0
+                dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+                acc = _chunk_sums(acc, a0, b0, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 0, hi)
+                acc = _chunk_sums(acc, a1, b1, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 1, hi)
+                acc = _chunk_sums(acc, a2, b2, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 2, hi)
+                acc = _chunk_sums(acc, a3, b3, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 3, hi)
+        tk16 = gl.zeros([16, BN], gl.int32, layout=MMA) + (t0 + r_c % TOK)[:, None]
+        nn16 = gl.zeros([16, BN], gl.int32, layout=MMA) + n_c[None, :]
+        if QT == 2:  # a token's four rows (e: a register bit; h: a lane bit) summed
+            y = gl.sum(gl.sum(gl.reshape(acc, [2, 2, 4, BN]), axis=0), axis=0)
+            tk = gl.max(gl.max(gl.reshape(tk16, [2, 2, 4, BN]), axis=0), axis=0)
+            nn = gl.max(gl.max(gl.reshape(nn16, [2, 2, 4, BN]), axis=0), axis=0)
+        else:
+            y0, y1 = _token_rows(acc)
+            y = y0 + y1
+            tk, _ = _token_rows(tk16)
+            nn, _ = _token_rows(nn16)
         offs = tk * N + nn
         mask = (tk < M) & (nn < N)
-        y = y0 + y1
         if SPLIT == 1:
             gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -231,13 +312,13 @@ if _GLUON:
 
 
 def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split: int | None) -> torch.Tensor:
-    """x [M, K] times the Q4_K matrix w (where applies) -> [M, N] bf16, through rows_reg_kernel; `planes`
+    """x [M, K] times the Q4_K or Q6_K matrix w (where applies) -> [M, N] bf16, through rows_reg_kernel; `planes`
     are quant.plane_args(w), `cnt` the device's split-sum counts (quant.counters), `sms` its SM count; `split`: K
     splits (None: enough programs for ROWS_REG["per_sm"] an SM)."""
     m, n, nsb = x.shape[0], w.n, w.k // 256
     warps, tiles = ROWS_REG["warps"], ROWS_REG["tiles"]
-    consts = tiling("KTRANS_GEMV_ROWS_REG", warps, tiles)
-    bn, groups = 8 * warps * tiles, triton.cdiv(m, 8)
+    consts = tiling("KTRANS_GEMV_ROWS_REG", warps, tiles, w.qtype)
+    bn, groups = 8 * warps * tiles, triton.cdiv(m, 4 if w.qtype == "Q6_K" else 8)
     grid_nm = triton.cdiv(n, bn) * groups
     if split is None:
         split = max(1, min(nsb, triton.cdiv(ROWS_REG["per_sm"] * sms, grid_nm)))
@@ -247,7 +328,6 @@ def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split:
         split, sb_per = 1, nsb
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
-    lo, _, d, sc = planes
     rows_reg_kernel[(groups, triton.cdiv(n, bn), split)](
-        x, out, part, cnt, lo, d, sc, m, n, nsb, sb_per, split, x.stride(0), num_warps=warps, **consts, **launch())
+        x, out, part, cnt, *planes, m, n, nsb, sb_per, split, x.stride(0), num_warps=warps, **consts, **launch())
     return out
