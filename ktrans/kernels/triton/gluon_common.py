@@ -73,3 +73,17 @@ if _GLUON:
         t2 = gl.join(t, t)
         t4 = gl.join(t2, t2)
         return gl.join(t4, t4)
+
+    @gluon.jit
+    def dequant_rows(words, hi, R: gl.constexpr, QT: gl.constexpr):
+        """Code words [R, 4, 8] (word 8 a + m of each row) -> [R, 256] bf16 in the dot's K order, column
+        64 j + 8 m + 2 a + e = word 8 a + m's nibble j + 4 e as 1 + q / 128 (Q4_K, _q4_asm), or with its two high
+        bits from `hi` (the matching high-bit words, already shifted to bits 2s, 2s + 1 for nibble s) as
+        1 + q6 / 64 (Q6_K, QT 2: quant_gemv_mma._q6_asm); the caller converts it to its operand's layout."""
+        if QT == 2:
+            f = gl.inline_asm_elementwise(_Q6_ASM, "=r,=r,=r,=r" + ",r" * 16, [_join8(words), _join8(hi)],
+                                          dtype=gl.bfloat16, is_pure=True, pack=8)
+        else:
+            f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
+                                          is_pure=True, pack=8)  # [R, 4, 8, 2, 2, 2]: element 2 j + e of a word
+        return gl.reshape(gl.permute(gl.reshape(f, [R, 4, 8, 4, 2]), (0, 3, 2, 1, 4)), [R, 256])

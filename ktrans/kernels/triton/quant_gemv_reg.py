@@ -47,7 +47,7 @@ if _GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-    from ktrans.kernels.triton.gluon_common import _Q4_ASM, _Q6_ASM, _async_load, _barrier, _enter, _join8
+    from ktrans.kernels.triton.gluon_common import _async_load, _barrier, _enter, dequant_rows
 
 TYPES = ("Q4_K", "Q6_K")
 
@@ -124,17 +124,8 @@ if _GLUON:
 
     @gluon.jit
     def _codes(words, hi, BM: gl.constexpr, LA: gl.constexpr, QT: gl.constexpr):
-        """Code words [BM, 4, 8] (word 8 a + m) -> the A operand [BM, 256] bf16, column 64 j + 8 m + 2 a + e =
-        word 8 a + m's nibble j + 4 e as 1 + q / 128 (Q4_K), or with its two high bits from `hi` (the matching
-        high-bit words, already shifted to bits 2s, 2s + 1 for nibble s) as 1 + q6 / 64 (Q6_K: quant_gemv._q6_asm)."""
-        if QT == 2:
-            f = gl.inline_asm_elementwise(_Q6_ASM, "=r,=r,=r,=r" + ",r" * 16, [_join8(words), _join8(hi)],
-                                          dtype=gl.bfloat16, is_pure=True, pack=8)
-        else:
-            f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
-                                          is_pure=True, pack=8)  # [BM, 4, 8, 2, 2, 2]: element 2 j + e of a word
-        f = gl.permute(gl.reshape(f, [BM, 4, 8, 4, 2]), (0, 3, 2, 1, 4))
-        return gl.convert_layout(gl.reshape(f, [BM, 256]), LA, assert_trivial=True)
+        """Code words [BM, 4, 8] (word 8 a + m) -> the A operand [BM, 256] bf16 (gluon_common.dequant_rows)."""
+        return gl.convert_layout(dequant_rows(words, hi, BM, QT), LA, assert_trivial=True)
 
     @gluon.jit
     def _dot(a, b, NC: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, CH: gl.constexpr):

@@ -59,7 +59,7 @@ if _GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ktrans.kernels.triton.gluon_common import _Q4_ASM, _Q6_ASM, _barrier, _enter, _join8
+    from ktrans.kernels.triton.gluon_common import _barrier, _enter, dequant_rows
 
     @functools.lru_cache(maxsize=None)
     def layouts(warps: int, tiles: int, qtype: str = "Q4_K") -> tuple:
@@ -105,17 +105,9 @@ if _GLUON:
 
     @gluon.jit
     def _codes_b(words, hi, BN: gl.constexpr, LB: gl.constexpr, QT: gl.constexpr):
-        """Code words [BN, 4, 8] (word 8 a + m) -> the B operand [256, BN] bf16: row k = 64 j + 8 m + 2 a + e of
-        column n is row n's word 8 a + m's nibble j + 4 e as 1 + q / 128 (gluon_common._q4_asm), or with its two
-        high bits from `hi` as 1 + q6 / 64 (Q6_K, QT 2: quant_gemv_mma._q6_asm)."""
-        if QT == 2:
-            f = gl.inline_asm_elementwise(_Q6_ASM, "=r,=r,=r,=r" + ",r" * 16, [_join8(words), _join8(hi)],
-                                          dtype=gl.bfloat16, is_pure=True, pack=8)
-        else:
-            f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
-                                          is_pure=True, pack=8)  # [BN, 4, 8, 2, 2, 2]: element 2 j + e of a word
-        f = gl.reshape(gl.permute(gl.reshape(f, [BN, 4, 8, 4, 2]), (0, 3, 2, 1, 4)), [BN, 256])
-        return gl.convert_layout(gl.permute(f, (1, 0)), LB, assert_trivial=True)
+        """Code words [BN, 4, 8] (word 8 a + m) -> the B operand [256, BN] bf16: row k of column n is row n's
+        weight at the dot's column k (gluon_common.dequant_rows), transposed."""
+        return gl.convert_layout(gl.permute(dequant_rows(words, hi, BN, QT), (1, 0)), LB, assert_trivial=True)
 
     @gluon.jit
     def _halves_k(t, L: gl.constexpr, AXIS: gl.constexpr):
