@@ -87,3 +87,34 @@ if _GLUON:
             f = gl.inline_asm_elementwise(_Q4_ASM, "=r,=r,=r,=r" + ",r" * 8, [_join8(words)], dtype=gl.bfloat16,
                                           is_pure=True, pack=8)  # [R, 4, 8, 2, 2, 2]: element 2 j + e of a word
         return gl.reshape(gl.permute(gl.reshape(f, [R, 4, 8, 4, 2]), (0, 3, 2, 1, 4)), [R, 256])
+
+    @gluon.jit
+    def word_offsets(row0, n_valid, R: gl.constexpr, LW: gl.constexpr):
+        """(woff, wmask, hoff, hshift) of rows row0.. (R of them, those < n_valid real) in the code words' layout LW
+        [R, 4, 8] (word 8 a + m of each row): the words' offsets in a super-block's plane rows, their mask, and for
+        Q6_K the matching high-bit word's offset ((8 a + m) % 16) and its shift (16 (a // 2))."""
+        n_w = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+        a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+        m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+        woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
+        hoff = n_w[:, None, None] * 16 + ((a_w % 2) * 8)[None, :, None] + m_w[None, None, :]
+        return woff, (n_w < n_valid)[:, None, None], hoff, (16 * (a_w // 2))[None, :, None]
+
+    @gluon.jit
+    def store_split(y, offs, mask, out_ptr, part_ptr, cnt, pid_k, SPLIT, STRIDE, FUSED: gl.constexpr):
+        """A program's fp32 result y at `offs`: SPLIT = 1, into out_ptr (its dtype); else its K split's partial into
+        part_ptr + pid_k * STRIDE, and with FUSED the tile's last program to finish (counted at `cnt`, zero between
+        calls) sums the SPLIT partials in split order into out_ptr and zeroes the count (quant_gemv.store_split in
+        Gluon)."""
+        if SPLIT == 1:
+            gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            gl.store(part_ptr + pid_k * STRIDE + offs, y, mask=mask)
+            if FUSED:
+                _barrier()  # every thread's partial stored before the count's release
+                if gl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
+                    total = gl.zeros_like(y)
+                    for s in range(SPLIT):
+                        total += gl.load(part_ptr + s * STRIDE + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                    gl.atomic_xchg(cnt, 0)

@@ -47,7 +47,8 @@ if _GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-    from ktrans.kernels.triton.gluon_common import _async_load, _barrier, _enter, dequant_rows
+    from ktrans.kernels.triton.gluon_common import (_async_load, _barrier, _enter, dequant_rows, store_split,
+                                                    word_offsets)
 
 TYPES = ("Q4_K", "Q6_K")
 
@@ -288,13 +289,7 @@ if _GLUON:
         NC: gl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block, the accumulator's columns
         SPAN: gl.constexpr = 256 // NC  # weights a sub-block
         # the code words: row n, word 8 a + m
-        n_w = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
-        a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
-        m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
-        woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
-        wmask = (n_w < n_valid)[:, None, None]
-        hoff = n_w[:, None, None] * 16 + ((a_w % 2) * 8)[None, :, None] + m_w[None, None, :]
-        hshift = (16 * (a_w // 2))[None, :, None]
+        woff, wmask, hoff, hshift = word_offsets(row0, n_valid, BM, LW)
         # B: x by sub-block, column k = 64 j + 8 m + 2 a + e (word 8 a + m, nibble s = j + 4 e) at row c = its
         # sub-block: s (Q4_K), 8 (a // 2) + s (Q6_K)
         kk = gl.arange(0, 256, layout=gl.SliceLayout(1, LB))
@@ -372,18 +367,7 @@ if _GLUON:
         y, _, n_c, cmask = row_sums(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, tile * BM, N, 0, sb0,
                                     gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, PF, False, CH, ST,
                                     SW, SS, SD, CS, CD)
-        if SPLIT == 1:
-            gl.store(out_ptr + n_c, y.to(out_ptr.dtype.element_ty), mask=cmask)
-        else:
-            gl.store(part_ptr + pid_k * N + n_c, y, mask=cmask)
-            if FUSED_SUM:
-                _barrier()  # every thread's partial stored before the count's release
-                if gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-                    total = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
-                    for s in range(SPLIT):
-                        total += gl.load(part_ptr + s * N + n_c, mask=cmask, other=0.0, cache_modifier=".cg")
-                    gl.store(out_ptr + n_c, total.to(out_ptr.dtype.element_ty), mask=cmask)
-                    gl.atomic_xchg(cnt_ptr + pid_n, 0)
+        store_split(y, n_c, cmask, out_ptr, part_ptr, cnt_ptr + pid_n, pid_k, SPLIT, N, FUSED_SUM)
 
     @gluon.jit(do_not_specialize=["x_lo", "x_hi", "x_d", "x_sc"])
     def moe_reg_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, rw_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi,

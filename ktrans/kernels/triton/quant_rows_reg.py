@@ -59,7 +59,7 @@ if _GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ktrans.kernels.triton.gluon_common import _barrier, _enter, dequant_rows
+    from ktrans.kernels.triton.gluon_common import _enter, dequant_rows, store_split, word_offsets
 
     @functools.lru_cache(maxsize=None)
     def layouts(warps: int, tiles: int, qtype: str = "Q4_K") -> tuple:
@@ -172,16 +172,16 @@ if _GLUON:
         return gl.split(gl.permute(gl.reshape(t, [2, 8, C]), (1, 2, 0)))
 
     @gluon.jit
-    def _chunk_sums(acc, a, b, ones, z, w_s, w_m, d, dmin, J: gl.constexpr, hi):
+    def _chunk_sums(acc, a, b, ones, z, w, d, dmin, J: gl.constexpr, hi):
         """acc += chunk J's sums (A chunk a, B chunk b) scaled by sub-blocks J (rows e = 0) and J + 4 (e = 1): the
-        scales are byte J of w_s's (scales 0..3 | 4..7) and w_m's (mins) int32 words [2, BN]-wise, hi the rows of
-        e = 1; d already times 128."""
+        scales are byte J of the row's int32 words w (scales 0..3, 4..7, then mins 0..3, 4..7; [BN] each), hi the
+        rows of e = 1; d already times 128."""
         p = mma_v2(a, b, z)
         xs = mma_v2(a, ones, z)
-        s_lo = ((w_s[0] >> (8 * J)) & 0xFF).to(gl.float32)
-        s_hi = ((w_s[1] >> (8 * J)) & 0xFF).to(gl.float32)
-        m_lo = ((w_m[0] >> (8 * J)) & 0xFF).to(gl.float32)
-        m_hi = ((w_m[1] >> (8 * J)) & 0xFF).to(gl.float32)
+        s_lo = ((w[0] >> (8 * J)) & 0xFF).to(gl.float32)
+        s_hi = ((w[1] >> (8 * J)) & 0xFF).to(gl.float32)
+        m_lo = ((w[2] >> (8 * J)) & 0xFF).to(gl.float32)
+        m_hi = ((w[3] >> (8 * J)) & 0xFF).to(gl.float32)
         s = gl.where(hi, (s_hi * d)[None, :], (s_lo * d)[None, :])
         m = gl.where(hi, (m_hi * dmin)[None, :], (m_lo * dmin)[None, :])
         return acc + s * (p - xs) - m * xs
@@ -205,14 +205,7 @@ if _GLUON:
         pid_k = gl.program_id(2)
         row0 = pid_n * BN
         t0 = pid_g * TOK
-        # the code words: row n, word 8 a + m
-        n_w = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
-        a_w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
-        m_w = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
-        woff = n_w[:, None, None] * 32 + (a_w * 8)[None, :, None] + m_w[None, None, :]
-        wmask = (n_w < N)[:, None, None]
-        hoff = n_w[:, None, None] * 16 + ((a_w % 2) * 8)[None, :, None] + m_w[None, None, :]
-        hshift = (16 * (a_w // 2))[None, :, None]
+        woff, wmask, hoff, hshift = word_offsets(row0, N, BN, LW)  # the code words: row n, word 8 a + m
         if QT == 2:  # x of tokens t0.. : [u, h, c, a, m] at sub-block c + 8 (a // 2), word (8 a + m) % 16
             L4: gl.constexpr = gl.SliceLayout(4, LX)
             u_x = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
@@ -272,10 +265,10 @@ if _GLUON:
                 dd = gl.load(d32 + rows, mask=cmask, other=0)
                 d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 128.0
                 dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-                acc = _chunk_sums(acc, a0, b0, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 0, hi)
-                acc = _chunk_sums(acc, a1, b1, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 1, hi)
-                acc = _chunk_sums(acc, a2, b2, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 2, hi)
-                acc = _chunk_sums(acc, a3, b3, ones, z, (w[0], w[1]), (w[2], w[3]), d, dmin, 3, hi)
+                acc = _chunk_sums(acc, a0, b0, ones, z, w, d, dmin, 0, hi)
+                acc = _chunk_sums(acc, a1, b1, ones, z, w, d, dmin, 1, hi)
+                acc = _chunk_sums(acc, a2, b2, ones, z, w, d, dmin, 2, hi)
+                acc = _chunk_sums(acc, a3, b3, ones, z, w, d, dmin, 3, hi)
         tk16 = gl.zeros([16, BN], gl.int32, layout=MMA) + (t0 + r_c % TOK)[:, None]
         nn16 = gl.zeros([16, BN], gl.int32, layout=MMA) + n_c[None, :]
         if QT == 2:  # a token's four rows (e: a register bit; h: a lane bit) summed
@@ -289,18 +282,8 @@ if _GLUON:
             nn, _ = _token_rows(nn16)
         offs = tk * N + nn
         mask = (tk < M) & (nn < N)
-        if SPLIT == 1:
-            gl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            gl.store(part_ptr + pid_k * M * N + offs, y, mask=mask)
-            _barrier()  # every thread's partial stored before the count's release
-            tile = pid_n * gl.num_programs(0) + pid_g
-            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-                total = gl.zeros_like(y)
-                for s in range(SPLIT):
-                    total += gl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(cnt_ptr + tile, 0)
+        store_split(y, offs, mask, out_ptr, part_ptr, cnt_ptr + pid_n * gl.num_programs(0) + pid_g, pid_k, SPLIT,
+                    M * N, True)
 
 
 def qlinear_rows(x: torch.Tensor, w, planes, cnt: torch.Tensor, sms: int, split: int | None) -> torch.Tensor:
