@@ -28,7 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from ktrans.kernels.triton import interpreting, quant_gemv_reg, quant_rows_reg
 from ktrans.kernels.triton.pdl import enter, launch
-from ktrans.kernels.triton.quant_gemv import gemv_kernel
+from ktrans.kernels.triton.quant_gemv import gemv_kernel, store_split
 from ktrans.kernels.triton.quant_layout import QK, PackedWeight
 
 QT_CODE = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2, "Q8_0": 3}
@@ -127,8 +127,8 @@ def _qlinear_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc
                     FUSED_SUM: tl.constexpr = False, PDL: tl.constexpr = False):
     """Tile (pid_n, pid_m) of y [M, N] over super-blocks pid_k * SB_PER..: SPLIT = 1, into out_ptr (x's dtype); else
     the fp32 partial into part_ptr [SPLIT, M, N], and with FUSED_SUM the tile's last program to finish (counted in
-    cnt_ptr[tile], zero between calls) sums the SPLIT partials in order into out_ptr, as _sum_splits_kernel does,
-    and zeroes the count (one launch instead of two, as quant_gemv.gemv_kernel's fused sum)."""
+    cnt_ptr[tile], zero between calls) sums the SPLIT partials in order into out_ptr (quant_gemv.store_split: one
+    launch instead of two, as the GEMV's)."""
     enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -142,21 +142,8 @@ def _qlinear_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc
     for sb in range(sb0, tl.minimum(sb0 + SB_PER, NSB)):
         acc = superblock_dot(acc, x_ptr, offs_m, mask_m, stride_xm, lo_ptr, hi_ptr, d_ptr, sc_ptr, sb, N, offs_n,
                              mask_n, QT, MODE)
-    at = offs_m[:, None] * N + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT == 1:
-        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
-        if FUSED_SUM:
-            tl.debug_barrier()  # every thread's partial stored before the count's release
-            tile = pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-                total = tl.zeros([BM, BN], dtype=tl.float32)
-                for s in range(SPLIT):
-                    total += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
+    store_split(acc, offs_m[:, None] * N + offs_n[None, :], mask_m[:, None] & mask_n[None, :], out_ptr, part_ptr,
+                cnt_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT, M * N, FUSED_SUM)
 
 
 @triton.jit

@@ -28,9 +28,9 @@ latencies (the weights' first bytes, the split partials' store, the counter's re
 Under programmatic dependent launch (ktrans.kernels.triton.pdl) `row_dot` loads the first super-block's weights
 before waiting for the predecessor, so the first of those latencies passes while the predecessor runs.
 
-A third body, `quant_gemv_mma.row_dot_mma` (GEMV["mma"], opt-in), multiplies on tensor cores: a super-block's codes become bf16
-1 + q / 2^b (exact in bf16's mantissa) by inline PTX, a shift and a logic op a weight pair, and one dot against x
-placed block-diagonally gives every row's sub-block sums, which the sub-block scales then multiply: ~2.7
+A third body, `quant_gemv_mma.row_dot_mma` (GEMV["mma"], opt-in), multiplies on tensor cores: a super-block's codes
+become bf16 1 + q / 2^b (exact in bf16's mantissa) by inline PTX, a shift and a logic op a weight pair, and one dot
+against x placed block-diagonally gives every row's sub-block sums, which the sub-block scales then multiply: ~2.7
 instructions a weight at Q4_K. It is slower on the H100 at every tiling (session 32): Triton hands the dot its
 dequantized operand through shared memory, 4 bytes of traffic a weight, with barriers every super-block.
 
@@ -337,15 +337,24 @@ def gemv_kernel(x_ptr, out_ptr, part_ptr, cnt_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr
     sb0 = pid_k * SB_PER
     acc = row_dot(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, sb0, tl.minimum(sb0 + SB_PER, NSB), offs_n, mask_n, QT, BN,
                   ROWS, PDL, PIPE, MMA)
+    store_split(acc, offs_n, mask_n, out_ptr, part_ptr, cnt_ptr + pid_n, pid_k, SPLIT, N, FUSED_SUM)
+
+
+@triton.jit
+def store_split(y, offs, mask, out_ptr, part_ptr, cnt, pid_k, SPLIT, STRIDE, FUSED: tl.constexpr):
+    """A program's fp32 result y at `offs`: SPLIT = 1, into out_ptr (its dtype); else its K split's partial into
+    part_ptr + pid_k * STRIDE, and with FUSED the tile's last program to finish (counted at `cnt`, zero between
+    calls) sums the SPLIT partials in split order into out_ptr, as the separate sum kernel does, and zeroes the
+    count for the next call (a graph replay). The Gluon bodies' twin is gluon_common.store_split."""
     if SPLIT == 1:
-        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
-        if FUSED_SUM:
+        tl.store(part_ptr + pid_k * STRIDE + offs, y, mask=mask)
+        if FUSED:
             tl.debug_barrier()  # every thread's partial stored before the count's release
-            if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-                total = tl.zeros([BN], dtype=tl.float32)
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT - 1:
+                total = tl.zeros_like(y)
                 for s in range(SPLIT):
-                    total += tl.load(part_ptr + s * N + offs_n, mask=mask_n, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+                    total += tl.load(part_ptr + s * STRIDE + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt, 0)
