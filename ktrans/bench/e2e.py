@@ -368,12 +368,8 @@ def run(opts: E2EOptions, show_progress: bool = True, log=print) -> dict:
     compiles = {"decode": CompileLog(tuners), "itl": CompileLog(tuners)}
     graphs = engine.runner.graphs
     for b in opts.batch_sizes:
-        if graphs is not None:
-            # the measured shape once beforehand: a graph is captured at the first step of each (batch, KV length)
-            # bucket, and the warm-up's short prompts leave this run's buckets uncaptured (session 35: batch 16 of
-            # 512-token prompts decodes in the 1024 bucket), so their eager first steps and captures would be in
-            # the figure, which a serving engine pays once in its life
-            bench.run(b, opts.prompt_len, opts.gen_len)
+        if graphs is not None:  # the shape once beforehand: the graphs of its (batch, KV length) buckets, which the
+            bench.run(b, opts.prompt_len, opts.gen_len)  # warm-up's short prompts leave, captured outside the figure
         captures = graphs.num_captures if graphs is not None else 0
         with compiles["decode"]:
             r = bench.run(b, opts.prompt_len, opts.gen_len)
