@@ -1,7 +1,7 @@
 # Shared by the device_*.sh scripts (sourced): e2e NAME FLAGS... runs `ktrans bench e2e --gguf_path $F --json FLAGS`
 # under $E2E_TIMEOUT (default 420 s), keeps its JSON and log under $OUT/NAME.{json,err} and prints the short lines.
-# Out of time, the command first gets SIGUSR1 (ktrans prints every thread's Python stack into NAME.err), then is
-# killed 15 s later: a stuck run says where it waited.
+# Out of time, `watchdog` records what the command is doing into NAME.watchdog, sends it SIGUSR1 (ktrans prints every
+# thread's Python stack into NAME.err) and kills it 10 s later: a stuck run says where it waited.
 # Before it starts, e2e waits (up to $QUIET_WAIT s, default 240) for background builds and file writers to end: the
 # CPU pool's pinned workers wait for the slowest of them, so a compiler beside a measurement multiplied the experts'
 # time by ~9 on 2026-12-02 (doc/benchmarks.md, session 11). A run that starts anyway says so.
@@ -63,13 +63,41 @@ quiet() {
   echo "WARNING: a build or writer is still running ($(busy 'ninja|nvcc|cicc|cc1plus|make-tiny' | head -2 |
     xargs -r ps -o args= -p | cut -c1-80 | tr '\n' ' ')): $1's figures are not from a quiet machine"
 }
+# watchdog PID SECONDS LOG: wait for PID; past SECONDS, write what it is doing to LOG (and stdout) -- its state and
+# kernel wait channel, each thread's, its children (a compiler), the GPU's utilization and memory -- then send it
+# SIGUSR1 (a ktrans command prints every thread's Python stack to its stderr), look again 10 s later and kill it.
+# Session 36's stuck run printed no stack, so whether it waited on the GPU, a child or the kernel was not known.
+# Returns PID's exit status (137 once killed).
+watchdog() {
+  local pid=$1 limit=$2 log=$3 t=0
+  while kill -0 "$pid" 2> /dev/null; do
+    if [ "$t" -ge "$limit" ]; then
+      { echo "== watchdog: pid $pid still running after ${t} s"
+        ps -o pid,stat,wchan:32,etime,pcpu,rss -p "$pid"
+        grep -E "^(State|Threads|VmRSS)" "/proc/$pid/status"
+        for task in /proc/$pid/task/*; do echo "$(cat "$task/comm") $(awk '{print $3}' "$task/stat") $(cat "$task/wchan")"; done | sort | uniq -c | sort -rn | head -12
+        echo "-- children:"; ps -o pid,stat,etime,pcpu,args --ppid "$pid" | cut -c1-160
+        nvidia-smi --query-gpu=utilization.gpu,memory.used,power.draw --format=csv,noheader
+        free -g | head -2
+        kill -USR1 "$pid"; sleep 10
+        echo "-- 10 s after SIGUSR1:"; ps -o pid,stat,wchan:32,pcpu -p "$pid"
+        nvidia-smi --query-gpu=utilization.gpu,memory.used,power.draw --format=csv,noheader
+      } 2>&1 | tee "$log"
+      kill -9 "$pid" 2> /dev/null
+      break
+    fi
+    sleep 1
+    t=$((t + 1))
+  done
+  wait "$pid"
+}
 e2e() {
   local name=$1
   shift
   quiet "$name"
   echo "== $name: ktrans bench e2e --gguf_path $F $*"
-  timeout -s USR1 -k 15 "${E2E_TIMEOUT:-420}" ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" \
-    2> "$OUT/$name.err"
+  ktrans bench e2e --gguf_path "$F" --json "$@" > "$OUT/$name.json" 2> "$OUT/$name.err" &
+  watchdog $! "${E2E_TIMEOUT:-420}" "$OUT/$name.watchdog"
   echo "rc $?"
   python3 - "$OUT/$name.json" <<'EOF'
 import json, sys
