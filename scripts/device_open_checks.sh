@@ -39,8 +39,9 @@
 #                                                routing statistics, then GPU_EXPERTS (64) of each layer's experts on
 #                                                the GPU, 0..N-1 and the N most-routed; ~6 min
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
-#   bash scripts/device_open_checks.sh rows      issue 16's 2-16-row projections: the rows kernel's and the tile
-#                                                path's GPU tests beside the file writer, the M=16 cases under each
+#   bash scripts/device_open_checks.sh rows      issue 16's 2-16-row projections: the opt-in decode flags on a tiny
+#                                                file, the rows kernel's and the tile path's GPU tests beside the
+#                                                file writer, the M=16 cases under each
 #                                                ROWS_AB setting, then all on the GPU at batch 4 and 16 (profiled)
 #                                                under each E2E_AB setting; ~8 min (two calls: NO_E2E=1, then
 #                                                NO_TESTS=1 NO_KERNELS=1)
@@ -284,8 +285,10 @@ rows)
   # issue 16: a batch's decode projections (2-16 rows) through quant_rows_reg (KTRANS_GEMV_ROWS_REG) against the tile
   # path (its split sum fused or not: KTRANS_GEMV_TILE_FUSED_SUM), session 35's 7.5 ms of a 16-request step
   start_writer "$OUT/mk.log"
-  [ -n "${NO_TESTS:-}" ] || TESTS="tests/kernels/test_rows_reg.py tests/kernels/test_quant_triton.py" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-150} run_tests
+  # the opt-in decode flags end to end on a tiny Q4_K_M file under CUDA graphs first: at full size the three together
+  # did not end their warm-up (session 36)
+  [ -n "${NO_TESTS:-}" ] || TESTS="tests/bench/test_e2e.py::test_opt_in_decode_kernels_under_cuda_graphs \
+    tests/kernels/test_rows_reg.py tests/kernels/test_quant_triton.py" TEST_TIMEOUT=${TEST_TIMEOUT:-300} run_tests
   [ -n "${NO_KERNELS:-}" ] && ROWS_AB=" "
   for v in ${ROWS_AB:-KTRANS_GEMV_ROWS_REG=0 KTRANS_GEMV_ROWS_REG=1 KTRANS_GEMV_ROWS_REG=1,4,4,2 KTRANS_GEMV_TILE_FUSED_SUM=1}; do
     # shellcheck disable=SC2086

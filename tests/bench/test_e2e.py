@@ -204,3 +204,62 @@ def test_profiled_batch_step_on_the_gpu():
     assert got["split_ms"]["gpu_measured"] is True  # the batch-1 profile is still there
     # the measured run's graph buckets were captured by the run of its shape beforehand
     assert got["cuda_graphs"]["captured"] >= 1 and got["batches"][0]["graph_captures"] == 0
+
+
+@pytest.fixture(scope="module")
+def quantized_gpu_run(tmp_path_factory):
+    """A tiny Q4_K_M GGUF whose widths fill whole super-blocks (so its matrices are Q4_K and Q6_K as in the 80B
+    file), written by `make-tiny` with its tokenizer, and the GPU rules with the Triton layer ops; returns a function
+    running `bench e2e` on them under environment flags."""
+    import os
+    from pathlib import Path
+
+    from ktrans.model.tiny import preset_config
+
+    d = tmp_path_factory.mktemp("q4km")
+    config = {**preset_config("tiny"),
+              "hidden_size": 256, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+              "num_experts": 8}
+    (d / "config.json").write_text(json.dumps(config))
+    gguf = d / "t.gguf"
+    subprocess.run([sys.executable, "-m", "ktrans.cli", "make-tiny", "--preset", str(d / "config.json"), "--gguf",
+                    "--quant", "q4_k_m", "--out", str(gguf)], check=True, capture_output=True, timeout=300)
+    rules = d / "gpu-triton.yaml"
+    subprocess.run([sys.executable, str(Path(__file__).parents[2] / "scripts" / "rules_with_ops.py"),
+                    str(RULES_DIR / "Qwen3Next-gpu.yaml"), str(rules), "triton"], check=True, capture_output=True,
+                   timeout=60)
+
+    def run(env: dict) -> dict:
+        try:
+            out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--gguf_path", str(gguf),
+                                  "--optimize_config_path", str(rules), "--prompt_len", "24", "--gen_len", "8",
+                                  "--batch_sizes", "1,4", "--use_cuda_graph", "--profile_steps", "2",
+                                  "--profile_batch", "4", "--json"],
+                                 capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"bench e2e under {env} did not end in 300 s: {(e.stderr or b'')[-2000:]!r}")
+        assert out.returncode == 0, (env, out.stderr[-2000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flags, kernel", [
+    ({}, None),
+    ({"KTRANS_GEMV_ROWS_REG": "1"}, "rows_reg_kernel"),
+    ({"KTRANS_GEMV_TILE_FUSED_SUM": "1"}, None),
+    ({"KTRANS_GEMV_PAIR": "1"}, None),
+    ({"KTRANS_MOE_FUSED_SHARED": "1"}, None),
+    ({"KTRANS_GEMV_ROWS_REG": "1", "KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "rows_reg_kernel"),
+], ids=["defaults", "rows", "tile-fused-sum", "pair", "fused-shared", "rows+pair+fused-shared"])
+def test_opt_in_decode_kernels_under_cuda_graphs(quantized_gpu_run, flags, kernel):
+    """Each opt-in decode kernel flag (and the three together, which did not end their warm-up at full size on the
+    H200 in session 36) on a Q4_K_M file with CUDA graphs: the run ends, decodes at batch 1 and 4 from graphs
+    captured beforehand, and the 4-request step's profile names the flag's kernel where it has one of its own."""
+    got = quantized_gpu_run(flags)
+    assert set(got["decode_tok_s"]) == {"1", "4"} and all(v > 0 for v in got["decode_tok_s"].values())
+    assert got["cuda_graphs"]["captured"] >= 2 and all(b["graph_captures"] == 0 for b in got["batches"])
+    names = " ".join(got["profiled_batch"]["gpu_kernels_own_us"])
+    assert kernel is None or kernel in names, names
