@@ -14,8 +14,8 @@ rows twice: row 8 e + u is token u's x at the columns of parity e and zero at th
 g's words 8 t .. 8 t + 7 of every sub-block, 16 bytes each, and joins them with zeros into its fragments). The dot
 over K chunk j (columns 64 j .. 64 j + 63) then gives, in row 8 e + u, token u's sum over sub-block j + 4 e of
 (1 + q / 128) x, and a second dot of the same A against an 8-column ones operand the sums of x, X (the same in
-every column, so one n-tile's dot serves all of a warp's tiles: 48 mma a super-block at the default tiling where a
-full-width one took 64). Each chunk's sums are scaled by their rows' sub-block scales as ggml sums them
+every column, so one n-tile's dot a warp serves all its tiles, copied in registers: 48 mma a super-block at the
+default tiling where a full-width one took 64). Each chunk's sums are scaled by their rows' sub-block scales as ggml sums them
 (128 d sc (P - X) - dmin m X) into the accumulator; at the end each token's two rows (e = 0 and 1: registers of one
 thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens;
 more tokens are more programs along the grid's first axis, next to each other, so their weights come from the L2. K
@@ -39,8 +39,8 @@ from ktrans.kernels.triton.pdl import launch
 MAX_ROWS = 16
 _ENV = [int(v) for v in os.environ.get("KTRANS_GEMV_ROWS_REG", "0").split(",") if v.strip()] or [0]
 # on; row tiles of 8 a warp (a program's rows: 8 x tiles x warps); warps; programs wanted an SM (K is split to reach
-# them). Untimed: 2 tiles, 4 warps (64 rows a program), 2 programs an SM. sm_90, Triton 3.9 (3.6), Q4_K: 127 (127)
-# registers at 2 tiles, 85 (86) at 1, 253 (254) at 4; Q6_K at 2: 153 (128); 8 spill
+# them). Untimed: 2 tiles, 4 warps (64 rows a program), 2 programs an SM. sm_90, Triton 3.9 (3.6), Q4_K: 128 (128)
+# registers at 2 tiles, 98 (96) at 1, 251 (250) at 4; Q6_K at 2: 141 (128); 8 spill
 ROWS_REG = dict(zip(("on", "tiles", "warps", "per_sm"), _ENV + [2, 4, 2][len(_ENV) - 1:]))
 
 
@@ -157,19 +157,32 @@ if _GLUON:
         return gl.convert_layout(a, LA, assert_trivial=True)
 
     @gluon.jit
-    def _x_sums(a, ones, z8):
-        """The sums of x over a chunk, a row of A each ([16, 1] in the accumulator's layout): one dot of A against
-        an 8-column ones operand (the same bits as a column of a full-width one: the same mma, the same order), its
-        columns equal, so their max is any of them. A full-width ones operand did the same dot once per n-tile."""
-        return gl.max(mma_v2(a, ones, z8), axis=1)[:, None]
+    def _dup_cols(t):
+        """[R, C] -> [R, 2C]: t twice along the columns (a warp's further n-tiles: register copies)."""
+        u = gl.permute(gl.join(t, t), (0, 2, 1))
+        return gl.reshape(u, [t.shape[0], 2 * t.shape[1]])
 
     @gluon.jit
-    def _chunk_sums6(acc, a, b, ones, z, z8, w, d, J: gl.constexpr, e_r, h_r):
+    def _x_sums(a, ones, z8, MMA: gl.constexpr, NT: gl.constexpr):
+        """The sums of x over a chunk, a row of A each, as the accumulator [16, BN]: one dot of A against a ones
+        operand one n-tile a warp wide (the same in every column: the same mma, the same order), copied to the warp's
+        NT n-tiles in registers. A full-width ones operand did the same dot once per n-tile."""
+        xs = mma_v2(a, ones, z8)
+        if NT >= 2:
+            xs = _dup_cols(xs)
+        if NT >= 4:
+            xs = _dup_cols(xs)
+        if NT >= 8:
+            xs = _dup_cols(xs)
+        return gl.convert_layout(xs, MMA, assert_trivial=True)
+
+    @gluon.jit
+    def _chunk_sums6(acc, a, b, ones, z, z8, w, d, J: gl.constexpr, e_r, h_r, MMA: gl.constexpr, NT: gl.constexpr):
         """Q6_K: acc += chunk J's sums scaled by the rows' sub-blocks J + 4 e + 8 h (rows 8 e + 4 h + u): the int8
         scale is byte J of the row's scale word e + 2 h (w: the four words, [BN] each); d sc (q6 - 32) summed is
         d sc (64 P - 96 X)."""
         p = mma_v2(a, b, z)
-        xs = _x_sums(a, ones, z8)
+        xs = _x_sums(a, ones, z8, MMA, NT)
         sw = gl.where(h_r, gl.where(e_r, w[3][None, :], w[2][None, :]), gl.where(e_r, w[1][None, :], w[0][None, :]))
         sc = ((sw << (24 - 8 * J)) >> 24).to(gl.float32)
         return acc + (sc * d[None, :]) * (64.0 * p - 96.0 * xs)
@@ -181,12 +194,12 @@ if _GLUON:
         return gl.split(gl.permute(gl.reshape(t, [2, 8, C]), (1, 2, 0)))
 
     @gluon.jit
-    def _chunk_sums(acc, a, b, ones, z, z8, w, d, dmin, J: gl.constexpr, hi):
+    def _chunk_sums(acc, a, b, ones, z, z8, w, d, dmin, J: gl.constexpr, hi, MMA: gl.constexpr, NT: gl.constexpr):
         """acc += chunk J's sums (A chunk a, B chunk b) scaled by sub-blocks J (rows e = 0) and J + 4 (e = 1): the
         scales are byte J of the row's int32 words w (scales 0..3, 4..7, then mins 0..3, 4..7; [BN] each), hi the
         rows of e = 1; d already times 128."""
         p = mma_v2(a, b, z)
-        xs = _x_sums(a, ones, z8)
+        xs = _x_sums(a, ones, z8, MMA, NT)
         s_lo = ((w[0] >> (8 * J)) & 0xFF).to(gl.float32)
         s_hi = ((w[1] >> (8 * J)) & 0xFF).to(gl.float32)
         m_lo = ((w[2] >> (8 * J)) & 0xFF).to(gl.float32)
@@ -238,7 +251,7 @@ if _GLUON:
             xoff = (t_x * stride_x)[:, None, None, None] + (c_x * 32)[None, :, None, None] + \
                 (a_x * 8)[None, None, :, None] + m_x[None, None, None, :]
             xmask = (t_x < M)[:, None, None, None] & (m_x >= 0)[None, None, None, :]
-        ones = gl.full([64, 8], 1.0, gl.bfloat16, layout=LB)  # one n-tile: the sums of x are the same in every column
+        ones = gl.full([64, 8 * W], 1.0, gl.bfloat16, layout=LB)  # an n-tile a warp: x's sums, the same in every column
         # the scales, d and dmin of the accumulator's columns (rows of W), as int32 words
         n_c = row0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
         cmask = n_c < N
@@ -248,7 +261,7 @@ if _GLUON:
         sc32 = sc_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         d32 = d_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
         z = gl.zeros([16, BN], gl.float32, layout=MMA)
-        z8 = gl.zeros([16, 8], gl.float32, layout=MMA)
+        z8 = gl.zeros([16, 8 * W], gl.float32, layout=MMA)
         acc = z
         sb0 = pid_k * SB_PER
         for sb in range(sb0, gl.minimum(sb0 + SB_PER, NSB)):
@@ -267,18 +280,18 @@ if _GLUON:
                  gl.load(sc32 + rows * 4 + 2, mask=cmask, other=0), gl.load(sc32 + rows * 4 + 3, mask=cmask, other=0))
             if QT == 2:
                 d = gl.load(d_ptr + rows, mask=cmask, other=0.0).to(gl.float32)
-                acc = _chunk_sums6(acc, a0, b0, ones, z, z8, w, d, 0, hi, h_r)
-                acc = _chunk_sums6(acc, a1, b1, ones, z, z8, w, d, 1, hi, h_r)
-                acc = _chunk_sums6(acc, a2, b2, ones, z, z8, w, d, 2, hi, h_r)
-                acc = _chunk_sums6(acc, a3, b3, ones, z, z8, w, d, 3, hi, h_r)
+                acc = _chunk_sums6(acc, a0, b0, ones, z, z8, w, d, 0, hi, h_r, MMA, NT)
+                acc = _chunk_sums6(acc, a1, b1, ones, z, z8, w, d, 1, hi, h_r, MMA, NT)
+                acc = _chunk_sums6(acc, a2, b2, ones, z, z8, w, d, 2, hi, h_r, MMA, NT)
+                acc = _chunk_sums6(acc, a3, b3, ones, z, z8, w, d, 3, hi, h_r, MMA, NT)
             else:
                 dd = gl.load(d32 + rows, mask=cmask, other=0)
                 d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 128.0
                 dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-                acc = _chunk_sums(acc, a0, b0, ones, z, z8, w, d, dmin, 0, hi)
-                acc = _chunk_sums(acc, a1, b1, ones, z, z8, w, d, dmin, 1, hi)
-                acc = _chunk_sums(acc, a2, b2, ones, z, z8, w, d, dmin, 2, hi)
-                acc = _chunk_sums(acc, a3, b3, ones, z, z8, w, d, dmin, 3, hi)
+                acc = _chunk_sums(acc, a0, b0, ones, z, z8, w, d, dmin, 0, hi, MMA, NT)
+                acc = _chunk_sums(acc, a1, b1, ones, z, z8, w, d, dmin, 1, hi, MMA, NT)
+                acc = _chunk_sums(acc, a2, b2, ones, z, z8, w, d, dmin, 2, hi, MMA, NT)
+                acc = _chunk_sums(acc, a3, b3, ones, z, z8, w, d, dmin, 3, hi, MMA, NT)
         tk16 = gl.zeros([16, BN], gl.int32, layout=MMA) + (t0 + r_c % TOK)[:, None]
         nn16 = gl.zeros([16, BN], gl.int32, layout=MMA) + n_c[None, :]
         if QT == 2:  # a token's four rows (e: a register bit; h: a lane bit) summed
