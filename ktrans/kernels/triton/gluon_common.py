@@ -1,6 +1,6 @@
 """What the Gluon kernels (quant_gemv_reg, quant_rows_reg) share: whether Gluon can run here, the PTX that turns Q4_K
 code words into bf16 pairs (Q6_K's is quant_gemv_mma's), and small Gluon helpers (PDL's entry, the barrier and
-cp.async under Triton 3.6's and 3.9's names, a word joined eightfold for the PTX's pack of 8).
+cp.async under Triton 3.6's and 3.9's names, a word joined eightfold for the PTX's pack of 8, a tile's register copies).
 """
 from __future__ import annotations
 
@@ -73,6 +73,27 @@ if _GLUON:
         t2 = gl.join(t, t)
         t4 = gl.join(t2, t2)
         return gl.join(t4, t4)
+
+    @gluon.jit
+    def _twice(t, AXIS: gl.constexpr):
+        """[R, C] -> t twice along AXIS (0: [2R, C], 1: [R, 2C]), the copy's index the axis's top bit."""
+        if AXIS == 0:
+            u = gl.reshape(gl.permute(gl.join(t, t), (2, 0, 1)), [2 * t.shape[0], t.shape[1]])
+        else:
+            u = gl.reshape(gl.permute(gl.join(t, t), (0, 2, 1)), [t.shape[0], 2 * t.shape[1]])
+        return u
+
+    @gluon.jit
+    def tile_copies(t, N: gl.constexpr, AXIS: gl.constexpr):
+        """[R, C] -> N (1, 2, 4 or 8) copies of t along AXIS, the copy's index the axis's top bits: where those bits
+        are a thread's registers (its further row or column tiles of an mma layout), register copies."""
+        if N >= 2:
+            t = _twice(t, AXIS)
+        if N >= 4:
+            t = _twice(t, AXIS)
+        if N >= 8:
+            t = _twice(t, AXIS)
+        return t
 
     @gluon.jit
     def dequant_rows(words, hi, R: gl.constexpr, QT: gl.constexpr):

@@ -48,7 +48,7 @@ if _GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     from ktrans.kernels.triton.gluon_common import (_async_load, _barrier, _enter, dequant_rows, store_split,
-                                                    word_offsets)
+                                                    tile_copies, word_offsets)
 
 TYPES = ("Q4_K", "Q6_K")
 
@@ -116,12 +116,6 @@ if _GLUON:
         mma, la, lb, lw = layouts(warps, reps)
         ring = dict(zip(("SW", "SS", "SD", "CS", "CD"), staging(warps, reps, stages) if stages else (None,) * 5))
         return {"W": warps, "R": reps, "MMA": mma, "LA": la, "LB": lb, "LW": lw, "ST": stages, **ring}
-
-    @gluon.jit
-    def _dup_rows(t):
-        """[M, C] -> [2M, C]: t twice down the rows (a thread's further row tiles: register copies)."""
-        u = gl.permute(gl.join(t, t), (2, 0, 1))
-        return gl.reshape(u, [2 * t.shape[0], t.shape[1]])
 
     @gluon.jit
     def _codes(words, hi, BM: gl.constexpr, LA: gl.constexpr, QT: gl.constexpr):
@@ -210,14 +204,7 @@ if _GLUON:
                 CH: gl.constexpr):
         """The sums of x by sub-block, [BM, NC] in the accumulator's layout: one all-ones 16-row tile's dot against
         B, copied to the warp's R row tiles (register copies)."""
-        xs = _dot(ones, xb, NC, MMA, LA, LB, CH)
-        if R >= 2:
-            xs = _dup_rows(xs)
-        if R >= 4:
-            xs = _dup_rows(xs)
-        if R >= 8:
-            xs = _dup_rows(xs)
-        return gl.convert_layout(xs, MMA, assert_trivial=True)
+        return gl.convert_layout(tile_copies(_dot(ones, xb, NC, MMA, LA, LB, CH), R, 0), MMA, assert_trivial=True)
 
     @gluon.jit
     def _ring_sums(x_row, lo_ptr, d_ptr, sc_ptr, NR, row0, n_valid, OFF2, sb0, sb1, woff, wmask, xoff, xmask, ones,

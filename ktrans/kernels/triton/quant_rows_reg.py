@@ -61,7 +61,7 @@ if _GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ktrans.kernels.triton.gluon_common import _enter, dequant_rows, store_split, word_offsets
+    from ktrans.kernels.triton.gluon_common import _enter, dequant_rows, store_split, tile_copies, word_offsets
 
     @functools.lru_cache(maxsize=None)
     def layouts(warps: int, tiles: int, qtype: str = "Q4_K") -> tuple:
@@ -157,24 +157,11 @@ if _GLUON:
         return gl.convert_layout(a, LA, assert_trivial=True)
 
     @gluon.jit
-    def _dup_cols(t):
-        """[R, C] -> [R, 2C]: t twice along the columns (a warp's further n-tiles: register copies)."""
-        u = gl.permute(gl.join(t, t), (0, 2, 1))
-        return gl.reshape(u, [t.shape[0], 2 * t.shape[1]])
-
-    @gluon.jit
     def _x_sums(a, ones, z8, MMA: gl.constexpr, NT: gl.constexpr):
         """The sums of x over a chunk, a row of A each, as the accumulator [16, BN]: one dot of A against a ones
         operand one n-tile a warp wide (the same in every column: the same mma, the same order), copied to the warp's
         NT n-tiles in registers. A full-width ones operand did the same dot once per n-tile."""
-        xs = mma_v2(a, ones, z8)
-        if NT >= 2:
-            xs = _dup_cols(xs)
-        if NT >= 4:
-            xs = _dup_cols(xs)
-        if NT >= 8:
-            xs = _dup_cols(xs)
-        return gl.convert_layout(xs, MMA, assert_trivial=True)
+        return gl.convert_layout(tile_copies(mma_v2(a, ones, z8), NT, 1), MMA, assert_trivial=True)
 
     @gluon.jit
     def _chunk_sums6(acc, a, b, ones, z, z8, w, d, J: gl.constexpr, e_r, h_r, MMA: gl.constexpr, NT: gl.constexpr):
