@@ -212,6 +212,8 @@ def quantized_gpu_run(tmp_path_factory):
     file), written by `make-tiny` with its tokenizer, and the GPU rules with the Triton layer ops; returns a function
     running `bench e2e` on them under environment flags."""
     import os
+    import signal
+    import time
     from pathlib import Path
 
     from ktrans.model.tiny import preset_config
@@ -230,16 +232,30 @@ def quantized_gpu_run(tmp_path_factory):
                    timeout=60)
 
     def run(env: dict) -> dict:
+        proc = subprocess.Popen([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--gguf_path", str(gguf),
+                                 "--optimize_config_path", str(rules), "--prompt_len", "24", "--gen_len", "8",
+                                 "--batch_sizes", "1,4", "--use_cuda_graph", "--profile_steps", "2",
+                                 "--profile_batch", "4", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, **env})
         try:
-            out = subprocess.run([sys.executable, "-m", "ktrans.cli", "bench", "e2e", "--gguf_path", str(gguf),
-                                  "--optimize_config_path", str(rules), "--prompt_len", "24", "--gen_len", "8",
-                                  "--batch_sizes", "1,4", "--use_cuda_graph", "--profile_steps", "2",
-                                  "--profile_batch", "4", "--json"],
-                                 capture_output=True, text=True, timeout=300, env={**os.environ, **env})
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"bench e2e under {env} did not end in 300 s: {(e.stderr or b'')[-2000:]!r}")
-        assert out.returncode == 0, (env, out.stderr[-2000:])
-        return json.loads(out.stdout.strip().splitlines()[-1])
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            # where it waits, before it goes: the state (D: in the kernel, e.g. a driver wait on a GPU that does not
+            # finish) and wait channel of each thread, then every thread's Python stack (SIGUSR1)
+            tasks = Path(f"/proc/{proc.pid}/task")
+            waits = sorted(f"{(t / 'stat').read_text().split(')')[-1].split()[0]} {(t / 'wchan').read_text()}"
+                           for t in tasks.iterdir()) if tasks.is_dir() else []
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(5)
+            proc.kill()
+            try:
+                _, stderr = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:  # still not gone: in the kernel
+                stderr = "(the process did not end within 15 s of SIGKILL)"
+            pytest.fail(f"bench e2e under {env} did not end in 300 s; threads (state, wait): {waits}; "
+                        f"stderr: {stderr[-3000:]}")
+        assert proc.returncode == 0, (env, stderr[-2000:])
+        return json.loads(stdout.strip().splitlines()[-1])
 
     return run
 
