@@ -75,7 +75,9 @@ watchdog() {
       { echo "== watchdog: pid $pid still running after ${t} s"
         ps -o pid,stat,wchan:32,etime,pcpu,rss -p "$pid"
         grep -E "^(State|Threads|VmRSS)" "/proc/$pid/status"
-        for task in /proc/$pid/task/*; do echo "$(cat "$task/comm") $(awk '{print $3}' "$task/stat") $(cat "$task/wchan")"; done | sort | uniq -c | sort -rn | head -12
+        for task in /proc/$pid/task/*; do  # thread name, state, wait channel; counted
+          echo "$(cat "$task/comm") $(awk '{print $3}' "$task/stat") $(cat "$task/wchan")"
+        done | sort | uniq -c | sort -rn | head -12
         echo "-- children:"; ps -o pid,stat,etime,pcpu,args --ppid "$pid" | cut -c1-160
         nvidia-smi --query-gpu=utilization.gpu,memory.used,power.draw --format=csv,noheader
         free -g | head -2

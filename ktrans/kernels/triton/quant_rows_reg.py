@@ -13,13 +13,13 @@ fragments of all sixteen K tiles by the same PTX (1 + q / 128, exact in bf16). T
 rows twice: row 8 e + u is token u's x at the columns of parity e and zero at the others (thread (g, t) loads token
 g's words 8 t .. 8 t + 7 of every sub-block, 16 bytes each, and joins them with zeros into its fragments). The dot
 over K chunk j (columns 64 j .. 64 j + 63) then gives, in row 8 e + u, token u's sum over sub-block j + 4 e of
-(1 + q / 128) x, and a second dot of the same A against an 8-column ones operand the sums of x, X (the same in
-every column, so one n-tile's dot a warp serves all its tiles, copied in registers: 48 mma a super-block at the
-default tiling where a full-width one took 64). Each chunk's sums are scaled by their rows' sub-block scales as ggml sums them
-(128 d sc (P - X) - dmin m X) into the accumulator; at the end each token's two rows (e = 0 and 1: registers of one
-thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens;
-more tokens are more programs along the grid's first axis, next to each other, so their weights come from the L2. K
-is split across programs as in quant_gemv (the fp32 partials summed in split order by each tile's last program).
+(1 + q / 128) x, and a second dot of the same A against ones the sums of x, X. X is the same in every column, so
+that dot is one n-tile a warp wide, copied to the warp's other n-tiles in registers (48 mma a super-block at the
+default tiling, where a full-width ones operand took 64). Each chunk's sums are scaled by their rows' sub-block
+scales as ggml sums them (128 d sc (P - X) - dmin m X) into the accumulator; at the end each token's two rows (e = 0
+and 1: registers of one thread) are added. A program takes 8 x TILES x WARPS rows and eight tokens; more tokens are
+more programs along the grid's first axis, next to each other, so their weights come from the L2. K is split across
+programs as in quant_gemv (the fp32 partials summed in split order by each tile's last program).
 
 Q6_K (16 sub-blocks of 16; lm_head and some projections of a Q4_K_M file) takes the one-row body's Q6_K order: word
 groups a = 2, 3 hold sub-blocks 8.., so a chunk's columns span four sub-blocks (parity e, half h = a // 2). A's rows
