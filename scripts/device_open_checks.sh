@@ -41,10 +41,9 @@
 #   bash scripts/device_open_checks.sh long      a 131,072-token prompt under the serve rules (issue 17); ~4 min
 #   bash scripts/device_open_checks.sh rows      issue 16's 2-16-row projections: the opt-in decode flags on a tiny
 #                                                file, the rows kernel's and the tile path's GPU tests beside the
-#                                                file writer, the M=16 cases under each
-#                                                ROWS_AB setting, then all on the GPU at batch 4 and 16 (profiled)
-#                                                under each E2E_AB setting; ~8 min (two calls: NO_E2E=1, then
-#                                                NO_TESTS=1 NO_KERNELS=1)
+#                                                file writer, the M=16 cases under each ROWS_AB setting, then all
+#                                                on the GPU at batch 4 and 16 (profiled) under each E2E_AB setting;
+#                                                ~8 min (two calls: NO_E2E=1, then NO_TESTS=1 NO_KERNELS=1)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
