@@ -65,19 +65,19 @@ def _loop(ins: list[tuple[int, str]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("types", "Q4_K,Q6_K"), ("pipe", "0,3"), ("maxnreg", "0,80,96"), ("warps", "4"),
-                          ("bn", "32"), ("rows", "0"), ("mma", "0"), ("reg", "0"), ("chains", "1"), ("ring", "0")):
+                          ("bn", "32"), ("rows", "0"), ("mma", "0"), ("reg", "0"), ("chains", "1")):
         ap.add_argument(f"--{name}", default=default)
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    for qtype, pipe, cap, warps, bn, rows, mma, reg, chains, ring in itertools.product(
+    for qtype, pipe, cap, warps, bn, rows, mma, reg, chains in itertools.product(
             args.types.split(","), ints(args.pipe), ints(args.maxnreg), ints(args.warps), ints(args.bn),
-            ints(args.rows), ints(args.mma), ints(args.reg), ints(args.chains), ints(args.ring)):
-        if (chains > 1 or ring) and not reg or ring and qtype != "Q4_K":  # the register body's alone (Q4_K's ring)
+            ints(args.rows), ints(args.mma), ints(args.reg), ints(args.chains)):
+        if chains > 1 and not reg:  # the register body's alone
             continue
         if reg:
             if rows or mma or pipe or cap or qtype not in quant_gemv_reg.TYPES or bn % (16 * warps):
                 continue
-            _reg(qtype, warps, bn, reg, chains, ring)
+            _reg(qtype, warps, bn, reg, chains)
             continue
         if rows and (pipe or qtype == "Q8_0" or mma):  # the row-owning body has no pipelined loop, no Q8_0 form
             continue
@@ -94,17 +94,17 @@ def main() -> None:
               flush=True)
 
 
-def _reg(qtype: str, warps: int, bn: int, reg: int, chains: int, ring: int) -> None:
+def _reg(qtype: str, warps: int, bn: int, reg: int, chains: int) -> None:
     """One line for the register tensor-core body at this tiling (its one-matrix launch with the fused split sum).
     Every constexpr is given, defaults included: a Gluon compile from source leaves an omitted one unset."""
     sig = {**REG_SIGNATURE, "sc_ptr": "*i8" if qtype == "Q6_K" else "*u8"}
     consts = {"QT": QT_CODE[qtype], "FUSED_SUM": True, "HAS_B": False, "PDL": True,
-              **quant_gemv_reg.tiling("--bn", bn, warps, ring), "PF": reg == 2, "CH": chains}
+              **quant_gemv_reg.tiling("--bn", bn, warps), "PF": reg == 2, "CH": chains}
     k, usage = compile_sm90(quant_gemv_reg.gemv_reg_kernel, sig, consts, warps, 1, 0, divisible=("N",))
     body = _loop(_sass(k.asm["cubin"]))
     per = bn * QK / (32 * warps)
     top = " ".join(f"{op}:{n}" for op, n in collections.Counter(body).most_common(8))
-    print(f"{qtype} reg={reg} chains={chains} ring={ring} warps={warps} bn={bn}: {usage} shared={k.metadata.shared} "
+    print(f"{qtype} reg={reg} chains={chains} warps={warps} bn={bn}: {usage} shared={k.metadata.shared} "
           f"loop {len(body)} instructions, {len(body) / per:.2f} a weight; {top}", flush=True)
 
 

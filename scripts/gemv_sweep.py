@@ -6,7 +6,6 @@ to write into ktrans.kernels.triton.quant.GEMV.
     python3 scripts/gemv_sweep.py [--reps 20] [--types Q4_K,Q6_K] [--bn 32,64,128] [--warps 2,4,8]
                                   [--per_sm 4,8,16] [--fused 0,1] [--stages 0,1,3] [--rows 0,1]
                                   [--maxnreg 0,96,80] [--pipe 0,3] [--mma 0,1] [--reg 0,1] [--chains 1,2]
-                                  [--ring 0,2,4]
 
 --stages: the launch's num_stages (0: Triton's default). --maxnreg: register caps (0: none). --rows: the
 lane-group kernel (0) or the row-owning one (GEMV["rows"]; --bn and --warps then set rows_bn and rows_warps, and
@@ -15,8 +14,7 @@ stages; 0: the plain loop; --per_sm then sets GEMV["per_sm_pipe"]). --mma: the t
 transposed dot; Q4_K and Q6_K): --bn, --warps, --per_sm and --pipe then set GEMV's mma_bn, mma_warps, mma_per_sm and
 mma_pipe. --reg: the register tensor-core body (ktrans.kernels.triton.quant_gemv_reg, Q4_K; 2: its code words loaded a
 super-block ahead): --bn, --warps and --per_sm then set GEMV's reg_bn, reg_warps and reg_per_sm (tilings whose rows
-are not 16 x warps x a power of two are skipped); --chains then sets reg_chains (its dots' independent mma chains)
-and --ring reg_stages (Q4_K's shared cp.async ring of super-blocks; 0 none).
+are not 16 x warps x a power of two are skipped); --chains then sets reg_chains (its dots' independent mma chains).
 """
 from __future__ import annotations
 
@@ -47,7 +45,6 @@ def main() -> None:
     ap.add_argument("--pipe", default="0", help="stages of the pipelined super-block loop to try (0: none)")
     ap.add_argument("--mma", default="0", help="the tensor-core body (1; 2 transposed) or the CUDA-core ones (0)")
     ap.add_argument("--chains", default="1", help="the register body's independent mma chains a dot")
-    ap.add_argument("--ring", default="0", help="the register body's shared ring of super-blocks (Q4_K; 0 none, 2, 4)")
     ap.add_argument("--reg", default="0", help="the register tensor-core body (1; 2 its words loaded ahead) or not (0)")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
@@ -59,11 +56,11 @@ def main() -> None:
     for qtype in args.types.split(","):
         ws = {name: _packed(qtype, n, k, dev, s) for s, (name, n, k) in enumerate(SHAPES)}
         xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for _, _, k in SHAPES}
-        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg, chains, ring in itertools.product(
+        for bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg, chains in itertools.product(
                 ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.fused), ints(args.stages),
                 ints(args.rows), ints(args.maxnreg), ints(args.pipe), ints(args.mma), ints(args.reg),
-                ints(args.chains), ints(args.ring)):
-            if (chains > 1 or ring) and not reg or ring and (qtype != "Q4_K" or reg == 2):
+                ints(args.chains)):
+            if chains > 1 and not reg:
                 continue
             reps = bn // (16 * warps)
             if reg and (qtype not in quant_gemv_reg.TYPES or rows or mma or maxnreg or pipe or not fused
@@ -74,8 +71,7 @@ def main() -> None:
             if mma and (qtype not in quant.MMA_TYPES or maxnreg or bn < 16 * warps):  # a wgmma is 64 rows a warpgroup
                 continue
             if reg:
-                tiling = {"reg_bn": bn, "reg_bn6": bn, "reg_warps": warps, "reg_per_sm": per_sm, "reg_chains": chains,
-                          "reg_stages": ring}
+                tiling = {"reg_bn": bn, "reg_bn6": bn, "reg_warps": warps, "reg_per_sm": per_sm, "reg_chains": chains}
             elif mma:
                 tiling = {"mma_bn": bn, "mma_warps": warps, "mma_per_sm": per_sm, "mma_pipe": pipe}
             else:
@@ -83,7 +79,7 @@ def main() -> None:
             quant.GEMV.update(per_sm=per_sm, per_sm_pipe=per_sm, fused_sum=bool(fused), stages=stages or None,
                               rows=rows, maxnreg=maxnreg or None, pipe=0 if mma else pipe, mma=mma, reg=reg,
                               **tiling)
-            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg, chains, ring)
+            key = (bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg, chains)
             line = []
             for name, n, k in SHAPES:
                 w, x = ws[name], xs[k]
@@ -97,11 +93,11 @@ def main() -> None:
                 totals[(qtype, key)] = totals.get((qtype, key), 0.0) + ms
                 line.append(f"{name}={ms * 1e3:.1f}us/{frac:.2f}")
             print(f"{qtype} bn={bn} warps={warps} per_sm={per_sm} fused={fused} stages={stages} rows={rows} "
-                  f"maxnreg={maxnreg} pipe={pipe} mma={mma} reg={reg} chains={chains} ring={ring}: "
+                  f"maxnreg={maxnreg} pipe={pipe} mma={mma} reg={reg} chains={chains}: "
                   + " ".join(line), flush=True)
     for qtype in args.types.split(","):
         best = min((v, k) for (t, k), v in totals.items() if t == qtype)
-        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg, chains, ring = "
+        print(f"best {qtype}: bn, warps, per_sm, fused, stages, rows, maxnreg, pipe, mma, reg, chains = "
               f"{best[1]}, all shapes {best[0] * 1e3:.1f} us")
 
 

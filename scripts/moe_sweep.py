@@ -6,7 +6,7 @@ shape and, last, the shape with the best total over the token counts: the one to
 
     python3 scripts/moe_sweep.py [--reps 20] [--tokens 1,4,16,64] [--down Q4_K] [--bn 32,64] [--warps 4,8]
                                  [--per_sm 2,4,8] [--split 0] [--maxnreg 80,0] [--pipe 0,3]
-                                 [--one_loop 0,1] [--mma 0,1] [--reg 0,1] [--chains 1,2] [--ring 0,2,4]
+                                 [--one_loop 0,1] [--mma 0,1] [--reg 0,1] [--chains 1,2]
 
 --split: gate/up's K splits (0: LANES' automatic choice from per_sm). --maxnreg: one cap for both launches (0:
 none). --pipe: gate and up's pipelined super-block loops (their stages; 0: plain loops); --one_loop: gate's and up's
@@ -14,7 +14,7 @@ rows in one loop (LANES["one_loop"]). bn and warps apply to the lane-group form 
 --mma 1: the tensor-core row_dot (LANES["mma"]); --bn and --per_sm then set mma_bn and mma_per_sm (4 warps).
 --reg 1: the register tensor-core kernel (LANES["reg"], quant_gemv_reg.moe_reg_kernel); --bn, --warps and --per_sm
 then set reg_bn, reg_warps and reg_per_sm (shapes whose rows are not 16 x warps x a power of two are skipped),
---chains reg_chains and --ring reg_stages (the Q4_K launches' shared cp.async ring; 0 none).
+--chains reg_chains.
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ def main() -> None:
     ap.add_argument("--mma", default="0")
     ap.add_argument("--reg", default="0")
     ap.add_argument("--chains", default="1")
-    ap.add_argument("--ring", default="0")
     args = ap.parse_args()
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     dev = torch.device("cuda")
@@ -62,10 +61,10 @@ def main() -> None:
         cases.append((t, x, ids, w, int(torch.unique(ids).numel()) * per_expert))
     mq.LANES.update(on=True, max_tokens=max(ints(args.tokens)))
     totals: dict[tuple, float] = {}
-    for bn, warps, per_sm, split, cap, pipe, one, mma, reg, chains, ring in itertools.product(
+    for bn, warps, per_sm, split, cap, pipe, one, mma, reg, chains in itertools.product(
             ints(args.bn), ints(args.warps), ints(args.per_sm), ints(args.split), ints(args.maxnreg), ints(args.pipe),
-            ints(args.one_loop), ints(args.mma), ints(args.reg), ints(args.chains), ints(args.ring)):
-        if (chains > 1 or ring) and not reg:
+            ints(args.one_loop), ints(args.mma), ints(args.reg), ints(args.chains)):
+        if chains > 1 and not reg:
             continue
         if mma and (bn < 64 or warps != 4 or cap or pipe or one or reg):  # a wgmma is 64 rows; 4 warps, no cap
             continue
@@ -74,9 +73,8 @@ def main() -> None:
             continue
         mq.LANES.update(bn=bn, warps=warps, per_sm=per_sm, per_sm_pipe=per_sm, split=split or None,
                         maxnreg=(cap, cap), pipe=pipe, one_loop=bool(one), mma=mma, mma_bn=bn, mma_per_sm=per_sm,
-                        reg=reg, reg_bn=bn, reg_warps=warps, reg_per_sm=per_sm, reg_chains=chains,
-                        reg_stages=ring)
-        key = (bn, warps, per_sm, split, cap, pipe, one, mma, reg, chains, ring)
+                        reg=reg, reg_bn=bn, reg_warps=warps, reg_per_sm=per_sm, reg_chains=chains)
+        key = (bn, warps, per_sm, split, cap, pipe, one, mma, reg, chains)
         line = []
         for t, x, ids, w, nbytes in cases:
             try:
@@ -89,10 +87,10 @@ def main() -> None:
             totals[key] = totals.get(key, 0.0) + ms
             line.append(f"B={t}={ms * 1e3:.1f}us/{nbytes / ms / 1e6 / hbm:.2f}")
         print(f"bn={bn} warps={warps} per_sm={per_sm} split={split} maxnreg={cap} pipe={pipe} one_loop={one} "
-              f"mma={mma} reg={reg} chains={chains} ring={ring}: "
+              f"mma={mma} reg={reg} chains={chains}: "
               + " ".join(line), flush=True)
     best = min((v, k) for k, v in totals.items())
-    print(f"best: bn, warps, per_sm, split, maxnreg, pipe, one_loop, mma, reg, chains, ring = {best[1]}, all token "
+    print(f"best: bn, warps, per_sm, split, maxnreg, pipe, one_loop, mma, reg, chains = {best[1]}, all token "
           f"counts {best[0] * 1e3:.1f} us")
 
 

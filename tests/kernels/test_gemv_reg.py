@@ -111,19 +111,19 @@ MMA_PTX = "mma.sync.aligned.m16n8k16.row.col.f32.bf16"
 def facts(k):
     ptx = k.asm["ptx"]
     return {"shared": k.metadata.shared, "mma": ptx.count(MMA_PTX), "v4": ptx.count("ld.global.v4.b32"),
-            "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx))}
+            "cp": len(re.findall(r"cp\.async", ptx))}
 
 
 fn = quant_gemv_reg.gemv_reg_kernel
 aligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr", "N"]
 out = []
-for qt, cc, warps, reps, fused, ch, ring in json.loads(sys.argv[1]):
+for qt, cc, warps, reps, fused, ch in json.loads(sys.argv[1]):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "lo_ptr": "*i32",
            "hi_ptr": "*i32", "d_ptr": "*fp16", "sc_ptr": "*i8" if qt == 2 else "*u8", "N": "i32", "NSB": "i32",
            "SB_PER": "i32", "SPLIT": "i32", "TILES_A": "i32", "N_B": "i32", "b_lo": "i32", "b_hi": "i32",
            "b_d": "i32", "b_sc": "i32"}
     consts = {"QT": qt, "FUSED_SUM": bool(fused), "HAS_B": True, "PDL": cc >= 90,
-              **quant_gemv_reg.tiling("test", 16 * warps * reps, warps, ring), "PF": bool(fused), "CH": ch}
+              **quant_gemv_reg.tiling("test", 16 * warps * reps, warps), "PF": bool(fused), "CH": ch}
     src = GluonASTSource(fn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -131,14 +131,14 @@ for qt, cc, warps, reps, fused, ch, ring in json.loads(sys.argv[1]):
 mfn = quant_gemv_reg.moe_reg_kernel
 maligned = ["x_ptr", "out_ptr", "part_ptr", "cnt_ptr", "ids_ptr", "rw_ptr", "lo_ptr", "hi_ptr", "d_ptr", "sc_ptr",
             "N", "N_ROWS", "s_lo", "s_hi", "s_d", "s_sc"]  # as a launch at the real shapes specialises them
-for qt, gated, ring in ((0, True, 0), (0, False, 0), (2, True, 0), (2, False, 0), (0, True, 2), (0, False, 4)):
+for qt, gated in ((0, True), (0, False), (2, True), (2, False)):
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i32",
            "rw_ptr": "*fp32", "lo_ptr": "*i32", "hi_ptr": "*i32", "d_ptr": "*fp16",
            "sc_ptr": "*i8" if qt == 2 else "*u8", **{n: "i64" if n.startswith("s_") else "i32" for n in (
                "s_lo", "s_hi", "s_d", "s_sc", "P", "N", "N_ROWS", "NSB", "SB_PER", "X_DIV", "stride_x", "stride_o",
                "E_X", "x_lo", "x_hi", "x_d", "x_sc")}}
     consts = {"QT": qt, "GATED": gated, "SPLIT": 2, "HAS_X": True, "PDL": True,
-              **quant_gemv_reg.tiling("test", 128, 4, ring), "CH": 2 if gated else 1}
+              **quant_gemv_reg.tiling("test", 128, 4), "CH": 2 if gated else 1}
     src = GluonASTSource(mfn, signature={**sig, **{k: "constexpr" for k in consts}},
                          constexprs={(mfn.arg_names.index(k),): v for k, v in consts.items()},
                          attrs={(mfn.arg_names.index(n),): [["tt.divisibility", 16]] for n in maligned})
@@ -155,33 +155,25 @@ def test_compiles_in_registers():
     through shared memory, the point of the body; with the fused split sum, only the count's atomic result (a few
     bytes, broadcast to the program's threads once). Every case is a pair launch (HAS_B) or has an extra expert
     (HAS_X), whose plane offsets are kernel arguments: the code words are still loaded 16 bytes at a time
-    (planes.step16). With the shared ring (ST 2 or 4, Q4_K), the words are copied by 16-byte cp.async into a ring
-    of ST stages of 148 bytes a row (words 128, scales 8, mins 8, d pair 4; twice for gate and up)."""
+    (planes.step16), and none through cp.async."""
     import json
     import os
     import subprocess
     import sys
 
-    cases = [[qt, cc, warps, reps, fused, 1, 0] for qt in (0, 2) for cc in (80, 90) for warps, reps in ((4, 1), (4, 4))
-             for fused in (0, 1)] + [[0, 90, 8, 2, 1, 1, 0], [0, 80, 4, 2, 1, 2, 0], [2, 90, 4, 2, 0, 2, 0]]
-    cases += [[0, 80, 4, 1, 1, 1, 2], [0, 90, 4, 2, 1, 1, 4], [0, 90, 4, 4, 0, 2, 2]]
+    cases = [[qt, cc, warps, reps, fused, 1] for qt in (0, 2) for cc in (80, 90) for warps, reps in ((4, 1), (4, 4))
+             for fused in (0, 1)] + [[0, 90, 8, 2, 1, 1], [0, 80, 4, 2, 1, 2], [2, 90, 4, 2, 0, 2]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                          env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.splitlines()[-1])
-    moe = [[0, 90, 4, 2, 1, 1, r] for r in (0, 0, 0, 0, 2, 4)]  # then the MoE kernel's six (gated, down; ring)
+    moe = [[0, 90, 4, 2, 1, 1]] * 4  # then the MoE kernel's four (Q4_K, Q6_K; gated, down)
     assert len(got) == len(cases) + len(moe)
     for i, (case, g) in enumerate(zip(cases + moe, got)):
-        ring, rows = case[6], 16 * case[2] * case[3]
-        assert g["mma"] > 0, case
-        if ring:
-            two = 2 if i == len(cases) + 4 else 1  # the gated MoE case with a ring: gate's and up's
-            assert g["shared"] >= ring * rows * 148 * two, (case, g)
-            assert g["cp16"] > 0 and g["v4"] == 0, (case, g)
-        else:
-            assert g["shared"] <= (16 if case[4] or i >= len(cases) else 0), (case, g)
-            assert g["v4"] >= 4 * case[3], (case, g)  # two 16-byte loads a row, two rows a thread a row tile
+        assert g["mma"] > 0 and g["cp"] == 0, (case, g)
+        assert g["shared"] <= (16 if case[4] or i >= len(cases) else 0), (case, g)
+        assert g["v4"] >= 4 * case[3], (case, g)  # two 16-byte loads a row, two rows a thread a row tile
 
 
 def test_layouts_reject_what_row_sums_cannot_tile():
@@ -192,13 +184,13 @@ def test_layouts_reject_what_row_sums_cannot_tile():
             quant_gemv_reg.layouts(warps, reps)
 
 
-def test_tiling_names_a_ring_it_cannot_build():
+def test_tiling_names_the_setting_whose_rows_do_not_tile():
     if not quant_gemv_reg._GLUON:
         pytest.skip("this Triton has no Gluon")
-    assert quant_gemv_reg.tiling("F", 128, 4, 2)["ST"] == 2 and quant_gemv_reg.tiling("F", 128, 4)["SW"] is None
-    for stages in (1, 3, 8):
-        with pytest.raises(ValueError, match="KTRANS_X: .* stages"):
-            quant_gemv_reg.tiling("KTRANS_X", 128, 4, stages)
+    assert quant_gemv_reg.tiling("F", 128, 4)["R"] == 2
+    for bn, warps in ((96, 4), (40, 2)):
+        with pytest.raises(ValueError, match="KTRANS_X: .* not a multiple of 16"):
+            quant_gemv_reg.tiling("KTRANS_X", bn, warps)
 
 
 def test_plane_offsets_are_16_byte_steps():
@@ -226,16 +218,13 @@ def reg():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
-@pytest.mark.parametrize("bn,warps,on,chains,ring", ((256, 4, 1, 1, 0), (64, 4, 1, 1, 0), (128, 8, 1, 1, 0),
-                                                    (64, 2, 1, 1, 0), (256, 4, 2, 1, 0), (64, 4, 2, 1, 0),
-                                                    (128, 4, 1, 2, 0), (128, 4, 1, 1, 2), (64, 4, 1, 1, 4),
-                                                    (256, 4, 1, 2, 2), (128, 8, 1, 1, 4)))
-def test_reg_gemv_matches_reference(qtype, bn, warps, on, chains, ring, reg):
+@pytest.mark.parametrize("bn,warps,on,chains", ((256, 4, 1, 1), (64, 4, 1, 1), (128, 8, 1, 1), (64, 2, 1, 1),
+                                               (256, 4, 2, 1), (64, 4, 2, 1), (128, 4, 1, 2), (256, 4, 1, 2)))
+def test_reg_gemv_matches_reference(qtype, bn, warps, on, chains, reg):
     """Every split of three super-blocks, within the bf16 output's rounding of the reference, with the code words
-    loaded ahead (on = 2) or not, each dot as one mma chain or two, through the shared ring of 2 or 4 stages (Q4_K;
-    Q6_K then runs without it): splits of 1, 2 and 3 super-blocks a program, fewer and more than the ring holds."""
+    loaded ahead (on = 2) or not, each dot as one mma chain or two: splits of 1, 2 and 3 super-blocks a program."""
     dev = torch.device("cuda")
-    reg.GEMV.update(reg=on, reg_bn=bn, reg_bn6=bn, reg_warps=warps, reg_chains=chains, reg_stages=ring)
+    reg.GEMV.update(reg=on, reg_bn=bn, reg_bn6=bn, reg_warps=warps, reg_chains=chains)
     n, k = 200, 768
     w = _weight(qtype, n, k, dev, seed=5)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * 0.5).to(torch.bfloat16).to(dev)
@@ -249,12 +238,10 @@ def test_reg_gemv_matches_reference(qtype, bn, warps, on, chains, ring, reg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
-@pytest.mark.parametrize("ring", (0, 2))
-def test_reg_pair_bitwise_and_big_shape(qtype, ring, reg):
+def test_reg_pair_bitwise_and_big_shape(qtype, reg):
     """Both matrices in one launch: each output bitwise the single GEMV's at the same split; a layer's largest
-    projection shape ([12288, 2048]) within tolerance, by the default split; with and without the shared ring."""
+    projection shape ([12288, 2048]) within tolerance, by the default split."""
     dev = torch.device("cuda")
-    reg.GEMV["reg_stages"] = ring
     k = 3 * 256
     wa, wb = _weight(qtype, 96 + 5, k, dev, seed=1), _weight(qtype, 24, k, dev, seed=2)
     x = (torch.randn(1, k, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16).to(dev)
@@ -298,23 +285,20 @@ def test_reg_moe_lanes_path(t, down_type, monkeypatch):
     ids[0, 1] = -1
     x = (torch.randn(t, 3 * 256, generator=torch.Generator().manual_seed(t)) * 0.05).to(torch.bfloat16).to(dev)
     ref = moe_experts(x.cpu().double(), ids.cpu(), weights.cpu().double(), g, u, d)
-    for split, chains, ring in ((None, 1, 0), (1, 1, 0), (3, 1, 0), (None, 2, 0), (None, 1, 2), (1, 1, 4),
-                                (3, 2, 2)):
+    for split, chains in ((None, 1), (1, 1), (3, 1), (None, 2), (3, 2)):
         monkeypatch.setitem(mq.LANES, "split", split)
         monkeypatch.setitem(mq.LANES, "reg_chains", chains)
-        monkeypatch.setitem(mq.LANES, "reg_stages", ring)
         y = mq.moe_quant(x, ids, weights, gate_up, down)
-        assert _err(y, ref) < 1e-2, (t, down_type, split, chains, ring)
+        assert _err(y, ref) < 1e-2, (t, down_type, split, chains)
     mq.LANES["reg"] = 0
     assert _err(y, mq.moe_quant(x, ids, weights, gate_up, down).double().cpu()) < 1e-2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ring", (0, 2))
-def test_reg_moe_with_an_extra_expert(ring, monkeypatch):
+def test_reg_moe_with_an_extra_expert(monkeypatch):
     """The shared expert as one more pair a token (id E, its planes reached by offset from the routed stack's, HAS_X)
     through the register kernel, with bf16 x: routed + weight * shared (float64 references) within the bf16 output's
-    1e-2, with a skipped slot; with and without the shared ring (gate and up are Q4_K)."""
+    1e-2, with a skipped slot."""
     from ktrans.kernels.torch.moe import moe_experts
     from ktrans.kernels.torch.quant import dequantize_packed
     from ktrans.kernels.triton import moe_quant as mq
@@ -324,7 +308,6 @@ def test_reg_moe_with_an_extra_expert(ring, monkeypatch):
     dev = torch.device("cuda")
     monkeypatch.setitem(mq.LANES, "on", True)
     monkeypatch.setitem(mq.LANES, "reg", 1)
-    monkeypatch.setitem(mq.LANES, "reg_stages", ring)
     t = 3
     gate_up, down, (g, u, d) = _layer(dev, "Q6_K")
     sg, su, sd = _stack("Q4_K", I, H, 300, dev), _stack("Q4_K", I, H, 400, dev), _stack("Q6_K", H, I, 500, dev)

@@ -1,6 +1,6 @@
 """What the Gluon kernels (quant_gemv_reg, quant_rows_reg) share: whether Gluon can run here, the PTX that turns Q4_K
-code words into bf16 pairs (Q6_K's is quant_gemv_mma's), and small Gluon helpers (PDL's entry, the barrier and
-cp.async under Triton 3.6's and 3.9's names, a word joined eightfold for the PTX's pack of 8, a tile's register copies).
+code words into bf16 pairs (Q6_K's is quant_gemv_mma's), and small Gluon helpers (PDL's entry, the barrier under
+Triton 3.6's and 3.9's names, a word joined eightfold for the PTX's pack of 8, a tile's register copies).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ktrans.kernels.triton.quant_gemv_mma import _q6_asm
 try:  # Gluon is Triton's experimental layout-explicit dialect (Triton 3.5+); without it these bodies are unavailable
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2  # noqa: F401 (the bodies' mma: checked here)
     _GLUON = True
 except ImportError:  # pragma: no cover - an older Triton
     _GLUON = False
@@ -55,8 +55,6 @@ if _GLUON:
     _Q4_ASM = gl.constexpr(_q4_asm())
     _Q6_ASM = gl.constexpr(_q6_asm())
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name, 3.9's
-    # cp.async global -> shared: Triton 3.9's name (its old one raises there), 3.6's
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     @gluon.jit
     def _enter(PDL: gl.constexpr):

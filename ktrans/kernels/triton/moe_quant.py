@@ -61,21 +61,19 @@ _PIPE = env_ints("KTRANS_MOE_LANES_PIPE", [0, 2, 0])
 _MMA = env_ints("KTRANS_MOE_LANES_MMA", [0, 64, 2])
 # reg: gate/up and down through the register tensor-core body (quant_gemv_reg.moe_reg_kernel, Gluon; Q4_K and Q6_K,
 # bf16 x; a launch of another type keeps the lanes kernel), reg_bn rows and reg_warps warps a program, reg_per_sm
-# programs wanted an SM for gate/up's K split, reg_chains its dots' independent mma chains (quant.GEMV's, untimed),
-# reg_stages a Q4_K launch's shared ring of super-blocks (quant.GEMV's; 0 none, 2 or 4; untimed).
-# KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM[,CHAINS[,STAGES]]]]]; 0 turns it off. On by default since session 34:
+# programs wanted an SM for gate/up's K split, reg_chains its dots' independent mma chains (quant.GEMV's, untimed).
+# KTRANS_MOE_LANES_REG=ON[,BN[,WARPS[,PER_SM[,CHAINS]]]]; 0 turns it off. On by default since session 34:
 # on the H100 (moe_sweep, one 80B layer, Q4_K down; 128 rows, 4 warps, 4 programs an SM) B=1 25.1 us against the
 # lanes kernel's 25.4, B=2 34.5 / 38.7, B=4 53.9 / 59.7, B=8 83.5 / 105.9, B=16 140.5 / 185.4, B=32 244.9 / 345.0,
 # B=64 430.0 / 664.8; Q6_K down B=1 27.6 / 27.2, B=16 173.9 / 196.0, B=64 558.5 / 705.8. The whole model on the
-# gpu rules matches the reference ops under it (tests/operators/test_gpu_quant_rules.py, 18 passed there). The ring
-# bought nothing (B=16 139.4, B=64 424.0 at 2 stages).
-_REG = env_ints("KTRANS_MOE_LANES_REG", [1, 128, 4, 4, 1, 0])
+# gpu rules matches the reference ops under it (tests/operators/test_gpu_quant_rules.py, 18 passed there). A shared
+# cp.async ring of 2 super-blocks for the Q4_K launches bought nothing (B=16 139.4, B=64 424.0) and was removed.
+_REG = env_ints("KTRANS_MOE_LANES_REG", [1, 128, 4, 4, 1])
 LANES = {"on": os.environ.get("KTRANS_MOE_LANES", "1") == "1", "max_tokens": 64,
          "bn": 32, "warps": 4, "per_sm": 4, "split": None,  # split: K splits of gate/up (None: auto)
          "maxnreg": (_CAPS[0], _CAPS[-1]), "pipe": _PIPE[0], "per_sm_pipe": _PIPE[1],
          "one_loop": bool(_PIPE[2]), "mma": _MMA[0], "mma_bn": _MMA[1], "mma_per_sm": _MMA[2],
-         "reg": _REG[0], "reg_bn": _REG[1], "reg_warps": _REG[2], "reg_per_sm": _REG[3], "reg_chains": _REG[4],
-         "reg_stages": _REG[5]}
+         "reg": _REG[0], "reg_bn": _REG[1], "reg_warps": _REG[2], "reg_per_sm": _REG[3], "reg_chains": _REG[4]}
 
 
 @triton.jit
@@ -215,9 +213,7 @@ def _reg_launch(j, w, src, dst, part, cnt, ids, rw, p, n, x_div, grid_k, sb_per,
         raise ValueError(f"moe_quant: an expert's [{w.n}, {w.k}] overflows the register kernel's int32 offsets")
     planes = plane_args(w)
     strides = _expert_strides(planes)
-    # the shared ring copies the planes 16, 8 and 4 bytes at a time: experts 16-byte steps apart
-    ring = all(s * t.element_size() % 16 == 0 for s, t in zip(strides, planes))
-    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps, LANES["reg_stages"] if ring else 0, w.qtype)
+    consts = quant_gemv_reg.tiling("KTRANS_MOE_LANES_REG", bn, warps)
     offs = plane_offsets(planes, plane_args(extra[j])) if extra is not None else [0, 0, 0, 0]
     quant_gemv_reg.moe_reg_kernel[(p, triton.cdiv(n, bn), grid_k)](
         src, dst, part, cnt, ids, rw, *planes, *strides, p, n, w.n, w.k // QK,

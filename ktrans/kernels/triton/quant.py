@@ -233,15 +233,15 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # reg_per_sm programs wanted an SM; reg 2: the next super-block's code words loaded ahead of the current one's
 # arithmetic; reg_bn6: Q6_K's rows a program (its 16 accumulator columns and high-bit words spill at 256 rows and 4
 # warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128); reg_chains: each super-block's dot
-# as that many independent mma chains (1 or 2; untimed); reg_stages: Q4_K's code words, scales and d through a shared
-# ring of that many super-blocks (2 or 4; 0: none) filled by cp.async ahead of the arithmetic (untimed).
-# KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS[,STAGES]]]]]] sets them (ON 1 or 2). Off: on the H100 (session
+# as that many independent mma chains (1 or 2; untimed). KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS]]]]] sets
+# them (ON 1 or 2). Off: on the H100 (session
 # 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at best (128 rows, 2 an SM) against the lane-group body's 89.3:
 # in_proj_qkvz 15.6 against 17.2 and q_proj 13.1 against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7
 # against 101.4. ~2.3 instructions a weight and no shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency
 # (one super-block of loads in flight a thread, a chain of 16 dependent mma a super-block), not its issue slots, sets
-# its pace; the ring is written to put all of a short program's loads in flight.
-_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1, 0])
+# its pace. A shared ring of 2 or 4 super-blocks that cp.async filled ahead (sessions 33-34) put all of a short
+# program's loads in flight and was slower at every tiling (in_proj_qkvz 18.2 us at 256 rows, 0.27 of HBM): removed.
+_REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1])
 # tile_fused_sum (KTRANS_GEMV_TILE_FUSED_SUM=1; opt-in until timed): the tile path's split sums in each tile's last
 # program, not _sum_splits_kernel (537 us, 174 launches of a 16-request step on the H100, session 35); the same bits.
 GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_GEMV_FUSED_SUM", "1") == "1",
@@ -251,7 +251,7 @@ GEMV = {"bn": 32, "warps": 4, "per_sm": 4, "fused_sum": os.environ.get("KTRANS_G
         "pipe": _PIPE_ENV[0], "per_sm_pipe": _PIPE_ENV[1],
         "mma": _MMA_ENV[0], "mma_bn": _MMA_ENV[1], "mma_warps": _MMA_ENV[2], "mma_per_sm": _MMA_ENV[3],
         "mma_pipe": _MMA_ENV[4], "reg": _REG_ENV[0], "reg_bn": _REG_ENV[1], "reg_warps": _REG_ENV[2],
-        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4], "reg_chains": _REG_ENV[5], "reg_stages": _REG_ENV[6]}
+        "reg_per_sm": _REG_ENV[3], "reg_bn6": _REG_ENV[4], "reg_chains": _REG_ENV[5]}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: the fused split-K sum's per-row-tile counts, kept zero
 _MAX_TILES = 1 << 16
 
@@ -320,7 +320,7 @@ def _reg_launch(x, out, w, wb, split) -> None:
     `out`), K split `split` ways (None: enough programs for GEMV["reg_per_sm"] an SM); fp32 partials summed by each
     row tile's last program (always: GEMV["fused_sum"] selects between the lane-group body's two sums only)."""
     warps, bn = GEMV["reg_warps"], GEMV["reg_bn6"] if w.qtype == "Q6_K" else GEMV["reg_bn"]
-    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps, GEMV["reg_stages"], w.qtype)
+    consts = quant_gemv_reg.tiling("KTRANS_GEMV_REG", bn, warps)
     nsb = w.k // QK
     tiles_a = triton.cdiv(w.n, bn)
     tiles_b = triton.cdiv(wb.n, bn) if wb is not None else 0

@@ -27,9 +27,6 @@ mma.m16n8k16 A operand, and every layout conversion on the way is asserted trivi
 sm_90 SASS (Triton 3.6 and 3.9, 4 warps, 256 rows a program): ~2.2-2.3 instructions a weight, no shared memory, ~150
 registers; the lane-group body takes 8.5. It runs on every GPU with mma.sync bf16 (sm_80 and newer).
 
-Optionally (row_sums's ST, Q4_K) the code words, scales and d come through a shared ring that cp.async fills ahead;
-on the H100 it bought nothing (doc/benchmarks.md, session 34), so it is off by default.
-
 K is split across programs as in quant_gemv (fp32 partials summed in split order, by the last program of a row tile
 when FUSED_SUM), so its results equal neither body's bit for bit; they are ggml's products summed in fp32.
 """
@@ -40,14 +37,14 @@ import functools
 import torch
 
 from ktrans.kernels.triton.gluon_common import _GLUON, _q4_asm, available, runs_on  # noqa: F401 (this body's API)
-from ktrans.kernels.triton.planes import expert_planes, second_matrix, step16
+from ktrans.kernels.triton.planes import expert_planes, second_matrix
 
 if _GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ktrans.kernels.triton.gluon_common import (_async_load, _barrier, _enter, dequant_rows, store_split,
+    from ktrans.kernels.triton.gluon_common import (_barrier, _enter, dequant_rows, store_split,
                                                     tile_copies, word_offsets)
 
 TYPES = ("Q4_K", "Q6_K")
@@ -79,43 +76,14 @@ if _GLUON:
         words = gl.DistributedLinearLayout(reg, lane, warp, [], [16 * warps * reps, 4, 8])
         return mma, a, b, words
 
-    @functools.lru_cache(maxsize=None)
-    def staging(warps: int, reps: int, stages: int) -> tuple:
-        """(SW, SS, SD, CS, CD): the shared ring of `stages` super-blocks for a Q4_K program of 16 warps reps rows
-        (row_sums's ST): its code words [ST, BM, 4, 8] int32, scales and mins [ST, BM, 8] uint8 each and d/dmin
-        pairs [ST, BM] int32 (each a stage's layout, the stages one after another), and the copy layouts of the
-        scales and of the mins ([BM, 8], 8 bytes a thread) and of the d pairs ([BM]). At one 16-row tile a warp
-        (R = 1) two threads copy each row of the latter two, the same bytes.
-
-        The words are copied and read in the WORDS layout, so a thread reads only what it copied. Rows are 128 bytes,
-        so the two rows of a quarter-warp's 16-byte reads would hit the same banks; each odd row's 16-byte chunks are
-        swapped in pairs (offset bit 5 is row bit 0 with word bit 2), which spreads a quarter-warp over all 32
-        banks. The scales and d pairs are read in the accumulator's layout, by other threads than copied them."""
-        if stages not in (2, 4):
-            raise ValueError(f"quant_gemv_reg: {stages} stages (2 or 4: the ring's index is a power of two)")
-        bm = 16 * warps * reps
-        rows = [[1 << i, 0, 0] for i in range(1, bm.bit_length() - 1)]
-        sw = gl.SharedLinearLayout([[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [1, 0, 4]] + rows)
-        ss = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        sd = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        cs = gl.BlockedLayout([1, 8], [32, 1], [warps, 1], [1, 0])
-        cd = gl.BlockedLayout([1], [32], [warps], [0])
-        return sw, ss, sd, cs, cd
-
-    def tiling(flag: str, bn: int, warps: int, stages: int = 0, qtype: str = "Q4_K") -> dict:
-        """The kernels' tiling constexprs (W, R and the layouts; with `stages`, the shared ring's: ST and staging's)
-        for `bn` rows a program on `warps` warps and a matrix of `qtype` (the ring is Q4_K's: another type gets
-        none); `flag`, the setting they came from, names a tiling that does not divide into 16-row tiles a warp or a
-        ring of another size than 0, 2 or 4."""
+    def tiling(flag: str, bn: int, warps: int) -> dict:
+        """The kernels' tiling constexprs (W, R and the layouts) for `bn` rows a program on `warps` warps; `flag`,
+        the setting they came from, names a tiling that does not divide into 16-row tiles a warp."""
         if bn % (16 * warps):
             raise ValueError(f"{flag}: {bn} rows a program is not a multiple of 16 x {warps} warps")
-        if stages not in (0, 2, 4):
-            raise ValueError(f"{flag}: {stages} stages (0: none, 2 or 4)")
         reps = bn // (16 * warps)
-        stages = stages if qtype == "Q4_K" else 0
         mma, la, lb, lw = layouts(warps, reps)
-        ring = dict(zip(("SW", "SS", "SD", "CS", "CD"), staging(warps, reps, stages) if stages else (None,) * 5))
-        return {"W": warps, "R": reps, "MMA": mma, "LA": la, "LB": lb, "LW": lw, "ST": stages, **ring}
+        return {"W": warps, "R": reps, "MMA": mma, "LA": la, "LB": lb, "LW": lw}
 
     @gluon.jit
     def _codes(words, hi, BM: gl.constexpr, LA: gl.constexpr, QT: gl.constexpr):
@@ -159,47 +127,6 @@ if _GLUON:
         return acc + (s * (128.0 * d)[:, None]) * (p - xs) - (mn * dmin[:, None]) * xs
 
     @gluon.jit
-    def _stage_in(bufs, st, lo_ptr, sc_ptr, d32, base, offs, live):
-        """Start the copies of one super-block's code words, scales, mins and d/dmin pairs (plane row `base` + the
-        offsets `offs`, with their masks) into stage `st` of the ring's buffers `bufs` (zeros where masked or not
-        `live`)."""
-        woff, wmask, soff, smask, doff, dmask = offs
-        _async_load(bufs[0].index(st), lo_ptr + base * 32 + woff, mask=wmask & live)
-        _async_load(bufs[1].index(st), sc_ptr + base * 16 + soff, mask=smask & live)
-        _async_load(bufs[2].index(st), sc_ptr + base * 16 + 8 + soff, mask=smask & live)
-        _async_load(bufs[3].index(st), d32 + base + doff, mask=dmask & live)
-
-    @gluon.jit
-    def _ring_buffers(BM: gl.constexpr, ST: gl.constexpr, SW: gl.constexpr, SS: gl.constexpr, SD: gl.constexpr):
-        """The ring's buffers for one matrix's rows: code words [ST, BM, 4, 8] int32, scales and mins [ST, BM, 8]
-        uint8 each, d pairs [ST, BM] int32 (staging's layouts)."""
-        return (gl.allocate_shared_memory(gl.int32, [ST, BM, 4, 8], SW),
-                gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS),
-                gl.allocate_shared_memory(gl.uint8, [ST, BM, 8], SS),
-                gl.allocate_shared_memory(gl.int32, [ST, BM], SD))
-
-    @gluon.jit
-    def _stage_group(bufs, bufs2, st, lo_ptr, sc_ptr, d32, row, OFF2, offs, live, TWO: gl.constexpr):
-        """One commit group: _stage_in of plane row `row` into stage `st` of the buffers `bufs` (words, scales, mins,
-        d pairs), and with TWO of row + OFF2 into `bufs2`."""
-        _stage_in(bufs, st, lo_ptr, sc_ptr, d32, row, offs, live)
-        if TWO:
-            _stage_in(bufs2, st, lo_ptr, sc_ptr, d32, row + OFF2, offs, live)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _staged(bufs, st, LW: gl.constexpr, MMA: gl.constexpr):
-        """(words, s, mn, d, dmin) of stage `st` of the ring's buffers `bufs`: the code words in LW, the rest in the
-        accumulator's layout, fp32."""
-        words = bufs[0].index(st).load(LW)
-        s = bufs[1].index(st).load(MMA).to(gl.float32)
-        mn = bufs[2].index(st).load(MMA).to(gl.float32)
-        dd = bufs[3].index(st).load(gl.SliceLayout(1, MMA))
-        d = (dd & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-        dmin = (dd >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-        return words, s, mn, d, dmin
-
-    @gluon.jit
     def _x_sums(ones, xb, NC: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
                 CH: gl.constexpr):
         """The sums of x by sub-block, [BM, NC] in the accumulator's layout: one all-ones 16-row tile's dot against
@@ -207,71 +134,16 @@ if _GLUON:
         return gl.convert_layout(tile_copies(_dot(ones, xb, NC, MMA, LA, LB, CH), R, 0), MMA, assert_trivial=True)
 
     @gluon.jit
-    def _ring_sums(x_row, lo_ptr, d_ptr, sc_ptr, NR, row0, n_valid, OFF2, sb0, sb1, woff, wmask, xoff, xmask, ones,
-                   acc, n_c, cmask, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
-                   LB: gl.constexpr, LW: gl.constexpr, TWO: gl.constexpr, CH: gl.constexpr, ST: gl.constexpr,
-                   SW: gl.constexpr, SS: gl.constexpr, SD: gl.constexpr, CS: gl.constexpr, CD: gl.constexpr):
-        """row_sums's Q4_K loop through the shared ring (its ST). Each super-block: wait for its stage's copies,
-        a barrier (every thread's copies of the scales and d pairs visible, and every thread past the previous
-        super-block's reads of the stage refilled next), its reads, the copies of super-block + ST - 1 into the
-        stage freed, then the arithmetic."""
-        BM: gl.constexpr = 16 * W * R
-        bufs = _ring_buffers(BM, ST, SW, SS, SD)
-        bufs2 = bufs
-        if TWO:
-            bufs2 = _ring_buffers(BM, ST, SW, SS, SD)
-        d32 = d_ptr.to(gl.pointer_type(gl.int32), bitcast=True)  # a row's d, dmin as one word
-        # the scales' and the mins' copies: [BM, 8] each; the d pairs': [BM]
-        n_s = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, CS))
-        c_s = gl.arange(0, 8, layout=gl.SliceLayout(0, CS))
-        soff = n_s[:, None] * 16 + c_s[None, :]
-        smask = (n_s < n_valid)[:, None] & (c_s < 8)[None, :]
-        n_d = row0 + gl.arange(0, BM, layout=CD)
-        dmask = n_d < n_valid
-        offs = (woff, wmask, soff, smask, n_d, dmask)
-        for i in gl.static_range(ST - 1):
-            _stage_group(bufs, bufs2, i, lo_ptr, sc_ptr, d32, (sb0 + i) * NR, OFF2, offs, sb0 + i < sb1, TWO)
-        acc2 = acc
-        for sb in range(sb0, sb1):
-            st = (sb - sb0) % ST
-            async_copy.wait_group(ST - 2)
-            _barrier()
-            words, s, mn, d, dmin = _staged(bufs, st, LW, MMA)
-            words2 = words
-            s2, mn2, d2, dmin2 = s, mn, d, dmin
-            if TWO:
-                words2, s2, mn2, d2, dmin2 = _staged(bufs2, st, LW, MMA)
-            _stage_group(bufs, bufs2, (st + ST - 1) % ST, lo_ptr, sc_ptr, d32, (sb + ST - 1) * NR, OFF2, offs,
-                         sb + ST - 1 < sb1, TWO)
-            xb = gl.load(x_row + sb * 256 + xoff, mask=xmask, other=0.0)
-            xs = _x_sums(ones, xb, 8, R, MMA, LA, LB, CH)
-            p = _dot(_codes(words, words, BM, LA, 0), xb, 8, MMA, LA, LB, CH)
-            acc = _scaled_q4(acc, p, xs, s, mn, d, dmin)
-            if TWO:
-                p2 = _dot(_codes(words2, words2, BM, LA, 0), xb, 8, MMA, LA, LB, CH)
-                acc2 = _scaled_q4(acc2, p2, xs, s2, mn2, d2, dmin2)
-        async_copy.wait_group(0)  # the last, empty groups: no copy outlives the program
-        y = gl.sum(acc, axis=1)
-        y2 = y
-        if TWO:
-            y2 = gl.sum(acc2, axis=1)
-        return y, y2, n_c, cmask
-
-    @gluon.jit
     def row_sums(x_row, lo_ptr, hi_ptr, d_ptr, sc_ptr, NR, row0, n_valid, OFF2, sb0, sb1, QT: gl.constexpr,
                  W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-                 LW: gl.constexpr, PF: gl.constexpr, TWO: gl.constexpr, CH: gl.constexpr = 1, ST: gl.constexpr = 0,
-                 SW: gl.constexpr = None, SS: gl.constexpr = None, SD: gl.constexpr = None, CS: gl.constexpr = None,
-                 CD: gl.constexpr = None):
+                 LW: gl.constexpr, PF: gl.constexpr, TWO: gl.constexpr, CH: gl.constexpr = 1):
         """(y, y2, rows, mask): rows row0.. (BM of them, those < n_valid real) of a matrix whose planes hold NR rows
         a super-block, times the bf16 activation row x_row, over super-blocks sb0..sb1-1, fp32 [BM] in
         SliceLayout(1, MMA); with TWO also rows row0 + OFF2.. (y2; else y2 is y), which share x's operand (the MoE's
         gate and up). PF: the next super-block's code words loaded before the current one's arithmetic (one matrix
         only). CH: each dot as CH independent mma chains (_dot). Q6_K has 16 sub-blocks of 16: 16 accumulator
         columns, words 16.. (threads a = 2, 3) hold sub-blocks 8..15, and a word's high bits are those of high-bit
-        word (8 a + m) % 16 at bits 16 (a // 2) + 2s. ST (Q4_K; 2 or 4): the code words, scales and d pairs come
-        through a shared ring of ST super-blocks filled by cp.async ST - 1 super-blocks ahead (staging's layouts
-        SW, SS, SD, CS, CD), so a program's loads are in flight while it computes; PF is then ignored."""
+        word (8 a + m) % 16 at bits 16 (a // 2) + 2s."""
         BM: gl.constexpr = 16 * W * R
         NC: gl.constexpr = 16 if QT == 2 else 8  # sub-blocks a super-block, the accumulator's columns
         SPAN: gl.constexpr = 256 // NC  # weights a sub-block
@@ -296,10 +168,6 @@ if _GLUON:
         ones = gl.full([16 * W, 256], 1.0, gl.bfloat16, layout=LA)
         acc = gl.zeros([BM, NC], gl.float32, layout=MMA)
         acc2 = acc
-        if ST > 0:
-            gl.static_assert(QT == 0, "the shared ring is Q4_K's (ST = 0 for Q6_K)")
-            return _ring_sums(x_row, lo_ptr, d_ptr, sc_ptr, NR, row0, n_valid, OFF2, sb0, sb1, woff, wmask, xoff,
-                              xmask, ones, acc, n_c, cmask, W, R, MMA, LA, LB, LW, TWO, CH, ST, SW, SS, SD, CS, CD)
         if PF:
             words = gl.load(lo_ptr + sb0 * NR * 32 + woff, mask=wmask & (sb0 < sb1), other=0)
         for sb in range(sb0, sb1):
@@ -335,9 +203,7 @@ if _GLUON:
                         TILES_A, N_B, b_lo, b_hi, b_d, b_sc, QT: gl.constexpr, FUSED_SUM: gl.constexpr,
                         HAS_B: gl.constexpr, PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr,
                         LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr, PF: gl.constexpr = False,
-                        CH: gl.constexpr = 1, ST: gl.constexpr = 0, SW: gl.constexpr = None,
-                        SS: gl.constexpr = None, SD: gl.constexpr = None, CS: gl.constexpr = None,
-                        CD: gl.constexpr = None):
+                        CH: gl.constexpr = 1):
         """Rows pid_n * BM.. of y over super-blocks pid_k * SB_PER.. (row_sums); the arguments as
         quant_gemv.gemv_kernel's (QT 0 Q4_K, 2 Q6_K; sc_ptr the scale plane's bytes; HAS_B a second matrix of the
         same width in the same launch)."""
@@ -352,8 +218,7 @@ if _GLUON:
         _enter(PDL)
         sb0 = pid_k * SB_PER
         y, _, n_c, cmask = row_sums(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, N, tile * BM, N, 0, sb0,
-                                    gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, PF, False, CH, ST,
-                                    SW, SS, SD, CS, CD)
+                                    gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, PF, False, CH)
         store_split(y, n_c, cmask, out_ptr, part_ptr, cnt_ptr + pid_n, pid_k, SPLIT, N, FUSED_SUM)
 
     @gluon.jit(do_not_specialize=["x_lo", "x_hi", "x_d", "x_sc"])
@@ -361,9 +226,7 @@ if _GLUON:
                        s_d, s_sc, P, N, N_ROWS, NSB, SB_PER, X_DIV, stride_x, stride_o, E_X, x_lo, x_hi, x_d, x_sc,
                        QT: gl.constexpr, GATED: gl.constexpr, SPLIT: gl.constexpr, HAS_X: gl.constexpr,
                        PDL: gl.constexpr, W: gl.constexpr, R: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
-                       LB: gl.constexpr, LW: gl.constexpr, CH: gl.constexpr = 1, ST: gl.constexpr = 0,
-                       SW: gl.constexpr = None, SS: gl.constexpr = None, SD: gl.constexpr = None,
-                       CS: gl.constexpr = None, CD: gl.constexpr = None):
+                       LB: gl.constexpr, LW: gl.constexpr, CH: gl.constexpr = 1):
         """moe_quant._moe_lanes_kernel with row_sums for its row dots (the MoE's few-token path; the arguments as
         its, but sc_ptr the scale plane's bytes and s_sc in bytes): pair pid_p (token pid_p // X_DIV, expert
         ids[pid_p], skipped when negative) times output rows pid_n * BM... GATED: gate and up (rows n and N + n
@@ -376,8 +239,6 @@ if _GLUON:
         pid_n = gl.program_id(1)
         pid_k = gl.program_id(2)
         e = gl.load(ids_ptr + pid_p)
-        if ST > 0:  # the ring copies 16, 8 and 4 bytes at a time: the launcher gives 16-byte expert strides only
-            s_lo, s_hi, s_d, s_sc = step16(s_lo, lo_ptr), step16(s_hi, hi_ptr), step16(s_d, d_ptr), step16(s_sc, sc_ptr)
         lo, hi, d, sc = expert_planes(e, lo_ptr, hi_ptr, d_ptr, sc_ptr, s_lo, s_hi, s_d, s_sc, E_X, x_lo, x_hi, x_d,
                                       x_sc, HAS_X)
         n_c = pid_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
@@ -387,7 +248,7 @@ if _GLUON:
                 sb0 = pid_k * SB_PER
                 gate, up, _, _ = row_sums(x_ptr + (pid_p // X_DIV) * stride_x, lo, hi, d, sc, N_ROWS, pid_n * BM, N,
                                           N, sb0, gl.minimum(sb0 + SB_PER, NSB), QT, W, R, MMA, LA, LB, LW, False,
-                                          True, CH, ST, SW, SS, SD, CS, CD)
+                                          True, CH)
                 if SPLIT == 1:
                     h = gate / (1.0 + gl.exp(-gate)) * up
                     gl.store(out_ptr + pid_p * stride_o + n_c, h.to(out_ptr.dtype.element_ty), mask=mask)
@@ -411,7 +272,7 @@ if _GLUON:
             acc = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, MMA))
             if e >= 0:
                 acc, _, _, _ = row_sums(x_ptr + pid_p * stride_x, lo, hi, d, sc, N_ROWS, pid_n * BM, N, 0, 0, NSB, QT,
-                                        W, R, MMA, LA, LB, LW, False, False, CH, ST, SW, SS, SD, CS, CD)
+                                        W, R, MMA, LA, LB, LW, False, False, CH)
                 acc = acc * gl.load(rw_ptr + pid_p).to(gl.float32)
             gl.store(part_ptr + pid_p * N + n_c, acc, mask=mask)
             _barrier()
