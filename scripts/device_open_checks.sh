@@ -47,7 +47,7 @@
 #   bash scripts/device_open_checks.sh levers    issue 16's batch-1 levers in one call: each case of the opt-in flags'
 #                                                tiny-file test (LEVER_CASES) as its own pytest process, side by
 #                                                side beside the file writer, each capped at LEVER_TCAP (150) s, then
-#                                                all on the GPU at batch LEVER_BATCHES (1,16) under each LEVERS_AB
+#                                                all on the GPU at batch LEVER_BATCHES (1) under each LEVERS_AB
 #                                                setting (the last, KTRANS_NONE=0, the defaults), each run skipped
 #                                                where fewer than 100 s of LEVER_BUDGET (570) are left; ~9.5 min
 set -uo pipefail
@@ -319,7 +319,7 @@ levers)
   T0=$(date +%s)
   start_writer "$OUT/mk.log"
   i=0
-  for k in ${LEVER_CASES:-defaults rows pair fused-shared rows+pair+fused-shared}; do
+  for k in ${LEVER_CASES:-defaults rows pair fused-shared router router+fused-shared rows+pair+fused-shared}; do
     i=$((i + 1))
     (KTRANS_TEST_E2E_TIMEOUT=${LEVER_TCAP:-150} timeout -k 5 $((${LEVER_TCAP:-150} + 40)) python3 -m pytest -q -rf \
       -p no:cacheprovider --tb=short "tests/bench/test_e2e.py::test_opt_in_decode_kernels_under_cuda_graphs[$k]" \
@@ -335,14 +335,14 @@ levers)
   while [ -n "$(busy make-tiny)" ]; do sleep 2; done
   [ -f "$F" ] || { echo "no $F: $(tail -c 300 "$OUT/mk.log")"; exit 2; }
   python3 scripts/rules_with_ops.py ktrans/optimize_rules/Qwen3Next-gpu.yaml /tmp/gpu-triton.yaml triton
-  for v in ${LEVERS_AB:-KTRANS_MOE_FUSED_SHARED=1 KTRANS_GEMV_PAIR=1 KTRANS_NONE=0}; do
+  for v in ${LEVERS_AB:-KTRANS_MOE_FUSED_SHARED=1 KTRANS_MOE_FUSED_SHARED=1+KTRANS_ROUTER_FUSED=1 KTRANS_NONE=0}; do
     left=$((${LEVER_BUDGET:-570} - ($(date +%s) - T0)))
     [ "$left" -gt 100 ] || { echo "skip $v: $left s left"; continue; }
     cap=$((left - 15 < ${E2E_TIMEOUT:-180} ? left - 15 : ${E2E_TIMEOUT:-180}))
     # shellcheck disable=SC2086  # A=1+B=2: two variables
     env ${v//+/ } E2E_TIMEOUT=$cap bash -c "source $(dirname "$0")/device_common.sh; OUT=$OUT F=$F; \
       e2e lever_${v//[^A-Za-z0-9]/_} --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 \
-      --batch_sizes ${LEVER_BATCHES:-1,16} --profile_steps 0 --use_cuda_graph"
+      --batch_sizes ${LEVER_BATCHES:-1} --profile_steps 0 --use_cuda_graph"
   done
   ;;
 *)

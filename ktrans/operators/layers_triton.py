@@ -164,6 +164,14 @@ class KRouterTriton(Checked, KRouterTorch):
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return tri_router.route(router_logits, self.top_k, self.norm_topk_prob)
 
+    ROUTES_DENSE = True  # route_dense: the logits' GEMV and the top-k in one launch (KTRANS_ROUTER_FUSED)
+
+    def route_dense(self, x: torch.Tensor, gate_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route(x @ gate_weight^T) for decode rows x [M, H] and the float gate [E, H], in one launch."""
+        from ktrans.kernels.triton.dense_gemv import dense_route
+
+        return dense_route(x, gate_weight, self.top_k, self.norm_topk_prob)
+
     def combine(self, routed: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
         return tri_router.gated_sum(routed, shared, shared_gate)
 

@@ -28,6 +28,11 @@ FUSED_SHARED = os.environ.get("KTRANS_MOE_FUSED_SHARED", "0") == "1"
 # the pinned output rows in place (router.gated_sum_dot's staged_dtype): two launches a layer less under the serve
 # rules, the same sums bitwise; off until measured on a GPU (KTRANS_ROUTE_STAGE=1 turns it on).
 ROUTE_STAGE = os.environ.get("KTRANS_ROUTE_STAGE", "0") == "1"
+# The router's logits GEMV and its top-k in one launch for decode rows (ktrans.kernels.triton.dense_gemv.dense_route:
+# the GEMV's last program routes), where the router op has it and the gate is a float weight on the block's GPU; also
+# the fused shared expert's stacked gate. One launch a layer less; off until measured on a GPU
+# (KTRANS_ROUTER_FUSED=1 turns it on).
+ROUTER_FUSED = os.environ.get("KTRANS_ROUTER_FUSED", "0") == "1"
 ROUTER_OPS = OpRegistry("router")
 ROUTER_OPS.declare("KRouterTriton", devices=("cuda", "cpu"), module="ktrans.operators.layers_triton",
                    provided_by="triton (the cpu device only under TRITON_INTERPRET=1)")
@@ -95,14 +100,15 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
             fused = self._shared_fused.get(phase)
             if fused is not None and fused.takes(x.shape[0]):
                 return self.leave(fused(x), phase)
-        logits = move(self.gate(x), dev)
         asynchronous = hasattr(self.experts, "submit")  # an expert operator (a skeleton raises when called)
         staged = asynchronous and ROUTE_STAGE and getattr(router, "STAGES", False) and x.dim() == 2 \
             and self.experts.takes_logits(x, self.top_k)
+        gate_w = self._fused_gate(router, phase, x) if ROUTER_FUSED and not staged and not ROUTING.on else None
+        logits = move(self.gate(x), dev) if gate_w is None else None
         if staged:
             self.experts.submit_logits(x, logits, self.top_k, self.norm_topk_prob)
         else:
-            ids, weights = router.route(logits)
+            ids, weights = router.route(logits) if gate_w is None else router.route_dense(x, gate_w)
             if ROUTING.on:  # --routing_stats_out: eager steps' live rows
                 batch = current_batch()
                 ROUTING.record(self.layer, ids, logits.shape[-1], batch.num_live if batch is not None else None)
@@ -125,6 +131,31 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
         if gate_row is not None:
             return self.leave(router.combine_dot(move(routed, dev), shared, x, gate_row), phase)
         return self.leave(router.combine(move(routed, dev), shared, shared_gate), phase)
+
+    def _fused_gate(self, router: Op, phase: str, x: torch.Tensor) -> torch.Tensor | None:
+        """The router gate's float weight where this step routes in one launch from x (ROUTER_FUSED): a router op
+        with route_dense (the Triton router, whose kernels run where it does), decode rows of the dense GEMV, the
+        gate one float matrix on x's device."""
+        from ktrans.kernels.triton.dense_gemv import MAX_ROWS
+
+        if not getattr(router, "ROUTES_DENSE", False) or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
+            return None
+        w = dense_gate(self.gate, phase)
+        return w if w is not None and w.device == x.device and w.shape[1] == x.shape[1] else None
+
+
+def dense_gate(gate: torch.nn.Module, phase: str) -> torch.Tensor | None:
+    """The MoE router gate as one float [E, H] weight without a bias, where it is one: KLinearMarlin's single dense
+    part (no split placement) or a plain Linear; else None."""
+    from ktrans.operators.linear import KTransformersLinear
+
+    op = gate.impl.get(phase) if isinstance(gate, KTransformersLinear) else None
+    parts = getattr(op, "parts", None)
+    if parts and len(parts) == 1 and getattr(op, "place", None) is None and getattr(op, "bias", None) is None:
+        return parts[0].dense
+    if type(gate) is torch.nn.Linear and gate.bias is None:
+        return gate.weight
+    return None
 
 
 def gate_weight_row(gate: torch.nn.Module, x: torch.Tensor, phase: str) -> torch.Tensor | None:
@@ -282,6 +313,7 @@ class _SharedFused:
         from ktrans.operators.linear_marlin import Matrix
 
         self.gate = Matrix(None, gate_w, str(gate_w.dtype))  # floats: the Triton GEMV for decode rows, else F.linear
+        self.gate_w = gate_w
         self.top_k, self.renorm = top_k, renorm
         self.gate_up, self.down, self.extra = gate_up, down, extra
         self.max_rows: int | None = None  # None: the lanes path's limits as they are at the call
@@ -296,8 +328,6 @@ class _SharedFused:
     @classmethod
     def build(cls, block: "KQwen3NextSparseMoeBlock", phase: str, dev: torch.device, router: Op,
               x: torch.Tensor) -> "_SharedFused | None":
-        from ktrans.operators.linear import KTransformersLinear
-
         if not isinstance(block.shared_expert, KQwen3NextMLP):
             return None
         experts = block.experts.impl.get(phase) if isinstance(block.experts, BaseOperator) else None
@@ -309,13 +339,7 @@ class _SharedFused:
                            mlp.down.k) != (gate_up.qtype, gate_up.n, gate_up.k, down.qtype, down.n, down.k):
             return None
         row = gate_weight_row(block.shared_expert_gate, x, phase)
-        gate = block.gate
-        op = gate.impl.get(phase) if isinstance(gate, KTransformersLinear) else None
-        parts = getattr(op, "parts", None)
-        dense = parts[0].dense if parts and len(parts) == 1 and getattr(op, "place", None) is None \
-            and getattr(op, "bias", None) is None else None
-        if dense is None and type(gate) is torch.nn.Linear and gate.bias is None:
-            dense = gate.weight
+        dense = dense_gate(block.gate, phase)
         if row is None or dense is None or dense.device != dev or dense.shape != (gate_up.experts, x.shape[1]):
             return None
         gate_w = torch.cat([dense.detach(), row.detach().to(dense.dtype)]).contiguous()  # [E + 1, H], ~2 MiB at bf16
@@ -324,8 +348,12 @@ class _SharedFused:
         return cls(gate_w, block.top_k, block.norm_topk_prob, gate_up, down, (mlp.gate_up, mlp.down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from ktrans.kernels.triton.dense_gemv import MAX_ROWS, dense_route
         from ktrans.kernels.triton.moe_quant import moe_quant
         from ktrans.kernels.triton.router import route_with_shared
 
-        ids, weights = route_with_shared(self.gate(x), self.top_k, self.renorm)
+        if ROUTER_FUSED and x.shape[0] <= MAX_ROWS:  # the stacked GEMV and the routing in one launch
+            ids, weights = dense_route(x, self.gate_w, self.top_k, self.renorm, shared=True)
+        else:
+            ids, weights = route_with_shared(self.gate(x), self.top_k, self.renorm)
         return moe_quant(x, ids, weights, self.gate_up, self.down, extra=self.extra)

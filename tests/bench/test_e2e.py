@@ -271,8 +271,11 @@ def quantized_gpu_run(tmp_path_factory):
     ({"KTRANS_GEMV_TILE_FUSED_SUM": "1"}, None),
     ({"KTRANS_GEMV_PAIR": "1"}, None),
     ({"KTRANS_MOE_FUSED_SHARED": "1"}, None),
+    ({"KTRANS_ROUTER_FUSED": "1"}, "_dense_route_kernel"),
+    ({"KTRANS_ROUTER_FUSED": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "_dense_route_kernel"),
     ({"KTRANS_GEMV_ROWS_REG": "1", "KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "rows_reg_kernel"),
-], ids=["defaults", "rows", "tile-fused-sum", "pair", "fused-shared", "rows+pair+fused-shared"])
+], ids=["defaults", "rows", "tile-fused-sum", "pair", "fused-shared", "router", "router+fused-shared",
+        "rows+pair+fused-shared"])
 def test_opt_in_decode_kernels_under_cuda_graphs(quantized_gpu_run, flags, kernel):
     """Each opt-in decode kernel flag (and the three together, which did not end their warm-up at full size on the
     H200 in session 36) on a Q4_K_M file with CUDA graphs: the run ends, decodes at batch 1 and 4 from graphs

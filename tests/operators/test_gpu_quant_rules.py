@@ -174,6 +174,42 @@ def test_shared_expert_fused_into_the_routed_moe(q4_k_m, triton_device, monkeypa
 
 
 @pytest.mark.triton
+def test_router_gemv_and_top_k_in_one_launch(q4_k_m, triton_device, monkeypatch):
+    """KTRANS_ROUTER_FUSED: a decode step's router logits and their top-k (with KTRANS_MOE_FUSED_SHARED, in every
+    other block, the stacked gate's and the k + 1 pairs') in one launch (dense_gemv.dense_route) give each MoE
+    block's output within fp32 rounding (2e-5) of the two launches; steps past the dense GEMV's rows keep the two."""
+    from ktrans.kernels.triton import dense_gemv
+    from ktrans.operators import moe
+    from ktrans.operators.layers_triton import KRouterTriton
+
+    config, source = q4_k_m
+    with _placeable(triton_device.type):  # the quantized model alone: no reference is compared here
+        rules = parse_rules(GPU_RULES.replace('"cuda"', f'"{triton_device.type}"'), "t.yaml")
+        model = build_injected_model(config, rules, source, torch.float32)[0]
+    for block in model.modules():  # the Triton router (the shipped gpu rules keep the torch one): it has route_dense
+        if isinstance(block, moe.KQwen3NextSparseMoeBlock):
+            for phase in block.impl:
+                block.impl[phase] = KRouterTriton(block, triton_device)
+    calls = []
+    real = dense_gemv.dense_route
+    monkeypatch.setattr(dense_gemv, "dense_route",
+                        lambda *a, **k: calls.append((a[0].shape[0], k.get("shared", False))) or real(*a, **k))
+    g = torch.Generator().manual_seed(6)
+    blocks = [m for m in model.modules() if isinstance(m, moe.KQwen3NextSparseMoeBlock)]
+    for fused_shared, block in zip((False, True) * len(blocks), blocks):
+        monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
+        for rows in (3, dense_gemv.MAX_ROWS + 1):
+            x = (torch.randn(rows, config.hidden_size, generator=g) * 0.5).to(triton_device)
+            monkeypatch.setattr(moe, "ROUTER_FUSED", False)
+            want = block(x)
+            monkeypatch.setattr(moe, "ROUTER_FUSED", True)
+            got = block(x)
+            assert got.shape == want.shape and rel(got, want) < 2e-5, (block.key, rows, rel(got, want))
+    # a shared expert fused where its types are the routed experts' (test_shared_expert_fused_into_the_routed_moe)
+    assert len(blocks) >= 2 and [c[0] for c in calls] == [3] * len(blocks) and (3, True) in calls, calls
+
+
+@pytest.mark.triton
 def test_deltanet_projections_paired_in_one_launch(q4_k_m, triton_device):
     """KTRANS_GEMV_PAIR: a DeltaNet layer's one-row in_proj_ba and the stored part of in_proj_qkvz of its type (here
     attn_gate, attn_qkv having more bits) in one GEMV launch give what the separate projections give, within fp32
@@ -270,15 +306,16 @@ def test_deltanet_projection_in_stored_order(quant, parts, request, triton_devic
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["as shipped", "fused shared expert", "paired projections"])
+@pytest.mark.parametrize("variant", ["as shipped", "fused shared expert", "paired projections", "fused router"])
 def test_model_teacher_forced_on_the_gpu(q4_k_m, variant, monkeypatch):
     """Variants: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches),
     KTRANS_GEMV_PAIR (a DeltaNet's in_proj_ba with a part of in_proj_qkvz, and two of an attention layer's q/k/v, in
-    one GEMV launch)."""
+    one GEMV launch), KTRANS_ROUTER_FUSED (the router's GEMV and top-k in one launch)."""
     from ktrans.operators import gdn, linear, moe
 
     fused_shared = variant == "fused shared expert"
     monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
+    monkeypatch.setattr(moe, "ROUTER_FUSED", variant == "fused router")
     monkeypatch.setattr(linear, "GEMV_PAIR", variant == "paired projections")
     config, source = q4_k_m
     ref, model = _models(config, source, "cuda", torch.bfloat16)

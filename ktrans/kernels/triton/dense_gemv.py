@@ -5,6 +5,7 @@ otherwise multiplies with F.linear. At one row cuBLAS took 5.4 us for the 80B's 
 
 One program per BN rows of W reads them once for all M <= MAX_ROWS activation rows, K in BK-wide steps, products in
 fp32 and one reduction per step; the result is rounded once to x's dtype. The oracle is F.linear in fp32.
+`dense_route` adds the router's top-k to the same launch (its oracle: dense_gemv, then ktrans.kernels.triton.router).
 """
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ import triton
 import triton.language as tl
 
 from ktrans.kernels.triton.pdl import enter, launch
+from ktrans.kernels.triton.router import route_row
 
 MAX_ROWS = 4  # activation rows this path takes (decode); more go to the caller's GEMM
 BN, BK = 4, 512
 
 
 @triton.jit
-def _dense_gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, PDL: tl.constexpr = False):
-    """Rows pid*BN.. of y = x W^T, K in steps of BK. The first step's weights (resident: written before the last
-    sync, never by a kernel of the step) are loaded before the PDL wait (ktrans.kernels.triton.pdl), x after it."""
+def _rows_times_w(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, PDL: tl.constexpr):
+    """Rows pid*BN.. of y = x W^T, K in steps of BK, stored in Y's dtype. The first step's weights (resident: written
+    before the last sync, never by a kernel of the step) are loaded before the PDL wait (ktrans.kernels.triton.pdl),
+    x after it."""
     pid = tl.program_id(0)
     rows_m = tl.arange(0, BM)
     rows_n = pid * BN + tl.arange(0, BN)
@@ -45,6 +48,26 @@ def _dense_gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.co
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _dense_gemv_kernel(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, PDL: tl.constexpr = False):
+    _rows_times_w(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM, BN, BK, PDL)
+
+
+@triton.jit
+def _dense_route_kernel(X, W, Y, IDS, RW, CNT, M, N, K, stride_x, stride_w, stride_y, n_experts, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                        K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr = False):
+    """_dense_gemv_kernel's logits, then the last program to finish (counted at CNT, zero between calls) routes
+    every row from them as the top-k launch does (router.route_row, the logits read from L2) and zeroes the count."""
+    _rows_times_w(X, W, Y, M, N, K, stride_x, stride_w, stride_y, BM, BN, BK, PDL)
+    tl.debug_barrier()  # every thread's logits stored before the count's release
+    if tl.atomic_add(CNT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        for row in range(M):
+            route_row(Y, IDS, RW, row, stride_y, n_experts, TOP_K, E_PAD, K_PAD, RENORM, SHARED, True)
+        tl.atomic_xchg(CNT, 0)
+
+
 def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ w [N, K]^T -> [M, N] in x's dtype, one launch."""
     m, k = x.shape
@@ -59,3 +82,38 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _dense_gemv_kernel[(triton.cdiv(n, BN),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                                               BM=triton.next_power_of_2(m), BN=BN, BK=BK, num_warps=4, **pdl)
     return y
+
+
+def dense_route(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits x [M, K] @ w [N, K]^T (M <= MAX_ROWS, x cast to w's dtype) and the top-k routing of each
+    row from them in one launch: (ids, weights) as router.route(dense_gemv(x, w)) gives them (shared=False: N
+    experts, weights in x's dtype) or router.route_with_shared(dense_gemv(x, w)) (shared=True: the last row of w is
+    the shared expert's gate, weights fp32): the same logits bitwise, so the same ids; the weights' sums are reduced
+    over four warps here and one there, so they may differ in fp32's last bit. The row tiles' last program to
+    finish does the top-k, where the two launches took a second launch a layer (48 a decoded token at the 80B's
+    shapes); its count is the last of quant.counters' (the split sums' counts are row-tile indices, far below it)."""
+    from ktrans.kernels.triton.quant import _MAX_TILES, counters
+
+    m, k = x.shape
+    n = w.shape[0]
+    if not 0 < m <= MAX_ROWS or w.shape[1] != k:
+        raise ValueError(f"dense_route: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (1-{MAX_ROWS} rows)")
+    e = n - 1 if shared else n
+    if not 0 < top_k <= e:
+        raise ValueError(f"dense_route: top_k {top_k} of {e} experts")
+    x = x.to(w.dtype)  # as KLinearMarlin's float part casts its input
+    x = x if x.stride(1) == 1 else x.contiguous()
+    pdl = launch() if w.stride(1) == 1 else {"PDL": False}
+    w = w if w.stride(1) == 1 else w.contiguous()
+    logits = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    slots = top_k + 1 if shared else top_k
+    ids = torch.empty(m, slots, dtype=torch.int64, device=x.device)
+    weights = torch.empty(m, slots, dtype=torch.float32 if shared else x.dtype, device=x.device)
+    cnt = counters(x.device)[_MAX_TILES - 1:]
+    _dense_route_kernel[(triton.cdiv(n, BN),)](x, w, logits, ids, weights, cnt, m, n, k, x.stride(0), w.stride(0),
+                                               logits.stride(0), e, BM=triton.next_power_of_2(m), BN=BN, BK=BK,
+                                               TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
+                                               K_PAD=triton.next_power_of_2(slots), RENORM=norm_topk_prob,
+                                               SHARED=shared, num_warps=4, **pdl)
+    return ids, weights

@@ -21,11 +21,15 @@ from ktrans.kernels.triton.pdl import enter, launch
 
 @triton.jit
 def topk_softmax_row(row_ptr, n_experts, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                     RENORM: tl.constexpr):
+                     RENORM: tl.constexpr, CG: tl.constexpr = False):
     """One token's routing from its logits row: (slots [K_PAD], ids [K_PAD] int32, weights [K_PAD] fp32), slots past
-    K padding (weight 0). Also run inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage)."""
+    K padding (weight 0). Also run inside the CPU experts' stage-in launch (ktrans.kernels.triton.stage). CG: the
+    row read from L2 (other programs of the same launch wrote it: ktrans.kernels.triton.dense_gemv.dense_route)."""
     offs = tl.arange(0, E_PAD)
-    x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
+    if CG:
+        x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(row_ptr + offs, mask=offs < n_experts, other=float("-inf")).to(tl.float32)
     mx = tl.max(x, 0)
     total = tl.sum(tl.exp(x - mx), 0)
     ks = tl.arange(0, K_PAD)
@@ -50,10 +54,20 @@ def _topk_softmax_kernel(LOGITS, IDS, W, stride_l, n_experts, K: tl.constexpr, E
                          K_PAD: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr = False,
                          PDL: tl.constexpr = False):
     enter(PDL)
-    row = tl.program_id(0)
-    ks, ids, w = topk_softmax_row(LOGITS + row * stride_l, n_experts, K, E_PAD, K_PAD, RENORM)
+    route_row(LOGITS, IDS, W, tl.program_id(0), stride_l, n_experts, K, E_PAD, K_PAD, RENORM, SHARED)
+
+
+@triton.jit
+def route_row(LOGITS, IDS, W, row, stride_l, n_experts, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+              RENORM: tl.constexpr, SHARED: tl.constexpr, CG: tl.constexpr = False):
+    """Token `row`'s ids and weights from its logits (topk_softmax_row), stored as route() / route_with_shared()
+    return them (SHARED: the shared expert's slot K after the top k)."""
+    ks, ids, w = topk_softmax_row(LOGITS + row * stride_l, n_experts, K, E_PAD, K_PAD, RENORM, CG)
     if SHARED:  # column n_experts is the shared expert's gate logit: slot K, expert id n_experts, sigmoid weight
-        g = tl.load(LOGITS + row * stride_l + n_experts).to(tl.float32)
+        if CG:
+            g = tl.load(LOGITS + row * stride_l + n_experts, cache_modifier=".cg").to(tl.float32)
+        else:
+            g = tl.load(LOGITS + row * stride_l + n_experts).to(tl.float32)
         ids = tl.where(ks == K, n_experts, ids)
         w = tl.where(ks == K, tl.sigmoid(g), w)
         tl.store(IDS + row * (K + 1) + ks, ids.to(tl.int64), mask=ks < K + 1)
