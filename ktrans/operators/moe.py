@@ -135,13 +135,14 @@ class KQwen3NextSparseMoeBlock(BaseOperator):
     def _fused_gate(self, router: Op, phase: str, x: torch.Tensor) -> torch.Tensor | None:
         """The router gate's float weight where this step routes in one launch from x (ROUTER_FUSED): a router op
         with route_dense (the Triton router, whose kernels run where it does), decode rows of the dense GEMV, the
-        gate one float matrix on x's device."""
+        gate one float matrix on x's device in x's dtype (KLinearMarlin rounds the logits to x's dtype after a GEMV in
+        the weight's: another dtype would route from other logits)."""
         from ktrans.kernels.triton.dense_gemv import MAX_ROWS
 
         if not getattr(router, "ROUTES_DENSE", False) or x.dim() != 2 or not 0 < x.shape[0] <= MAX_ROWS:
             return None
         w = dense_gate(self.gate, phase)
-        return w if w is not None and w.device == x.device and w.shape[1] == x.shape[1] else None
+        return w if w is not None and (w.device, w.dtype, w.shape[1]) == (x.device, x.dtype, x.shape[1]) else None
 
 
 def dense_gate(gate: torch.nn.Module, phase: str) -> torch.Tensor | None:

@@ -39,20 +39,23 @@ def test_rows_past_the_limit_are_refused(triton_device):
                                                            (4, 40, 96, 10, True, True), (2, 19, 64, 3, False, True)])
 def test_dense_route_against_the_two_launches(triton_device, m, e, k, top_k, renorm, shared):
     """The logits' GEMV and the routing in one launch against dense_gemv then route / route_with_shared: the same
-    ids, the weights within fp32 rounding (another reduction order), in the same dtypes; twice in a row, so the
-    count the last program resets is zero again (a graph replay's second step)."""
+    ids, the weights within fp32 rounding (another reduction order), in the same dtypes; twice in a row, the count
+    the last program resets zero after each (a graph replay's next step)."""
     from ktrans.kernels.triton import router
+    from ktrans.kernels.triton.quant import counters
 
     g = torch.Generator().manual_seed(m * e + k)
-    x = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16).to(triton_device)[:, :k]  # rows of a wider tensor
+    # fp32 rows of a wider tensor, cast to the weight's bf16 as KLinearMarlin's float part casts them
+    x = torch.randn(m, 2 * k, generator=g).to(triton_device)[:, :k]
     w = (torch.randn(e + shared, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(triton_device)
-    logits = tri.dense_gemv(x, w)
+    logits = tri.dense_gemv(x.to(torch.bfloat16), w)
     want = router.route_with_shared(logits, top_k, renorm) if shared else router.route(logits, top_k, renorm)
     for _ in range(2):
         ids, weights = tri.dense_route(x, w, top_k, renorm, shared=shared)
         assert ids.shape == want[0].shape and weights.dtype == want[1].dtype
         assert torch.equal(ids, want[0])
         torch.testing.assert_close(weights, want[1], atol=1e-6, rtol=1e-6 if shared else 8e-3)
+        assert not counters(x.device).any()  # the last program zeroed its count
 
 
 def test_dense_route_refuses_what_it_cannot_route(triton_device):

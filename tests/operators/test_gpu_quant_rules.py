@@ -311,14 +311,24 @@ def test_model_teacher_forced_on_the_gpu(q4_k_m, variant, monkeypatch):
     """Variants: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches),
     KTRANS_GEMV_PAIR (a DeltaNet's in_proj_ba with a part of in_proj_qkvz, and two of an attention layer's q/k/v, in
     one GEMV launch), KTRANS_ROUTER_FUSED (the router's GEMV and top-k in one launch)."""
+    from ktrans.kernels.triton import dense_gemv
     from ktrans.operators import gdn, linear, moe
+    from ktrans.operators.layers_triton import KRouterTriton
 
     fused_shared = variant == "fused shared expert"
     monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
     monkeypatch.setattr(moe, "ROUTER_FUSED", variant == "fused router")
     monkeypatch.setattr(linear, "GEMV_PAIR", variant == "paired projections")
+    routed = []  # the fused router's calls: it must be taken, not fall back
+    real = dense_gemv.dense_route
+    monkeypatch.setattr(dense_gemv, "dense_route", lambda *a, **k: routed.append(a[0].shape[0]) or real(*a, **k))
     config, source = q4_k_m
     ref, model = _models(config, source, "cuda", torch.bfloat16)
+    if variant == "fused router":  # the Triton router (the shipped gpu rules keep the torch one): it has route_dense
+        for block in model.modules():
+            if isinstance(block, moe.KQwen3NextSparseMoeBlock):
+                for phase in block.impl:
+                    block.impl[phase] = KRouterTriton(block, torch.device("cuda"))
     layer = model.model.layers[0]
     assert type(layer.mlp.experts.op).__name__ == "KExpertsMarlin" and layer.mlp.experts.op.gate_up is not None
     assert set(layer.mlp.experts.op.load_report["types"]) <= {"Q4_K", "Q6_K"}
@@ -330,6 +340,7 @@ def test_model_teacher_forced_on_the_gpu(q4_k_m, variant, monkeypatch):
                                    if isinstance(b, moe.KQwen3NextSparseMoeBlock))
     assert variant != "paired projections" or any(m._pairs.get("generate") for m in model.modules()
                                                   if isinstance(m, gdn.KQwen3NextGatedDeltaNet))
+    assert (variant == "fused router") == bool(routed), routed
 
 
 def test_float_checkpoint_runs_as_the_reference(tmp_path_factory):

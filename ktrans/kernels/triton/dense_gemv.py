@@ -92,7 +92,7 @@ def dense_route(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk_prob: bo
     the shared expert's gate, weights fp32): the same logits bitwise, so the same ids; the weights' sums are reduced
     over four warps here and one there, so they may differ in fp32's last bit. The row tiles' last program to
     finish does the top-k, where the two launches took a second launch a layer (48 a decoded token at the 80B's
-    shapes); its count is the last of quant.counters' (the split sums' counts are row-tile indices, far below it)."""
+    shapes); its count is quant.counters' last, past the split sums' row-tile counts."""
     from ktrans.kernels.triton.quant import _MAX_TILES, counters
 
     m, k = x.shape
@@ -110,7 +110,7 @@ def dense_route(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk_prob: bo
     slots = top_k + 1 if shared else top_k
     ids = torch.empty(m, slots, dtype=torch.int64, device=x.device)
     weights = torch.empty(m, slots, dtype=torch.float32 if shared else x.dtype, device=x.device)
-    cnt = counters(x.device)[_MAX_TILES - 1:]
+    cnt = counters(x.device)[_MAX_TILES:]
     _dense_route_kernel[(triton.cdiv(n, BN),)](x, w, logits, ids, weights, cnt, m, n, k, x.stride(0), w.stride(0),
                                                logits.stride(0), e, BM=triton.next_power_of_2(m), BN=BN, BK=BK,
                                                TOP_K=top_k, E_PAD=triton.next_power_of_2(e),
