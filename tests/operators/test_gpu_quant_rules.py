@@ -68,6 +68,27 @@ def q4_k_m(tmp_path_factory):
     return _gguf(tmp_path_factory, "q4_k_m")
 
 
+def _triton_routers(model, device: torch.device) -> None:
+    """Every MoE block's router op made the Triton one (the shipped gpu rules keep the torch one): it has
+    route_dense."""
+    from ktrans.operators import moe
+    from ktrans.operators.layers_triton import KRouterTriton
+
+    for block in model.modules():
+        if isinstance(block, moe.KQwen3NextSparseMoeBlock):
+            for phase in block.impl:
+                block.impl[phase] = KRouterTriton(block, device)
+
+
+def _count_dense_route(monkeypatch, calls: list) -> None:
+    """dense_gemv.dense_route records (rows, shared) into `calls`, then runs (its callers import it at the call)."""
+    from ktrans.kernels.triton import dense_gemv
+
+    real = dense_gemv.dense_route
+    monkeypatch.setattr(dense_gemv, "dense_route",
+                        lambda *a, **k: calls.append((a[0].shape[0], k.get("shared", False))) or real(*a, **k))
+
+
 def _experts(config, source, op: str, device: str, streaming: bool = False):
     from ktrans.model.qwen3_next import Qwen3NextExperts
     from ktrans.operators.experts import KTransformersExperts
@@ -180,20 +201,14 @@ def test_router_gemv_and_top_k_in_one_launch(q4_k_m, triton_device, monkeypatch)
     block's output within fp32 rounding (2e-5) of the two launches; steps past the dense GEMV's rows keep the two."""
     from ktrans.kernels.triton import dense_gemv
     from ktrans.operators import moe
-    from ktrans.operators.layers_triton import KRouterTriton
 
     config, source = q4_k_m
     with _placeable(triton_device.type):  # the quantized model alone: no reference is compared here
         rules = parse_rules(GPU_RULES.replace('"cuda"', f'"{triton_device.type}"'), "t.yaml")
         model = build_injected_model(config, rules, source, torch.float32)[0]
-    for block in model.modules():  # the Triton router (the shipped gpu rules keep the torch one): it has route_dense
-        if isinstance(block, moe.KQwen3NextSparseMoeBlock):
-            for phase in block.impl:
-                block.impl[phase] = KRouterTriton(block, triton_device)
+    _triton_routers(model, triton_device)
     calls = []
-    real = dense_gemv.dense_route
-    monkeypatch.setattr(dense_gemv, "dense_route",
-                        lambda *a, **k: calls.append((a[0].shape[0], k.get("shared", False))) or real(*a, **k))
+    _count_dense_route(monkeypatch, calls)
     g = torch.Generator().manual_seed(6)
     blocks = [m for m in model.modules() if isinstance(m, moe.KQwen3NextSparseMoeBlock)]
     for fused_shared, block in zip((False, True) * len(blocks), blocks):
@@ -311,24 +326,18 @@ def test_model_teacher_forced_on_the_gpu(q4_k_m, variant, monkeypatch):
     """Variants: KTRANS_MOE_FUSED_SHARED (decode rows: the shared expert inside the routed MoE's launches),
     KTRANS_GEMV_PAIR (a DeltaNet's in_proj_ba with a part of in_proj_qkvz, and two of an attention layer's q/k/v, in
     one GEMV launch), KTRANS_ROUTER_FUSED (the router's GEMV and top-k in one launch)."""
-    from ktrans.kernels.triton import dense_gemv
     from ktrans.operators import gdn, linear, moe
-    from ktrans.operators.layers_triton import KRouterTriton
 
     fused_shared = variant == "fused shared expert"
     monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
     monkeypatch.setattr(moe, "ROUTER_FUSED", variant == "fused router")
     monkeypatch.setattr(linear, "GEMV_PAIR", variant == "paired projections")
     routed = []  # the fused router's calls: it must be taken, not fall back
-    real = dense_gemv.dense_route
-    monkeypatch.setattr(dense_gemv, "dense_route", lambda *a, **k: routed.append(a[0].shape[0]) or real(*a, **k))
+    _count_dense_route(monkeypatch, routed)
     config, source = q4_k_m
     ref, model = _models(config, source, "cuda", torch.bfloat16)
-    if variant == "fused router":  # the Triton router (the shipped gpu rules keep the torch one): it has route_dense
-        for block in model.modules():
-            if isinstance(block, moe.KQwen3NextSparseMoeBlock):
-                for phase in block.impl:
-                    block.impl[phase] = KRouterTriton(block, torch.device("cuda"))
+    if variant == "fused router":
+        _triton_routers(model, torch.device("cuda"))
     layer = model.model.layers[0]
     assert type(layer.mlp.experts.op).__name__ == "KExpertsMarlin" and layer.mlp.experts.op.gate_up is not None
     assert set(layer.mlp.experts.op.load_report["types"]) <= {"Q4_K", "Q6_K"}

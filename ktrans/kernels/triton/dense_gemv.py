@@ -68,16 +68,21 @@ def _dense_route_kernel(X, W, Y, IDS, RW, CNT, M, N, K, stride_x, stride_w, stri
         tl.atomic_xchg(CNT, 0)
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) @ w [N, K]^T -> [M, N] in x's dtype, one launch."""
-    m, k = x.shape
-    n = w.shape[0]
-    if not 0 < m <= MAX_ROWS or w.shape[1] != k:
-        raise ValueError(f"dense_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (1-{MAX_ROWS} rows)")
+def _operands(name: str, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(x, w, the PDL launch option) for a kernel of this module: the sizes checked (`name` in the error), both
+    with unit stride along K."""
+    if not 0 < x.shape[0] <= MAX_ROWS or w.shape[1] != x.shape[1]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (1-{MAX_ROWS} rows)")
     x = x if x.stride(1) == 1 else x.contiguous()
     # a copy made here is written by the kernel just before ours: no PDL (it reads weights before its wait)
     pdl = launch() if w.stride(1) == 1 else {"PDL": False}
-    w = w if w.stride(1) == 1 else w.contiguous()
+    return x, w if w.stride(1) == 1 else w.contiguous(), pdl
+
+
+def dense_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ w [N, K]^T -> [M, N] in x's dtype, one launch."""
+    x, w, pdl = _operands("dense_gemv", x, w)
+    (m, k), n = x.shape, w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _dense_gemv_kernel[(triton.cdiv(n, BN),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
                                               BM=triton.next_power_of_2(m), BN=BN, BK=BK, num_warps=4, **pdl)
@@ -95,17 +100,11 @@ def dense_route(x: torch.Tensor, w: torch.Tensor, top_k: int, norm_topk_prob: bo
     shapes); its count is quant.counters' last, past the split sums' row-tile counts."""
     from ktrans.kernels.triton.quant import _MAX_TILES, counters
 
-    m, k = x.shape
-    n = w.shape[0]
-    if not 0 < m <= MAX_ROWS or w.shape[1] != k:
-        raise ValueError(f"dense_route: x {tuple(x.shape)} and w {tuple(w.shape)} do not fit (1-{MAX_ROWS} rows)")
+    x, w, pdl = _operands("dense_route", x.to(w.dtype), w)  # x cast as KLinearMarlin's float part casts it
+    (m, k), n = x.shape, w.shape[0]
     e = n - 1 if shared else n
     if not 0 < top_k <= e:
         raise ValueError(f"dense_route: top_k {top_k} of {e} experts")
-    x = x.to(w.dtype)  # as KLinearMarlin's float part casts its input
-    x = x if x.stride(1) == 1 else x.contiguous()
-    pdl = launch() if w.stride(1) == 1 else {"PDL": False}
-    w = w if w.stride(1) == 1 else w.contiguous()
     logits = torch.empty(m, n, dtype=x.dtype, device=x.device)
     slots = top_k + 1 if shared else top_k
     ids = torch.empty(m, slots, dtype=torch.int64, device=x.device)

@@ -234,13 +234,13 @@ MMA_TYPES = ("Q4_K", "Q6_K")
 # arithmetic; reg_bn6: Q6_K's rows a program (its 16 accumulator columns and high-bit words spill at 256 rows and 4
 # warps: 255 registers and a 392-byte stack on sm_90, against 241 and none at 128); reg_chains: each super-block's dot
 # as that many independent mma chains (1 or 2; untimed). KTRANS_GEMV_REG=ON[,BN[,WARPS[,PER_SM[,BN6[,CHAINS]]]]] sets
-# them (ON 1 or 2). Off: on the H100 (session
-# 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at best (128 rows, 2 an SM) against the lane-group body's 89.3:
-# in_proj_qkvz 15.6 against 17.2 and q_proj 13.1 against 13.4, but every small shape ~0.7-1 us slower; Q6_K 107.7
-# against 101.4. ~2.3 instructions a weight and no shared memory, yet in_proj_qkvz reads at 0.31 of HBM: its latency
-# (one super-block of loads in flight a thread, a chain of 16 dependent mma a super-block), not its issue slots, sets
-# its pace. A shared ring of 2 or 4 super-blocks that cp.async filled ahead (sessions 33-34) put all of a short
-# program's loads in flight and was slower at every tiling (in_proj_qkvz 18.2 us at 256 rows, 0.27 of HBM): removed.
+# them (ON 1 or 2). Off: on the H100 (session 33, gemv_sweep) a layer's nine Q4_K shapes 92.0 us at best (128 rows,
+# 2 an SM) against the lane-group body's 89.3: in_proj_qkvz 15.6 against 17.2 and q_proj 13.1 against 13.4, but every
+# small shape ~0.7-1 us slower; Q6_K 107.7 against 101.4. ~2.3 instructions a weight and no shared memory, yet
+# in_proj_qkvz reads at 0.31 of HBM: its latency (one super-block of loads in flight a thread, a chain of 16 dependent
+# mma a super-block), not its issue slots, sets its pace. A shared ring of 2 or 4 super-blocks that cp.async filled
+# ahead (sessions 33-34) put all of a short program's loads in flight and was slower at every tiling (in_proj_qkvz
+# 18.2 us at 256 rows, 0.27 of HBM): removed.
 _REG_ENV = env_ints("KTRANS_GEMV_REG", [0, 256, 4, 2, 128, 1])
 # tile_fused_sum (KTRANS_GEMV_TILE_FUSED_SUM=1; opt-in until timed): the tile path's split sums in each tile's last
 # program, not _sum_splits_kernel (537 us, 174 launches of a 16-request step on the H100, session 35); the same bits.
@@ -259,8 +259,8 @@ _MAX_TILES = 1 << 16
 def counters(device: torch.device) -> torch.Tensor:
     """The device's _MAX_TILES int32 counts of the fused split sums (the GEMV's, the MoE's few-token path), and one
     more, dense_gemv.dense_route's (index _MAX_TILES), zero between kernels: each kernel's last program of a tile
-    resets its count. Made before any graph capture. Keyed by
-    the device with its index (`cuda` and `cuda:0` are unequal torch.devices, but one GPU has one set of counts)."""
+    resets its count. Made before any graph capture. Keyed by the device with its index (`cuda` and `cuda:0` are
+    unequal torch.devices, but one GPU has one set of counts)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _COUNTERS:
