@@ -94,10 +94,13 @@ def _prefill_case(t: int):
     return setup
 
 
-def _decode_case(batch: int, split_v: bool | None = None):
-    """split_v: force the one-launch (False) or two-launch (True) decode path; None: the kernel's own choice."""
+def _decode_case(batch: int, split_v: bool | None = None, norm: str | None = None):
+    """split_v: force the one-launch (False) or two-launch (True) decode path; None: the kernel's own choice.
+    norm: also the layer's gated output norm, by its own launch ("launch") or inside the state launch ("fused",
+    KTRANS_GDN_DECODE_NORM's form); its z read counted in the bytes."""
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
+        from ktrans.kernels.triton.norm import rms_norm_gated
 
         sh = _shape(device)
         n = batch if device.type == "cuda" else min(batch, 2)
@@ -110,10 +113,16 @@ def _decode_case(batch: int, split_v: bool | None = None):
         ssm_pool = rnd(n + 1, sh.hv, sh.d, sh.d) * 0.1
         slots = torch.randperm(n, generator=g).to(device)  # rows out of slot order, as in a running batch
         out = torch.empty(n, sh.hv, sh.d, dtype=torch.bfloat16, device=device)
-        fn = lambda: gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool,  # noqa: E731
-                                        slots, sh.hk, sh.d, out=out, split_v=split_v)
+        z = rnd(n, sh.hv, sh.d).to(torch.bfloat16)
+        nw = (1 + 0.1 * rnd(sh.d)).to(torch.bfloat16)
+
+        def fn():
+            o = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, sh.hk, sh.d,
+                                   out=out, split_v=split_v, norm=(z, nw, 1e-6) if norm == "fused" else None)
+            return rms_norm_gated(o, z, nw, 1e-6) if norm == "launch" else o
+
         per_row = (2 * sh.hv * sh.d * sh.d * 4 + 2 * sh.conv_dim * (WIDTH - 1) * BF16 + sh.conv_dim * BF16
-                   + 2 * sh.hv * BF16 + sh.hv * sh.d * BF16)
+                   + 2 * sh.hv * BF16 + sh.hv * sh.d * BF16 + (sh.hv * sh.d * BF16 if norm else 0))
         return Timed(fn, n * per_row + sh.conv_dim * WIDTH * BF16 + 2 * sh.hv * 4)
     return setup
 
@@ -140,7 +149,11 @@ case("gdn", "chunked prefill T=32768", ("prefill",))(_prefill_case(32768))
 case("gdn", "conv prefill T=8192", ("prefill",))(_conv_case(8192))
 case("gdn", "decode B=1", ("decode",))(_decode_case(1))
 case("gdn", "decode B=1, one launch", ("decode",))(_decode_case(1, split_v=False))
+case("gdn", "decode B=1 and output norm, its own launch", ("decode",))(_decode_case(1, norm="launch"))
+case("gdn", "decode B=1 and output norm, fused", ("decode",))(_decode_case(1, norm="fused"))
 case("gdn", "decode B=64", ("decode",))(_decode_case(64))
+case("gdn", "decode B=64 and output norm, its own launch", ("decode",))(_decode_case(64, norm="launch"))
+case("gdn", "decode B=64 and output norm, fused", ("decode",))(_decode_case(64, norm="fused"))
 case("gdn", "decode B=64, one launch", ("decode",))(_decode_case(64, split_v=False))
 case("gdn", "decode B=256", ("decode",))(_decode_case(256))
 case("gdn", "decode B=256, one launch", ("decode",))(_decode_case(256, split_v=False))

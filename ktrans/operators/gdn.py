@@ -172,9 +172,13 @@ class KGatedDeltaNetTorch(Op):
         t = mixed.shape[0]
         conv_pool, ssm_pool = batch.states.layer(self.layer_idx)
         check_pool_device(self.key, "DeltaNet state", conv_pool, self.device)
+        return self.normed_core(mixed, z, b, a, conv_pool, ssm_pool, batch).reshape(t, self.value_dim)
+
+    def normed_core(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    conv_pool: torch.Tensor, ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The planned step's delta rule and its output norm: gated_norm(core(...), z), [T * Hv, Dv]."""
         core = self.core(mixed, b, a, conv_pool, ssm_pool, batch)
-        core = self.gated_norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return core.reshape(t, self.value_dim)
+        return self.gated_norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
 
     def gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The output norm, RMSNorm(core) * weight * SiLU(z), over rows of head_v_dim (the torch reference)."""

@@ -12,15 +12,23 @@ only under Triton's interpreter (TRITON_INTERPRET=1: the tests).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton.conv import causal_conv1d_varlen
 from ktrans.kernels.triton.gated_delta import CHUNK, ChunkPlan, chunk_gated_delta_rule_varlen, plan_chunks
+from ktrans.kernels.triton import gated_delta_decode as decode_kernels
 from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
 from ktrans.kernels.triton.norm import rms_norm_gated as tri_rms_norm_gated
 from ktrans.operators.gdn import GDN_OPS, KGatedDeltaNetTorch, plan_deltanet
 from ktrans.runtime.batch import ForwardBatch
+
+# KTRANS_GDN_DECODE_NORM=1 (off until timed on a GPU): a decode-only step's gated output norm made inside the
+# decode step's state launch (gated_delta_decode's `norm`: each value head's last column block to finish norms the
+# head's row), one launch a DeltaNet layer fewer (36 a token at the 80B's shapes).
+DECODE_NORM = os.environ.get("KTRANS_GDN_DECODE_NORM", "0") == "1"
 
 # The chunk table of the step last planned, shared by every DeltaNet layer of that step (one host-to-device copy
 # per step, not per layer). Keyed by the batch object itself: a step's layers all see the same one.
@@ -99,8 +107,20 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
     def gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return tri_rms_norm_gated(core, z, self.norm_weight, self.eps)
 
+    def normed_core(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    conv_pool: torch.Tensor, ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # a step of decode rows only, with DECODE_NORM: the output norm made by the decode step's state launch
+        step = self.step
+        if not (DECODE_NORM and self.chunks is None and step.decode_rows is not None and type(self).core is
+                KGatedDeltaNetTriton.core and z.dim() == 3 and z.stride(-1) == 1 and
+                decode_kernels.TWO_LAUNCHES):
+            return super().normed_core(mixed, z, b, a, conv_pool, ssm_pool, batch)
+        return self.core(mixed, b, a, conv_pool, ssm_pool, batch, norm=(z, self.norm_weight, self.eps)).reshape(
+            -1, self.head_v_dim)
+
     def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_pool: torch.Tensor,
-             ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+             ssm_pool: torch.Tensor, batch: ForwardBatch, norm=None) -> torch.Tensor:
+        """norm: gated_delta_decode's (a step of decode rows only): the output normed."""
         t = mixed.shape[0]
         conv_w = self.conv_weight.squeeze(1)
         mixed = mixed.contiguous()
@@ -115,7 +135,7 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
         if step.decode_rows is not None:
             rows = None if isinstance(step.decode_rows, slice) else step.decode_rows
             gated_delta_decode(mixed, a, b, self.A_log, self.dt_bias, conv_w, conv_pool, ssm_pool, step.decode_slots,
-                               self.num_k_heads, self.head_k_dim, rows=rows, out=core)
+                               self.num_k_heads, self.head_k_dim, rows=rows, out=core, norm=norm)
         if self.chunks is not None:
             windows = _emitted_windows(mixed, conv_pool, step) if step.emits else None
             y = causal_conv1d_varlen(mixed, conv_w, conv_pool, self.chunks)

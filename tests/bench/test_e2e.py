@@ -265,23 +265,28 @@ def quantized_gpu_run(tmp_path_factory):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("flags, kernel", [
-    ({}, None),
-    ({"KTRANS_GEMV_ROWS_REG": "1"}, "rows_reg_kernel"),
-    ({"KTRANS_GEMV_TILE_FUSED_SUM": "1"}, None),
-    ({"KTRANS_GEMV_PAIR": "1"}, None),
-    ({"KTRANS_MOE_FUSED_SHARED": "1"}, None),
-    ({"KTRANS_ROUTER_FUSED": "1"}, "_dense_route_kernel"),
-    ({"KTRANS_ROUTER_FUSED": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "_dense_route_kernel"),
-    ({"KTRANS_GEMV_ROWS_REG": "1", "KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "rows_reg_kernel"),
-], ids=["defaults", "rows", "tile-fused-sum", "pair", "fused-shared", "router", "router+fused-shared",
-        "rows+pair+fused-shared"])
-def test_opt_in_decode_kernels_under_cuda_graphs(quantized_gpu_run, flags, kernel):
+@pytest.mark.parametrize("flags, kernel, absent", [
+    ({}, None, None),
+    ({"KTRANS_GEMV_ROWS_REG": "1"}, "rows_reg_kernel", None),
+    ({"KTRANS_GEMV_TILE_FUSED_SUM": "1"}, None, None),
+    ({"KTRANS_GEMV_PAIR": "1"}, None, None),
+    ({"KTRANS_MOE_FUSED_SHARED": "1"}, None, None),
+    ({"KTRANS_ROUTER_FUSED": "1"}, "_dense_route_kernel", None),
+    ({"KTRANS_ROUTER_FUSED": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "_dense_route_kernel", None),
+    ({"KTRANS_GDN_DECODE_NORM": "1"}, "_state_kernel", "_rms_norm_gated_kernel"),
+    ({"KTRANS_GEMV_ROWS_REG": "1", "KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "rows_reg_kernel", None),
+    ({"KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1", "KTRANS_ROUTER_FUSED": "1",
+      "KTRANS_GDN_DECODE_NORM": "1"}, "_dense_route_kernel", "_rms_norm_gated_kernel"),
+], ids=["defaults", "rows", "tile-fused-sum", "pair", "fused-shared", "router", "router+fused-shared", "gdn-norm",
+        "rows+pair+fused-shared", "batch-1-levers"])
+def test_opt_in_decode_kernels_under_cuda_graphs(quantized_gpu_run, flags, kernel, absent):
     """Each opt-in decode kernel flag (and the three together, which did not end their warm-up at full size on the
-    H200 in session 36) on a Q4_K_M file with CUDA graphs: the run ends, decodes at batch 1 and 4 from graphs
-    captured beforehand, and the 4-request step's profile names the flag's kernel where it has one of its own."""
+    H200 in session 36; and the batch-1 levers together) on a Q4_K_M file with CUDA graphs: the run ends, decodes at
+    batch 1 and 4 from graphs captured beforehand, and the 4-request step's profile names the flag's kernel where it
+    has one of its own, and not the launch it folds in."""
     got = quantized_gpu_run(flags)
     assert set(got["decode_tok_s"]) == {"1", "4"} and all(v > 0 for v in got["decode_tok_s"].values())
     assert got["cuda_graphs"]["captured"] >= 2 and all(b["graph_captures"] == 0 for b in got["batches"])
     names = " ".join(got["profiled_batch"]["gpu_kernels_own_us"])
     assert kernel is None or kernel in names, names
+    assert absent is None or absent not in names, names

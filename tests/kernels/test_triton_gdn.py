@@ -243,6 +243,60 @@ def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device, split_v):
     assert torch.isfinite(out[2:]).all() and torch.isfinite(ssm_pool[pad]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,with_rows", [(SHAPES[0], True), (SHAPES[1], False), ((1, 2, 16, 128), False)])
+def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtype):
+    """gated_delta_decode(norm=(z, w, eps)) against the decode step followed by the norm's own launch
+    (norm.rms_norm_gated, the same arithmetic: within one rounding of the output's dtype, from the order of the fp32
+    sum) and the torch oracle of both (TOL, or bf16's rounding), at decode rows out of order or a bucket with a pad
+    row on the pad slot; Dv = 128 splits a head's columns over 16 programs, so the count's last program norms what
+    the others stored. Twice in a row, so the counts are zero after each call; rows that are not decode rows are
+    left alone; a bad z and the one-launch path are refused."""
+    from ktrans.kernels.triton.norm import rms_norm_gated as tri_rms_norm_gated
+    from ktrans.kernels.triton.quant import counters
+    from ktrans.operators.norm import rms_norm_gated
+
+    hk, hv, dk, dv = shape
+    t, eps = 6, 1e-6
+    mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool = decode_inputs(t, hk, hv, dk, dv, 4, triton_device,
+                                                                             slots=5)
+    mixed = mixed.to(dtype)
+    rows = torch.tensor([4, 0, 3], device=triton_device) if with_rows else None
+    slots = torch.tensor([3, 1, 2], device=triton_device) if with_rows else torch.tensor([3, 1, 0, 2, 4, 4],
+                                                                                         device=triton_device)
+    live = rows if with_rows else torch.arange(5, device=triton_device)[:4]  # slot 4: the pad slot, rows 4 and 5
+    zq = torch.randn(t, hv * dv + 5, device=triton_device, dtype=dtype)  # z a strided view, as in_proj_qkvz gives it
+    z = zq[:, 5:].view(t, hv, dv)
+    nw = (1 + 0.1 * torch.randn(dv, device=triton_device)).to(dtype)
+    pools = conv_pool.clone(), ssm_pool.clone()
+    plain = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, rows=rows, split_v=True,
+                               out=torch.zeros(t, hv, dv, device=triton_device, dtype=dtype))
+    want = tri_rms_norm_gated(plain, z, nw, eps)
+    oracle = rms_norm_gated(plain.float(), z.float(), nw.float(), eps)
+    for _ in range(2):
+        fused_pools = conv_pool.clone(), ssm_pool.clone()
+        out = torch.full((t, hv, dv), 7.0, device=triton_device, dtype=dtype)
+        gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *fused_pools, slots, hk, dk, rows=rows, out=out,
+                           norm=(z, nw, eps))
+        assert int(counters(triton_device)[:t * hv].abs().sum()) == 0, "every count back to zero"
+        one_ulp = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+        torch.testing.assert_close(out[live], want[live], **one_ulp)
+        torch.testing.assert_close(out[live].float(), oracle[live],
+                                   **(TOL if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)))
+        for got, ref in zip(fused_pools, pools):  # the states as the plain step leaves them
+            assert torch.equal(got, ref)
+        if with_rows:
+            assert torch.all(out[[1, 2, 5]] == 7.0), "rows that are not decode rows are left alone"
+        else:
+            assert torch.isfinite(out[4:]).all()
+    with pytest.raises(ValueError, match="norm's z"):
+        gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, rows=rows,
+                           norm=(z[:, :, :-1], nw, eps))
+    with pytest.raises(ValueError, match="two-launch"):
+        gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, rows=rows, split_v=False,
+                           norm=(z, nw, eps))
+
+
 def test_prefill_then_decode_equals_one_prefill(triton_device):
     """The three kernels hand their states to each other: prefill 61 tokens, decode 4 = prefill 65."""
     hk, hv, dk, dv = SHAPES[0]

@@ -68,6 +68,37 @@ def test_grouped_ba_views_give_the_same_logits(tmp_path, triton_device, monkeypa
     assert all(torch.equal(x, y) for x, y in zip(*runs))
 
 
+def test_decode_steps_with_the_output_norm_fused(tmp_path, triton_device, monkeypatch):
+    """KTRANS_GDN_DECODE_NORM (gdn_triton.DECODE_NORM): the decode-only steps' output norm made in the decode launch
+    gives the logits of the norm's own launch within fp32 rounding (the norm's sum in another order) through
+    prefill, a mixed step (which keeps the norm's launch) and decode steps; the fused path ran at each decode-only
+    step's DeltaNet layers and nowhere else."""
+    from ktrans.operators import gdn_triton
+
+    from .helpers import teacher_forced
+
+    ckpt = make_checkpoint(tmp_path, "small", seed=5, **SHAPE)
+    model, _ = injected(ckpt, default_rules("KGatedDeltaNetTriton"), default_device=str(triton_device))
+    calls = []
+    decode = gdn_triton.gated_delta_decode
+
+    def counted(*args, norm=None, **kwargs):
+        calls.append(norm is not None)
+        return decode(*args, norm=norm, **kwargs)
+
+    monkeypatch.setattr(gdn_triton, "gated_delta_decode", counted)
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(gdn_triton, "DECODE_NORM", fused)
+        calls.clear()
+        prompts = [[(7 * i + 3) % 512 for i in range(n)] for n in (5, 19, 40)]
+        runs.append(teacher_forced(model, triton_device, prompts, [[(11 * i + j) % 512 for i in range(4)]
+                                                                    for j in range(3)]))
+        assert any(calls) == fused and not all(calls), calls  # the mixed step's decode rows keep the norm launch
+    for x, y in zip(*runs):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
 # bf16 against fp32 on the `small` model (|logits| up to ~16): its random weights amplify bf16 rounding to logit
 # errors of 0.2-2 per step whichever DeltaNet op runs (measured on the dev box, interpreter, same model and prompts:
 # the torch op 0.31 / 0.61 / 0.19 from the fp32 logits after the three prompts, the Triton op 0.22 / 0.47 / 0.19;

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ktrans.kernels.triton.norm import gated_rows
 from ktrans.kernels.triton.pdl import enter, launch
+from ktrans.kernels.triton.quant import _MAX_TILES, counters
 
 
 @triton.jit
@@ -185,11 +187,14 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
 
 
 @triton.jit
-def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows_ptr, o_ptr, stride_ss, stride_ot,
-                  stride_oh, HAS_ROWS: tl.constexpr, HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
-                  DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows_ptr, o_ptr, z_ptr, nw_ptr, cnt_ptr,
+                  stride_ss, stride_ot, stride_oh, stride_zt, stride_zh, eps, HAS_ROWS: tl.constexpr, HK: tl.constexpr,
+                  R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  NORM: tl.constexpr = False, BD: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Row i, value head h, state columns [vb*BV, vb*BV + BV): the gated delta rule on that block, in place, and
-    the output's columns."""
+    the output's columns. NORM: the last of the head's column blocks to finish (counted at cnt_ptr[i * HV + h],
+    zero between calls) reads the head's whole output row back from L2 and stores RMSNorm(o) * w * SiLU(z) over it
+    in its place (norm.gated_rows, the norm launch's arithmetic), then zeroes the count."""
     enter(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -212,7 +217,19 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows
     state = state + k[:, None] * (beta * (v - kv_mem))[None, :]
     o = tl.sum(state * q[:, None], axis=0)
     tl.store(sp, state, mask=smask)
-    tl.store(o_ptr + row.to(tl.int64) * stride_ot + h * stride_oh + rv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+    o_row = o_ptr + row.to(tl.int64) * stride_ot + h * stride_oh
+    tl.store(o_row + rv, o.to(o_ptr.dtype.element_ty), mask=vmask)
+    if NORM:
+        tl.debug_barrier()  # every thread's columns stored before the count's release
+        cnt = cnt_ptr + i * (HK * R) + h
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+            cols = tl.arange(0, BD)
+            cmask = (cols < DV)[None, :]
+            x = tl.load(o_row + cols[None, :], mask=cmask, other=0.0, cache_modifier=".cg")
+            z = tl.load(z_ptr + row.to(tl.int64) * stride_zt + h * stride_zh + cols[None, :], mask=cmask, other=0.0)
+            w = tl.load(nw_ptr + cols, mask=cols < DV, other=0.0)
+            tl.store(o_row + cols[None, :], gated_rows(x, z, w, eps, DV).to(o_ptr.dtype.element_ty), mask=cmask)
+            tl.atomic_xchg(cnt, 0)
 
 
 # The two-launch path's state blocks: narrower columns until there are about this many programs.
@@ -230,7 +247,8 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
                        dt_bias: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
                        ssm_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int,
                        rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       heads_per_tile: int | None = None, split_v: bool | None = None) -> torch.Tensor:
+                       heads_per_tile: int | None = None, split_v: bool | None = None,
+                       norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """One decode token for each of B rows, updating the pools in place at `slots` [B] (int64, on the device).
 
     mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs, or [T, HK, R]
@@ -240,6 +258,10 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
     Returns o [T, HV, Dv] in mixed's dtype (`out` when given), written at the decode rows only. heads_per_tile
     (1..R) overrides how many value heads' states a program holds at once, split_v whether the two-launch path
     runs (default: TWO_LAUNCHES); the tests run every shape.
+    norm (z [T, HV, Dv] with a unit last stride, weight [Dv], eps): the output is the DeltaNet's gated output norm
+    of o instead, RMSNorm(o) * weight * SiLU(z) per value head as norm.rms_norm_gated gives it for the decode rows
+    (o rounded to the output's dtype first), made by the state launch's last program of each head (two launches,
+    the norm's third folded in); the two-launch path only.
     """
     hv, dk, dv = ssm_pool.shape[1:]
     hk = num_k_heads
@@ -259,12 +281,23 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
                          f"{tuple(a.shape)} / {tuple(b.shape)}")
     stride_g = a.stride(1) if a.dim() == 3 else hv // hk
     n = slots.shape[0]
+    two = split_v if split_v is not None else TWO_LAUNCHES
+    if norm is not None:
+        z, nw, eps = norm
+        if not two:
+            raise ValueError("gated_delta_decode: the fused output norm is the two-launch path's (split_v)")
+        if z.shape != (mixed.shape[0], hv, dv) or z.stride(-1) != 1 or nw.shape != (dv,):
+            raise ValueError(f"gated_delta_decode: the norm's z {tuple(z.shape)} (unit last stride) and weight "
+                             f"{tuple(nw.shape)} must be [{mixed.shape[0]}, {hv}, {dv}] and [{dv}]")
+        if n * hv > _MAX_TILES:
+            raise ValueError(f"gated_delta_decode: {n} rows of {hv} heads are more than the fused norm's "
+                             f"{_MAX_TILES} counts")
     out = mixed.new_empty(mixed.shape[0], hv, dv) if out is None else out
     if n == 0:
         return out
     r = hv // hk
     bv = triton.next_power_of_2(dv)
-    if split_v if split_v is not None else TWO_LAUNCHES:
+    if two:
         f32 = dict(dtype=torch.float32, device=mixed.device)
         q, k = torch.empty(n, hk, dk, **f32), torch.empty(n, hk, dk, **f32)
         v, g, beta = torch.empty(n, hv, dv, **f32), torch.empty(n, hv, **f32), torch.empty(n, hv, **f32)
@@ -278,10 +311,14 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         block = bv
         while block > 16 and n * hv * triton.cdiv(dv, block) < SPLIT_V_PROGRAMS:
             block //= 2
+        if norm is None:
+            z, nw, eps, cnt, zs = out, out, 0.0, slots, (0, 0)
+        else:
+            cnt, zs = counters(mixed.device), (z.stride(0), z.stride(1))
         _state_kernel[(n, hv, triton.cdiv(dv, block))](
-            q, k, v, g, beta, ssm_pool, slots, idx, out, ssm_pool.stride(0), out.stride(0), out.stride(1),
-            HAS_ROWS=rows is not None, HK=hk, R=r, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block,
-            num_warps=4, **launch())
+            q, k, v, g, beta, ssm_pool, slots, idx, out, z, nw, cnt, ssm_pool.stride(0), out.stride(0),
+            out.stride(1), *zs, eps, HAS_ROWS=rows is not None, HK=hk, R=r, DK=dk, DV=dv,
+            BK=triton.next_power_of_2(dk), BV=block, NORM=norm is not None, BD=bv, num_warps=4, **launch())
         return out
     rb = heads_per_tile or (r if n * hk < WIDE_TILE_PROGRAMS else 1)
     rb = triton.next_power_of_2(min(rb, r))

@@ -72,6 +72,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def gated_rows(x, g, w, eps, D: tl.constexpr):
+    """RMSNorm(x) * w * SiLU(g) of the rows of x [rows, BLOCK_D] (columns past D zero) in fp32, rounded to x's dtype
+    where HF's Qwen3NextRMSNormGated rounds: the normed x before the weight, the weighted product before the gate.
+    Shared by the norm's launch and the DeltaNet decode step's fused form (gated_delta_decode's `norm`)."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype)
+    weighted = (w[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    gf = g.to(tl.float32)
+    return weighted.to(tl.float32) * (gf * tl.sigmoid(gf))
+
+
+@triton.jit
 def _rms_norm_gated_kernel(X, G, W, O, n_rows, stride_x, stride_g, stride_o, eps, D: tl.constexpr,
                            BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
@@ -79,14 +92,10 @@ def _rms_norm_gated_kernel(X, G, W, O, n_rows, stride_x, stride_g, stride_o, eps
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
     w = tl.load(W + cols, mask=cols < D, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / D + eps)
-    normed = (xf * rstd[:, None]).to(x.dtype)
-    weighted = (w[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    out = weighted.to(tl.float32) * (g * tl.sigmoid(g))
-    tl.store(O + rows[:, None] * stride_o + cols[None, :], out.to(O.dtype.element_ty), mask=mask)
+    tl.store(O + rows[:, None] * stride_o + cols[None, :], gated_rows(x, g, w, eps, D).to(O.dtype.element_ty),
+             mask=mask)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
