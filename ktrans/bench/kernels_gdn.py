@@ -94,10 +94,11 @@ def _prefill_case(t: int):
     return setup
 
 
-def _decode_case(batch: int, split_v: bool | None = None, norm: str | None = None):
+def _decode_case(batch: int, split_v: bool | None = None, norm: str | None = None, fold: bool | None = None):
     """split_v: force the one-launch (False) or two-launch (True) decode path; None: the kernel's own choice.
     norm: also the layer's gated output norm, by its own launch ("launch") or inside the state launch ("fused",
-    KTRANS_GDN_DECODE_NORM's form); its z read counted in the bytes."""
+    KTRANS_GDN_DECODE_NORM's form); its z read counted in the bytes. fold: the two launches as one
+    (KTRANS_GDN_DECODE_FOLD's form; None: the flag's setting)."""
     def setup(device: torch.device) -> Timed:
         from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
         from ktrans.kernels.triton.norm import rms_norm_gated
@@ -118,7 +119,8 @@ def _decode_case(batch: int, split_v: bool | None = None, norm: str | None = Non
 
         def fn():
             o = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, sh.hk, sh.d,
-                                   out=out, split_v=split_v, norm=(z, nw, 1e-6) if norm == "fused" else None)
+                                   out=out, split_v=split_v, norm=(z, nw, 1e-6) if norm == "fused" else None,
+                                   fold=fold)
             return rms_norm_gated(o, z, nw, 1e-6) if norm == "launch" else o
 
         per_row = (2 * sh.hv * sh.d * sh.d * 4 + 2 * sh.conv_dim * (WIDTH - 1) * BF16 + sh.conv_dim * BF16
@@ -151,7 +153,10 @@ case("gdn", "decode B=1", ("decode",))(_decode_case(1))
 case("gdn", "decode B=1, one launch", ("decode",))(_decode_case(1, split_v=False))
 case("gdn", "decode B=1 and output norm, its own launch", ("decode",))(_decode_case(1, norm="launch"))
 case("gdn", "decode B=1 and output norm, fused", ("decode",))(_decode_case(1, norm="fused"))
+case("gdn", "decode B=1, folded", ("decode",))(_decode_case(1, split_v=True, fold=True))
+case("gdn", "decode B=1 and output norm, folded and fused", ("decode",))(_decode_case(1, True, "fused", True))
 case("gdn", "decode B=64", ("decode",))(_decode_case(64))
+case("gdn", "decode B=64, folded", ("decode",))(_decode_case(64, split_v=True, fold=True))
 case("gdn", "decode B=64 and output norm, its own launch", ("decode",))(_decode_case(64, norm="launch"))
 case("gdn", "decode B=64 and output norm, fused", ("decode",))(_decode_case(64, norm="fused"))
 case("gdn", "decode B=64, one launch", ("decode",))(_decode_case(64, split_v=False))

@@ -176,10 +176,11 @@ def reference_decode(mixed, a, b, A_log, dt_bias, weight, conv_state, ssm_state,
 
 
 # One launch holding all of a key head's value heads at once or one by one, or two launches (conv, gates and norms
-# per key head; the state per value head and block of columns).
-@pytest.mark.parametrize("heads_per_tile,split_v", [(None, False), (1, False), (None, True)])
+# per key head; the state per value head and block of columns), or those two folded into one on the second's grid.
+@pytest.mark.parametrize("heads_per_tile,split_v,fold", [(None, False, False), (1, False, False),
+                                                         (None, True, False), (None, True, True)])
 @pytest.mark.parametrize("shape,width", [(SHAPES[0], 4), (SHAPES[1], 3)])
-def test_decode_step_matches_reference(triton_device, shape, width, heads_per_tile, split_v):
+def test_decode_step_matches_reference(triton_device, shape, width, heads_per_tile, split_v, fold):
     hk, hv, dk, dv = shape
     # A mixed step's flat batch of 7 tokens: decode rows 5, 0 and 3 (the rest belong to prefill chunks), their
     # slots out of order.
@@ -190,7 +191,7 @@ def test_decode_step_matches_reference(triton_device, shape, width, heads_per_ti
     slots = torch.tensor([4, 1, 2], device=triton_device)
     out = torch.full((7, hv, dv), 7.0, device=triton_device)
     gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, rows=rows, out=out,
-                       heads_per_tile=heads_per_tile, split_v=split_v)
+                       heads_per_tile=heads_per_tile, split_v=split_v, fold=fold)
     conv_ref, ssm_ref = conv0[slots], ssm0[slots]
     want = reference_decode(mixed[rows], a[rows], b[rows], A_log, dt_bias, weight, conv_ref, ssm_ref, hk, dk)
     torch.testing.assert_close(out[rows], want, **TOL)
@@ -200,8 +201,8 @@ def test_decode_step_matches_reference(triton_device, shape, width, heads_per_ti
     assert torch.equal(ssm_pool[[0, 3, 5]], ssm0[[0, 3, 5]]) and torch.equal(conv_pool[[0, 3, 5]], conv0[[0, 3, 5]])
 
 
-@pytest.mark.parametrize("split_v", [False, True])
-def test_decode_reads_a_and_b_in_place_from_in_proj_bas_groups(triton_device, split_v):
+@pytest.mark.parametrize("split_v,fold", [(False, False), (True, False), (True, True)])
+def test_decode_reads_a_and_b_in_place_from_in_proj_bas_groups(triton_device, split_v, fold):
     """a and b given as the [T, HK, R] views of in_proj_ba's output ([b (R) | a (R)] per key head, what
     KQwen3NextGatedDeltaNet.split_ba hands a TAKES_GROUPED_BA op) give bitwise what their [T, HV] copies give: outputs,
     conv windows and states, at decode rows out of order; a layout other than groups of R is refused."""
@@ -216,7 +217,7 @@ def test_decode_reads_a_and_b_in_place_from_in_proj_bas_groups(triton_device, sp
     for a, b in ((a3.reshape(5, hv), b3.reshape(5, hv)), (a3, b3)):
         pools = conv_pool.clone(), ssm_pool.clone()
         out = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, rows=rows,
-                                 split_v=split_v)
+                                 split_v=split_v, fold=fold)
         results.append((out[rows], *pools))
     for want, got in zip(*results):
         assert torch.equal(got, want)
@@ -225,15 +226,16 @@ def test_decode_reads_a_and_b_in_place_from_in_proj_bas_groups(triton_device, sp
                            dk, rows=rows)
 
 
-@pytest.mark.parametrize("split_v", [False, True])
-def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device, split_v):
+@pytest.mark.parametrize("split_v,fold", [(False, False), (True, False), (True, True)])
+def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device, split_v, fold):
     hk, hv, dk, dv = SHAPES[0]
     pad = 3  # StatePool.pad_slot: one past the usable slots
     mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool = decode_inputs(4, hk, hv, dk, dv, 4, triton_device,
                                                                              slots=pad + 1)
     conv0, ssm0 = conv_pool.clone(), ssm_pool.clone()
     slots = torch.tensor([2, 0, pad, pad], device=triton_device)  # a bucket of 4 with 2 live rows
-    out = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, split_v=split_v)
+    out = gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, split_v=split_v,
+                             fold=fold)
     live = slots[:2]
     conv_ref, ssm_ref = conv0[live], ssm0[live]
     want = reference_decode(mixed[:2], a[:2], b[:2], A_log, dt_bias, weight, conv_ref, ssm_ref, hk, dk)
@@ -243,9 +245,10 @@ def test_decode_bucket_pad_rows_touch_only_the_pad_slot(triton_device, split_v):
     assert torch.isfinite(out[2:]).all() and torch.isfinite(ssm_pool[pad]).all()
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,with_rows", [(SHAPES[0], True), (SHAPES[1], False), ((1, 2, 16, 128), False)])
-def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtype):
+def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtype, fold):
     """gated_delta_decode(norm=(z, w, eps)) against the decode step followed by the norm's own launch
     (norm.rms_norm_gated, the same arithmetic: within one rounding of the output's dtype, from the order of the fp32
     sum) and the torch oracle of both (TOL, or bf16's rounding), at decode rows out of order or a bucket with a pad
@@ -277,14 +280,17 @@ def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtyp
         fused_pools = conv_pool.clone(), ssm_pool.clone()
         out = torch.full((t, hv, dv), 7.0, device=triton_device, dtype=dtype)
         gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *fused_pools, slots, hk, dk, rows=rows, out=out,
-                           norm=(z, nw, eps))
-        assert int(counters(triton_device)[:t * hv].abs().sum()) == 0, "every count back to zero"
+                           norm=(z, nw, eps), fold=fold)
+        assert int(counters(triton_device)[:t * (hv + hk)].abs().sum()) == 0, "every count back to zero"
         one_ulp = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
         torch.testing.assert_close(out[live], want[live], **one_ulp)
         torch.testing.assert_close(out[live].float(), oracle[live],
                                    **(TOL if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)))
-        for got, ref in zip(fused_pools, pools):  # the states as the plain step leaves them
-            assert torch.equal(got, ref)
+        for got, ref in zip(fused_pools, pools):  # the states and windows as the plain step leaves them
+            if with_rows or not fold:  # (the pad slot's, which two rows race on, aside)
+                assert torch.equal(got, ref)
+            else:
+                assert torch.equal(got[:4], ref[:4])
         if with_rows:
             assert torch.all(out[[1, 2, 5]] == 7.0), "rows that are not decode rows are left alone"
         else:
@@ -295,6 +301,36 @@ def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtyp
     with pytest.raises(ValueError, match="two-launch"):
         gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, rows=rows, split_v=False,
                            norm=(z, nw, eps))
+
+
+@pytest.mark.parametrize("shape,t", [(SHAPES[1], 5), ((2, 4, 32, 128), 3)])
+def test_folded_launch_gives_the_two_launches_bits(triton_device, shape, t):
+    """KTRANS_GDN_DECODE_FOLD's one launch makes each program's q, k, v and gates with the prep launch's arithmetic:
+    the two launches' outputs, states and conv windows, at a group of 3 with odd dims and at Dv = 128 (8 column
+    blocks a head, so a key head's q/k windows are shifted by the last of 16 programs); twice in a row (the counts
+    reset), and the counts zero after. Interpreted, bitwise; compiled, the conv's four products may be summed in
+    another order in another tile shape, so within fp32 rounding."""
+    from ktrans.kernels.triton.quant import counters
+
+    hk, hv, dk, dv = shape
+    mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool = decode_inputs(t, hk, hv, dk, dv, 4, triton_device,
+                                                                             slots=t + 1)
+    slots = torch.randperm(t, generator=torch.Generator().manual_seed(3)).to(triton_device)
+    runs = []
+    for fold in (False, True):
+        pools = conv_pool.clone(), ssm_pool.clone()
+        outs = [gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *pools, slots, hk, dk, split_v=True,
+                                   fold=fold) for _ in range(2)]
+        runs.append((*outs, *pools))
+    assert int(counters(triton_device)[:t * (hv + hk)].abs().sum()) == 0
+    for want, got in zip(*runs):
+        if triton_device.type == "cpu":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="folded launch"):
+        gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, conv_pool, ssm_pool, slots, hk, dk, split_v=False,
+                           fold=True)
 
 
 def test_prefill_then_decode_equals_one_prefill(triton_device):

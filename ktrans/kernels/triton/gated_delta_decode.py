@@ -24,6 +24,8 @@ which nobody reads; their outputs are finite garbage.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -90,8 +92,20 @@ def _qk_store_and_norm(conv_slot, stride_cc, kh, rk, kmask, qy, qwin, ky, kwin, 
                        DK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
     """Store the q/k windows (every window read before: the caller's barrier) and return q and k L2-normed, q also
     scaled by Dk^-1/2."""
+    _store_qk_windows(conv_slot, stride_cc, kh, rk, kmask, qwin, kwin, KEY_DIM, DK, K, KP)
+    return _qk_norm(qy, ky, DK)
+
+
+@triton.jit
+def _store_qk_windows(conv_slot, stride_cc, kh, rk, kmask, qwin, kwin, KEY_DIM: tl.constexpr, DK: tl.constexpr,
+                      K: tl.constexpr, KP: tl.constexpr):
     _store_window(conv_slot, stride_cc, kh * DK + rk, kmask, qwin, K, KP)
     _store_window(conv_slot, stride_cc, KEY_DIM + kh * DK + rk, kmask, kwin, K, KP)
+
+
+@triton.jit
+def _qk_norm(qy, ky, DK: tl.constexpr):
+    """q and k L2-normed, q also scaled by Dk^-1/2."""
     q = qy * tl.rsqrt(tl.sum(qy * qy, axis=0) + 1e-6) * (DK ** -0.5)
     k = ky * tl.rsqrt(tl.sum(ky * ky, axis=0) + 1e-6)
     return q, k
@@ -187,6 +201,21 @@ def _prep_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_p
 
 
 @triton.jit
+def _block(rows_ptr, slots_ptr, ssm_ptr, stride_ss, HAS_ROWS: tl.constexpr, R: tl.constexpr, DK: tl.constexpr,
+           DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A program of the (row, value head, column block) grid: its indices, its state block's pointers and mask."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
+    rk = tl.arange(0, BK)
+    kmask = rk < DK
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    vmask = rv < DV
+    sp = ssm_ptr + slot * stride_ss + (h * DK + rk[:, None]) * DV + rv[None, :]
+    return i, h, row, slot, h // R, rk, kmask, rv, vmask, sp, kmask[:, None] & vmask[None, :]
+
+
+@triton.jit
 def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows_ptr, o_ptr, z_ptr, nw_ptr, cnt_ptr,
                   stride_ss, stride_ot, stride_oh, stride_zt, stride_zh, eps, HAS_ROWS: tl.constexpr, HK: tl.constexpr,
                   R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -196,23 +225,26 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows
     zero between calls) reads the head's whole output row back from L2 and stores RMSNorm(o) * w * SiLU(z) over it
     in its place (norm.gated_rows, the norm launch's arithmetic), then zeroes the count."""
     enter(PDL)
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    row, slot = _row_slot(rows_ptr, slots_ptr, i, HAS_ROWS)
-    kh = h // R
-    rk = tl.arange(0, BK)
-    kmask = rk < DK
-    rv = vb * BV + tl.arange(0, BV)
-    vmask = rv < DV
+    i, h, row, slot, kh, rk, kmask, rv, vmask, sp, smask = _block(rows_ptr, slots_ptr, ssm_ptr, stride_ss, HAS_ROWS,
+                                                                  R, DK, DV, BK, BV)
     q = tl.load(q_ptr + (i * HK + kh) * DK + rk, mask=kmask, other=0.0)
     k = tl.load(k_ptr + (i * HK + kh) * DK + rk, mask=kmask, other=0.0)
     v = tl.load(v_ptr + (i * HK * R + h) * DV + rv, mask=vmask, other=0.0)
     g = tl.load(g_ptr + i * HK * R + h)
     beta = tl.load(beta_ptr + i * HK * R + h)
-    sp = ssm_ptr + slot * stride_ss + (h * DK + rk[:, None]) * DV + rv[None, :]
-    smask = kmask[:, None] & vmask[None, :]
-    state = tl.load(sp, mask=smask, other=0.0) * tl.exp(g)
+    state = tl.load(sp, mask=smask, other=0.0)
+    _update_block(state, q, k, v, g, beta, sp, smask, o_ptr, z_ptr, nw_ptr, cnt_ptr, i, h, row, rv, vmask,
+                  stride_ot, stride_oh, stride_zt, stride_zh, eps, HK * R, DV, NORM, BD)
+
+
+@triton.jit
+def _update_block(state, q, k, v, g, beta, sp, smask, o_ptr, z_ptr, nw_ptr, cnt_ptr, i, h, row, rv, vmask,
+                  stride_ot, stride_oh, stride_zt, stride_zh, eps, HV: tl.constexpr, DV: tl.constexpr,
+                  NORM: tl.constexpr, BD: tl.constexpr):
+    """The gated delta rule on a block of head h's state columns (state [Dk, BV] as loaded): the state stored back
+    in place, the output's columns stored at token `row`, and with NORM the head's output norm by the last of its
+    column blocks to finish (counted at cnt_ptr[i * HV + h], zero between calls)."""
+    state = state * tl.exp(g)
     kv_mem = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state predicts for k
     state = state + k[:, None] * (beta * (v - kv_mem))[None, :]
     o = tl.sum(state * q[:, None], axis=0)
@@ -221,7 +253,7 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows
     tl.store(o_row + rv, o.to(o_ptr.dtype.element_ty), mask=vmask)
     if NORM:
         tl.debug_barrier()  # every thread's columns stored before the count's release
-        cnt = cnt_ptr + i * (HK * R) + h
+        cnt = cnt_ptr + i * HV + h
         if tl.atomic_add(cnt, 1, sem="acq_rel") == tl.num_programs(2) - 1:
             cols = tl.arange(0, BD)
             cmask = (cols < DV)[None, :]
@@ -230,6 +262,43 @@ def _state_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, rows
             w = tl.load(nw_ptr + cols, mask=cols < DV, other=0.0)
             tl.store(o_row + cols[None, :], gated_rows(x, z, w, eps, DV).to(o_ptr.dtype.element_ty), mask=cmask)
             tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _fold_kernel(x_ptr, rows_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, conv_ptr, ssm_ptr, slots_ptr, o_ptr, z_ptr,
+                 nw_ptr, cnt_ptr, stride_xt, stride_at, stride_bt, stride_g, stride_cs, stride_cc, stride_ss,
+                 stride_ot, stride_oh, stride_zt, stride_zh, eps, HAS_ROWS: tl.constexpr, HK: tl.constexpr,
+                 R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr = False, BD: tl.constexpr = 1,
+                 PDL: tl.constexpr = False):
+    """The two launches in one, on _state_kernel's grid: row i, value head h, state columns [vb*BV, vb*BV + BV).
+    Each program makes what _prep_kernel would have stored for it, the same arithmetic on the same channels: its
+    key head's q and k (conv, SiLU, L2 norm), its own v columns' conv and its head's gates. A v channel has one
+    program, which shifts its window itself; a key head's q and k windows are read by every program of the head's
+    R value heads, so the last of those to finish reading (counted at cnt_ptr[n * HV + i * HK + kh], zero between
+    calls) shifts them."""
+    enter(PDL)
+    i, h, row, slot, kh, rk, kmask, rv, vmask, sp, smask = _block(rows_ptr, slots_ptr, ssm_ptr, stride_ss, HAS_ROWS,
+                                                                  R, DK, DV, BK, BV)
+    state = tl.load(sp, mask=smask, other=0.0)  # the largest load first: its latency passes under the conv's
+    x_row = x_ptr + row.to(tl.int64) * stride_xt
+    conv_slot = conv_ptr + slot * stride_cs
+    key_dim: tl.constexpr = HK * DK
+    qy, qwin, ky, kwin = _qk_conv(x_row, w_ptr, conv_slot, stride_cc, kh, rk, kmask, key_dim, DK, K, KP)
+    vch = 2 * key_dim + h * DV + rv
+    v, vwin = _conv_step(x_row, w_ptr, conv_slot, stride_cc, vch, vmask, K, KP)
+    one = tl.arange(0, 1)
+    g1, beta1 = _gates(a_ptr, b_ptr, alog_ptr, dtb_ptr, row, stride_at, stride_bt, stride_g, h + one, one < 1, R)
+    g, beta = tl.sum(g1, 0), tl.sum(beta1, 0)
+    q, k = _qk_norm(qy, ky, DK)
+    tl.debug_barrier()  # every thread has read the windows before any is shifted, and before the count's release
+    _store_window(conv_slot, stride_cc, vch, vmask, vwin, K, KP)
+    cnt = cnt_ptr + tl.num_programs(0) * (HK * R) + i * HK + kh
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == R * tl.num_programs(2) - 1:
+        _store_qk_windows(conv_slot, stride_cc, kh, rk, kmask, qwin, kwin, key_dim, DK, K, KP)
+        tl.atomic_xchg(cnt, 0)
+    _update_block(state, q, k, v, g, beta, sp, smask, o_ptr, z_ptr, nw_ptr, cnt_ptr, i, h, row, rv, vmask,
+                  stride_ot, stride_oh, stride_zt, stride_zh, eps, HK * R, DV, NORM, BD)
 
 
 # The two-launch path's state blocks: narrower columns until there are about this many programs.
@@ -241,6 +310,11 @@ SPLIT_V_PROGRAMS = 512
 WIDE_TILE_PROGRAMS = 264
 # The default path (split_v=None): the two-launch kernels at every batch size, measured faster at B=1 and B=64.
 TWO_LAUNCHES = True
+# KTRANS_GDN_DECODE_FOLD=1 (off until timed on a GPU): the two-launch path's grid in one launch (_fold_kernel: each
+# program makes the conv, norms and gates it needs itself, a key head's q and k in each of its R * Dv / BV programs),
+# one launch a DeltaNet layer fewer; the same arithmetic as the two launches (bitwise under the interpreter; compiled,
+# a tile of other shape may sum the conv's four products in another order).
+FOLD = os.environ.get("KTRANS_GDN_DECODE_FOLD", "0") == "1"
 
 
 def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -248,7 +322,8 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
                        ssm_pool: torch.Tensor, slots: torch.Tensor, num_k_heads: int, head_k_dim: int,
                        rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
                        heads_per_tile: int | None = None, split_v: bool | None = None,
-                       norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                       norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                       fold: bool | None = None) -> torch.Tensor:
     """One decode token for each of B rows, updating the pools in place at `slots` [B] (int64, on the device).
 
     mixed [T, conv_dim]: q|k|v before the conv (token stride free); a, b [T, HV] raw gate inputs, or [T, HK, R]
@@ -261,7 +336,8 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
     norm (z [T, HV, Dv] with a unit last stride, weight [Dv], eps): the output is the DeltaNet's gated output norm
     of o instead, RMSNorm(o) * weight * SiLU(z) per value head as norm.rms_norm_gated gives it for the decode rows
     (o rounded to the output's dtype first), made by the state launch's last program of each head (two launches,
-    the norm's third folded in); the two-launch path only.
+    the norm's third folded in); the two-launch path only. fold: the two-launch path as one launch (_fold_kernel;
+    default FOLD).
     """
     hv, dk, dv = ssm_pool.shape[1:]
     hk = num_k_heads
@@ -289,32 +365,44 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         if z.shape != (mixed.shape[0], hv, dv) or z.stride(-1) != 1 or nw.shape != (dv,):
             raise ValueError(f"gated_delta_decode: the norm's z {tuple(z.shape)} (unit last stride) and weight "
                              f"{tuple(nw.shape)} must be [{mixed.shape[0]}, {hv}, {dv}] and [{dv}]")
-        if n * hv > _MAX_TILES:
-            raise ValueError(f"gated_delta_decode: {n} rows of {hv} heads are more than the fused norm's "
-                             f"{_MAX_TILES} counts")
+    if fold and not two:
+        raise ValueError("gated_delta_decode: the folded launch is the two-launch path's (split_v)")
+    fold = two and (fold if fold is not None else FOLD)
+    if (norm is not None or fold) and n * (hv + hk) > _MAX_TILES:
+        raise ValueError(f"gated_delta_decode: {n} rows of {hv} value and {hk} key heads are more than the "
+                         f"{_MAX_TILES} counts of the fused norm and the folded launch")
     out = mixed.new_empty(mixed.shape[0], hv, dv) if out is None else out
     if n == 0:
         return out
     r = hv // hk
     bv = triton.next_power_of_2(dv)
+    block = bv
+    while block > 16 and n * hv * triton.cdiv(dv, block) < SPLIT_V_PROGRAMS:
+        block //= 2
+    if norm is None:
+        z, nw, eps, zs = out, out, 0.0, (0, 0)
+    else:
+        zs = (z.stride(0), z.stride(1))
+    cnt = counters(mixed.device) if norm is not None or fold else slots
+    idx = rows if rows is not None else slots
+    if fold:
+        _fold_kernel[(n, hv, triton.cdiv(dv, block))](
+            mixed, idx, a, b, A_log, dt_bias, conv_weight, conv_pool, ssm_pool, slots, out, z, nw, cnt,
+            mixed.stride(0), a.stride(0), b.stride(0), stride_g, conv_pool.stride(0), conv_pool.stride(1),
+            ssm_pool.stride(0), out.stride(0), out.stride(1), *zs, eps, HAS_ROWS=rows is not None, HK=hk, R=r,
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block, K=width, KP=triton.next_power_of_2(width),
+            NORM=norm is not None, BD=bv, num_warps=4, **launch())
+        return out
     if two:
         f32 = dict(dtype=torch.float32, device=mixed.device)
         q, k = torch.empty(n, hk, dk, **f32), torch.empty(n, hk, dk, **f32)
         v, g, beta = torch.empty(n, hv, dv, **f32), torch.empty(n, hv, **f32), torch.empty(n, hv, **f32)
-        idx = rows if rows is not None else slots
         _prep_kernel[(n, hk)](
             mixed, idx, a, b, A_log, dt_bias, conv_weight, conv_pool, slots, q, k, v, g, beta,
             mixed.stride(0), a.stride(0), b.stride(0), stride_g, conv_pool.stride(0), conv_pool.stride(1),
             HAS_ROWS=rows is not None, HK=hk, R=r, RP=triton.next_power_of_2(r), DK=dk, DV=dv,
             BK=triton.next_power_of_2(dk), BRV=triton.next_power_of_2(r * dv), K=width,
             KP=triton.next_power_of_2(width), num_warps=4, **launch())
-        block = bv
-        while block > 16 and n * hv * triton.cdiv(dv, block) < SPLIT_V_PROGRAMS:
-            block //= 2
-        if norm is None:
-            z, nw, eps, cnt, zs = out, out, 0.0, slots, (0, 0)
-        else:
-            cnt, zs = counters(mixed.device), (z.stride(0), z.stride(1))
         _state_kernel[(n, hv, triton.cdiv(dv, block))](
             q, k, v, g, beta, ssm_pool, slots, idx, out, z, nw, cnt, ssm_pool.stride(0), out.stride(0),
             out.stride(1), *zs, eps, HAS_ROWS=rows is not None, HK=hk, R=r, DK=dk, DV=dv,
