@@ -111,9 +111,9 @@ class KGatedDeltaNetTriton(KGatedDeltaNetTorch):
                     conv_pool: torch.Tensor, ssm_pool: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # a step of decode rows only, with DECODE_NORM: the output norm made by the decode step's state launch
         step = self.step
-        if not (DECODE_NORM and self.chunks is None and step.decode_rows is not None and type(self).core is
-                KGatedDeltaNetTriton.core and z.dim() == 3 and z.stride(-1) == 1 and
-                decode_kernels.TWO_LAUNCHES):
+        own = type(self).core is KGatedDeltaNetTriton.core and type(self).gated_norm is KGatedDeltaNetTriton.gated_norm
+        if not (DECODE_NORM and own and self.chunks is None and step.decode_rows is not None and z.dim() == 3
+                and z.stride(-1) == 1 and decode_kernels.TWO_LAUNCHES):
             return super().normed_core(mixed, z, b, a, conv_pool, ssm_pool, batch)
         return self.core(mixed, b, a, conv_pool, ssm_pool, batch, norm=(z, self.norm_weight, self.eps)).reshape(
             -1, self.head_v_dim)

@@ -252,9 +252,11 @@ def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtyp
     """gated_delta_decode(norm=(z, w, eps)) against the decode step followed by the norm's own launch
     (norm.rms_norm_gated, the same arithmetic: within one rounding of the output's dtype, from the order of the fp32
     sum) and the torch oracle of both (TOL, or bf16's rounding), at decode rows out of order or a bucket with a pad
-    row on the pad slot; Dv = 128 splits a head's columns over 16 programs, so the count's last program norms what
-    the others stored. Twice in a row, so the counts are zero after each call; rows that are not decode rows are
-    left alone; a bad z and the one-launch path are refused."""
+    row on the pad slot; Dv = 128 splits a head's columns over several programs (8 here), so the count's last
+    program norms what the others stored. With the folded launch too, whose compiled conv sums may differ from the
+    two launches' in the last bit: on a GPU it is held to the oracle's tolerance and the states to fp32 rounding.
+    Twice in a row, so the counts are zero after each call; rows that are not decode rows are left alone; a bad z
+    and the one-launch path are refused."""
     from ktrans.kernels.triton.norm import rms_norm_gated as tri_rms_norm_gated
     from ktrans.kernels.triton.quant import counters
     from ktrans.operators.norm import rms_norm_gated
@@ -282,15 +284,17 @@ def test_decode_with_the_output_norm_fused(triton_device, shape, with_rows, dtyp
         gated_delta_decode(mixed, a, b, A_log, dt_bias, weight, *fused_pools, slots, hk, dk, rows=rows, out=out,
                            norm=(z, nw, eps), fold=fold)
         assert int(counters(triton_device)[:t * (hv + hk)].abs().sum()) == 0, "every count back to zero"
+        bits = not fold or triton_device.type == "cpu"  # the same conv sums as the plain step's
         one_ulp = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
-        torch.testing.assert_close(out[live], want[live], **one_ulp)
-        torch.testing.assert_close(out[live].float(), oracle[live],
-                                   **(TOL if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)))
+        oracle_tol = TOL if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(out[live], want[live], **(one_ulp if bits else oracle_tol))
+        torch.testing.assert_close(out[live].float(), oracle[live], **oracle_tol)
         for got, ref in zip(fused_pools, pools):  # the states and windows as the plain step leaves them
-            if with_rows or not fold:  # (the pad slot's, which two rows race on, aside)
+            got, ref = (got, ref) if with_rows else (got[:4], ref[:4])  # (the pad slot, raced by two rows, aside)
+            if bits:
                 assert torch.equal(got, ref)
             else:
-                assert torch.equal(got[:4], ref[:4])
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         if with_rows:
             assert torch.all(out[[1, 2, 5]] == 7.0), "rows that are not decode rows are left alone"
         else:
