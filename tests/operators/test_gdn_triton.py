@@ -115,13 +115,21 @@ NOISE_RATIO, NOISE_ABS = 1.5, 0.25
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("op", ["KGatedDeltaNetTriton", "KGatedDeltaNetFLA"])
-def test_triton_op_in_cuda_graphs_matches_torch_op(op):
+@pytest.mark.parametrize("op,fused", [("KGatedDeltaNetTriton", False), ("KGatedDeltaNetTriton", True),
+                                      ("KGatedDeltaNetFLA", False)], ids=["triton", "triton-norm-fold", "fla"])
+def test_triton_op_in_cuda_graphs_matches_torch_op(op, fused, monkeypatch):
     """The gpu placement with the Triton op (or fla-core's, KGatedDeltaNetFLA) in bf16, decode replayed from CUDA
     graphs (3 sequences in the 4-row bucket: one pad row on the pad slot), against the torch op run eagerly in fp32
-    (the oracle, whose greedy tokens all runners are fed for 64 steps) with the torch op in bf16 as the noise floor."""
+    (the oracle, whose greedy tokens all runners are fed for 64 steps) with the torch op in bf16 as the noise floor.
+    fused: with the decode step's output norm in its state launch and its two launches folded into one
+    (KTRANS_GDN_DECODE_NORM, KTRANS_GDN_DECODE_FOLD)."""
     if op == "KGatedDeltaNetFLA":
         pytest.importorskip("fla.ops.gated_delta_rule")
+    from ktrans.kernels.triton import gated_delta_decode as decode_kernels
+    from ktrans.operators import gdn_triton
+
+    monkeypatch.setattr(gdn_triton, "DECODE_NORM", fused)
+    monkeypatch.setattr(decode_kernels, "FOLD", fused)
     from ktrans.config import ModelConfig
     from ktrans.inject import build_injected_model
     from ktrans.model.tiny import preset_config, random_state_dict
