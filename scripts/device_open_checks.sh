@@ -48,7 +48,7 @@
 #                                                tiny-file test (LEVER_CASES) as its own pytest process, side by
 #                                                side beside the file writer, each capped at LEVER_TCAP (150) s, then
 #                                                all on the GPU at batch LEVER_BATCHES (1) under each LEVERS_AB
-#                                                setting (default: the five batch-1 levers together, ALL_LEVERS;
+#                                                setting (default: the six batch-1 levers together, ALL_LEVERS;
 #                                                KTRANS_NONE=0, the defaults; the fused shared expert alone), each
 #                                                run skipped where fewer than 100 s of LEVER_BUDGET (570) are left;
 #                                                ~9.5 min
@@ -58,7 +58,7 @@ mkdir -p "$OUT"
 F=${F:-/dev/shm/qwen3next-80b-q4km-s0.gguf}
 # the opt-in batch-1 launch cuts (issue 16), as one LEVERS_AB / GPU_AB setting
 ALL_LEVERS=KTRANS_GEMV_PAIR=1+KTRANS_MOE_FUSED_SHARED=1+KTRANS_ROUTER_FUSED=1+KTRANS_GDN_DECODE_NORM=1+\
-KTRANS_GDN_DECODE_FOLD=1
+KTRANS_GDN_DECODE_FOLD=1+KTRANS_ATTN_SHORT_SPLITS=1
 source "$(dirname "$0")/device_common.sh"
 run_tests() {
   if [ -n "${TESTS:-}" ]; then  # TESTS="file ...": just these, one process
@@ -324,8 +324,8 @@ levers)
   T0=$(date +%s)
   start_writer "$OUT/mk.log"
   i=0
-  for k in ${LEVER_CASES:-defaults rows pair fused-shared router router+fused-shared gdn-norm gdn-fold rows+pair+fused-shared\
-    batch-1-levers}; do
+  for k in ${LEVER_CASES:-defaults rows pair fused-shared router router+fused-shared gdn-norm gdn-fold\
+    attn-short-splits rows+pair+fused-shared batch-1-levers}; do
     i=$((i + 1))
     (KTRANS_TEST_E2E_TIMEOUT=${LEVER_TCAP:-150} timeout -k 5 $((${LEVER_TCAP:-150} + 40)) python3 -m pytest -q -rf \
       -p no:cacheprovider --tb=short "tests/bench/test_e2e.py::test_opt_in_decode_kernels_under_cuda_graphs[$k]" \

@@ -90,6 +90,17 @@ def decode_32k_b1_128(dev: torch.device) -> Timed:
     return _decode(1, 32768, dev, split_tokens=128)
 
 
+@case("attention", "decode 1k B=1", ("decode",))
+def decode_1k_b1(dev: torch.device) -> Timed:
+    return _decode(1, 1024, dev)
+
+
+@case("attention", "decode 1k B=1, splits of 64", ("decode",))
+def decode_1k_b1_64(dev: torch.device) -> Timed:
+    """KTRANS_ATTN_SHORT_SPLITS's plan at a batch-1 step's 1k bucket: 16 splits of one key block."""
+    return _decode(1, 1024, dev, split_tokens=64)
+
+
 @case("attention", "decode 32k B=16", ("decode",))
 def decode_32k_b16(dev: torch.device) -> Timed:
     return _decode(16, 32768, dev)

@@ -275,12 +275,14 @@ def quantized_gpu_run(tmp_path_factory):
     ({"KTRANS_ROUTER_FUSED": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "_dense_route_kernel", None),
     ({"KTRANS_GDN_DECODE_NORM": "1"}, None, "_rms_norm_gated_kernel"),
     ({"KTRANS_GDN_DECODE_FOLD": "1"}, "_fold_kernel", "_state_kernel"),
+    ({"KTRANS_ATTN_SHORT_SPLITS": "1"}, None, None),
     ({"KTRANS_GEMV_ROWS_REG": "1", "KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1"}, "rows_reg_kernel", None),
     ({"KTRANS_GEMV_PAIR": "1", "KTRANS_MOE_FUSED_SHARED": "1", "KTRANS_ROUTER_FUSED": "1",
-      "KTRANS_GDN_DECODE_NORM": "1", "KTRANS_GDN_DECODE_FOLD": "1"}, "_dense_route_kernel",
+      "KTRANS_GDN_DECODE_NORM": "1", "KTRANS_GDN_DECODE_FOLD": "1", "KTRANS_ATTN_SHORT_SPLITS": "1"},
+     "_dense_route_kernel",
      ("_rms_norm_gated_kernel", "_state_kernel")),
 ], ids=["defaults", "rows", "tile-fused-sum", "pair", "fused-shared", "router", "router+fused-shared", "gdn-norm",
-        "gdn-fold", "rows+pair+fused-shared", "batch-1-levers"])
+        "gdn-fold", "attn-short-splits", "rows+pair+fused-shared", "batch-1-levers"])
 def test_opt_in_decode_kernels_under_cuda_graphs(quantized_gpu_run, flags, kernel, absent):
     """Each opt-in decode kernel flag (and the three together, which did not end their warm-up at full size on the
     H200 in session 36; and the batch-1 levers together) on a Q4_K_M file with CUDA graphs: the run ends, decodes at

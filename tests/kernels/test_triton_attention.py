@@ -101,6 +101,15 @@ def test_decode_split_k_uneven_lengths(triton_device, hq, hkv, d):
     torch.testing.assert_close(got, want.to(got.device), **FP32)
 
 
+def test_decode_in_splits_of_one_key_block(triton_device):
+    """KTRANS_ATTN_SHORT_SPLITS's plans: splits of exactly one key block (DECODE_BLOCK_N), so each split's one block
+    runs unmasked or ends a length; lengths 1, 64, 65, 200 and 576 (a batch-1 step's ~576 keys in a 1k bucket: 9
+    live splits of 16)."""
+    got, want, _ = _decode_case([1, 64, 65, 200, 576], 4, 2, 32, 16, torch.float32, triton_device,
+                                plan=tri.DecodePlan(num_splits=16, split_tokens=tri.DECODE_BLOCK_N))
+    torch.testing.assert_close(got, want.to(got.device), **FP32)
+
+
 @pytest.mark.parametrize("max_step", [16, 256])
 def test_decode_merges_more_splits_than_one_read(triton_device, monkeypatch, max_step):
     """37 splits of 8 keys, merged in one read of all of them, or (MERGE_MAX_STEP at 16) 16 at a time with the
@@ -158,6 +167,32 @@ def test_plan_decode_depends_on_sizes_only():
     assert p.num_splits * p.split_tokens >= 32768 and p.split_tokens % tri.DECODE_BLOCK_N == 0
     assert tri.plan_decode(1, 2, 1, cpu) == tri.DecodePlan(1, tri.DECODE_BLOCK_N)
     assert tri.plan_decode(256, 2, 32768, cpu).num_splits == 1  # enough programs without splitting
+
+
+def test_short_splits_only_where_programs_are_few(monkeypatch):
+    """KTRANS_ATTN_SHORT_SPLITS (attention.SHORT_SPLITS), planned for a 132-SM GPU with 2 KV heads: batch 1 at a 1k
+    bucket takes 16 splits of one key block (4 of 256 without: 8 programs), at 576 keys 9, at 4k 64; plans that
+    already give half the SMs a program (batch 1 from 16k keys, 16 rows) are unchanged. Every plan's split count
+    is within what the warm-up compiles the merge for, its length in the autotuner's classes."""
+    import types
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    gpu = torch.device("cuda")
+    sizes = [(r, n) for r in (1, 2, 4, 16, 64) for n in (1, 100, 576, 1024, 4096, 8192, 16384, 32768, 131072)]
+    off = {k: tri.plan_decode(*k[:1], 2, k[1], gpu) for k in sizes}
+    monkeypatch.setattr(tri, "SHORT_SPLITS", True)
+    on = {k: tri.plan_decode(*k[:1], 2, k[1], gpu) for k in sizes}
+    assert (on[1, 1024].num_splits, on[1, 1024].split_tokens) == (16, tri.DECODE_BLOCK_N)
+    assert (off[1, 1024].num_splits, off[1, 1024].split_tokens) == (4, 256)
+    assert on[1, 576].num_splits == 9 and on[1, 4096].num_splits == 64
+    for k in sizes:
+        if 2 * k[0] * 2 * off[k].num_splits >= 132:
+            assert on[k] == off[k], k
+        p = on[k]
+        assert p.num_splits * p.split_tokens >= k[1] and p.split_tokens % tri.DECODE_BLOCK_N == 0
+        assert p.num_splits <= -(-tri.PROGRAMS_PER_SM * 132 // 2)
+        assert tri.tune_class(p.split_tokens, tri.DECODE_TUNE_CLASSES) in {128, 256, 1024, 2048}
+    assert on[16, 1024] == off[16, 1024] and on[1, 32768] == off[1, 32768]
 
 
 def test_autotune_keys_are_size_classes():

@@ -230,6 +230,12 @@ DECODE_BLOCK_N = 64      # keys per step of a decode program
 # 2026-12-02): splits of 512 keys 38.6 us, of 256 36.4 us, of 128 41.9 us.
 MIN_SPLIT_TOKENS = 256
 PROGRAMS_PER_SM = 2
+# KTRANS_ATTN_SHORT_SPLITS=1 (off until timed on a GPU): where MIN_SPLIT_TOKENS leaves fewer programs than half the
+# SMs (a short context at few rows: batch 1 at a 1k bucket is 4 splits of 256 keys, 8 programs for the 2 KV heads),
+# splits down to one key block (DECODE_BLOCK_N) instead. Each program streams its keys at one SM's share of the
+# bandwidth, so few long splits wait on a handful of SMs: session 35's batch-1 profile on the H100 had the split
+# launch at 10.9 us a layer at ~576 keys, where 32k keys read at 0.73 of HBM take 30.7.
+SHORT_SPLITS = os.environ.get("KTRANS_ATTN_SHORT_SPLITS", "0") == "1"
 # int32 cache offsets in the decode where the cache holds < 2^31 elements: the same addresses, 30-50 registers fewer a
 # thread at most launch shapes (sm_90, scripts/attention_decode_resources.py), no time gained or lost at B=1 (H200,
 # 32k: 33.2 against 33.8 us, session 23); KTRANS_ATTN_OFF32=0 keeps int64. (Reading a step's pages a step ahead and
@@ -251,10 +257,13 @@ class DecodePlan:
 
 def plan_decode(rows: int, kv_heads: int, max_len: int, device: torch.device) -> DecodePlan:
     """Split the planned maximum length so that rows * kv_heads * splits gives each SM about PROGRAMS_PER_SM
-    programs, each split at least MIN_SPLIT_TOKENS long. (The CPU figure only makes the interpreted tests split.)"""
+    programs, each split at least MIN_SPLIT_TOKENS long (with SHORT_SPLITS, one key block long where that would
+    leave fewer programs than half the SMs). (The CPU figure only makes the interpreted tests split.)"""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
     want = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, rows * kv_heads))
     splits = max(1, min(want, triton.cdiv(max_len, MIN_SPLIT_TOKENS)))
+    if SHORT_SPLITS and 2 * rows * kv_heads * splits < sms:
+        splits = max(1, min(want, triton.cdiv(max_len, DECODE_BLOCK_N)))
     split_tokens = triton.cdiv(triton.cdiv(max(max_len, 1), splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
     return DecodePlan(triton.cdiv(max(max_len, 1), split_tokens), split_tokens)
 
