@@ -51,7 +51,8 @@
 #                                                setting (default: the six batch-1 levers together, ALL_LEVERS;
 #                                                KTRANS_NONE=0, the defaults; the fused shared expert alone), each
 #                                                run skipped where fewer than 100 s of LEVER_BUDGET (570) are left;
-#                                                ~9.5 min
+#                                                then, in what is left, `bench kernels` of the decode cases
+#                                                LEVER_KERNELS (the DeltaNet's and attention's at B=1); ~9.5 min
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -350,6 +351,13 @@ levers)
       e2e lever_${v//[^A-Za-z0-9]/_} --optimize_config_path /tmp/gpu-triton.yaml --prompt_len 512 --gen_len 64 \
       --batch_sizes ${LEVER_BATCHES:-1} --profile_steps 0 --use_cuda_graph"
   done
+  # what is left: the new decode kernels one by one (the DeltaNet's fused norm and fold, attention's short splits)
+  left=$((${LEVER_BUDGET:-570} - ($(date +%s) - T0)))
+  if [ "$left" -gt 45 ]; then
+    timeout -k 5 $((left - 10)) ktrans bench kernels --json --reps 20 --family gdn,attention \
+      --match "${LEVER_KERNELS:-decode B=1|decode 1k B=1}" > "$OUT/lever_kernels.json" 2> "$OUT/lever_kernels.err"
+    tail -n 20 "$OUT/lever_kernels.json" | cut -c1-300
+  fi
   ;;
 *)
   echo "usage: bash scripts/device_open_checks.sh kernels|e2e|gpu|serve|gdn|hot|long|rows|levers" >&2
