@@ -196,9 +196,10 @@ def test_shared_expert_fused_into_the_routed_moe(q4_k_m, triton_device, monkeypa
 
 @pytest.mark.triton
 def test_router_gemv_and_top_k_in_one_launch(q4_k_m, triton_device, monkeypatch):
-    """KTRANS_ROUTER_FUSED: a decode step's router logits and their top-k (with KTRANS_MOE_FUSED_SHARED, in every
-    other block, the stacked gate's and the k + 1 pairs') in one launch (dense_gemv.dense_route) give each MoE
-    block's output within fp32 rounding (2e-5) of the two launches; steps past the dense GEMV's rows keep the two."""
+    """KTRANS_ROUTER_FUSED: a decode step's router logits and their top-k (with KTRANS_MOE_FUSED_SHARED, in the
+    second block, the stacked gate's and the k + 1 pairs') in one launch (dense_gemv.dense_route) give the MoE
+    block's output within fp32 rounding (2e-5) of the two launches; steps past the dense GEMV's rows keep the two.
+    The first two blocks: each interpreted block step takes ~4 s."""
     from ktrans.kernels.triton import dense_gemv
     from ktrans.operators import moe
 
@@ -210,10 +211,10 @@ def test_router_gemv_and_top_k_in_one_launch(q4_k_m, triton_device, monkeypatch)
     calls = []
     _count_dense_route(monkeypatch, calls)
     g = torch.Generator().manual_seed(6)
-    blocks = [m for m in model.modules() if isinstance(m, moe.KQwen3NextSparseMoeBlock)]
-    for fused_shared, block in zip((False, True) * len(blocks), blocks):
+    blocks = [m for m in model.modules() if isinstance(m, moe.KQwen3NextSparseMoeBlock)][:2]
+    for fused_shared, block in zip((False, True), blocks):
         monkeypatch.setattr(moe, "FUSED_SHARED", fused_shared)
-        for rows in (3, dense_gemv.MAX_ROWS + 1):
+        for rows in (3,) if fused_shared else (3, dense_gemv.MAX_ROWS + 1):
             x = (torch.randn(rows, config.hidden_size, generator=g) * 0.5).to(triton_device)
             monkeypatch.setattr(moe, "ROUTER_FUSED", False)
             want = block(x)
