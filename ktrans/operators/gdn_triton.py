@@ -16,10 +16,10 @@ import os
 
 import torch
 
+from ktrans.kernels.triton import gated_delta_decode as decode_kernels
 from ktrans.kernels.triton import interpreting, unavailable_reason
 from ktrans.kernels.triton.conv import causal_conv1d_varlen
 from ktrans.kernels.triton.gated_delta import CHUNK, ChunkPlan, chunk_gated_delta_rule_varlen, plan_chunks
-from ktrans.kernels.triton import gated_delta_decode as decode_kernels
 from ktrans.kernels.triton.gated_delta_decode import gated_delta_decode
 from ktrans.kernels.triton.norm import rms_norm_gated as tri_rms_norm_gated
 from ktrans.operators.gdn import GDN_OPS, KGatedDeltaNetTorch, plan_deltanet

@@ -314,7 +314,6 @@ class _SharedFused:
         from ktrans.operators.linear_marlin import Matrix
 
         self.gate = Matrix(None, gate_w, str(gate_w.dtype))  # floats: the Triton GEMV for decode rows, else F.linear
-        self.gate_w = gate_w
         self.top_k, self.renorm = top_k, renorm
         self.gate_up, self.down, self.extra = gate_up, down, extra
         self.max_rows: int | None = None  # None: the lanes path's limits as they are at the call
@@ -354,7 +353,7 @@ class _SharedFused:
         from ktrans.kernels.triton.router import route_with_shared
 
         if ROUTER_FUSED and x.shape[0] <= MAX_ROWS:  # the stacked GEMV and the routing in one launch
-            ids, weights = dense_route(x, self.gate_w, self.top_k, self.renorm, shared=True)
+            ids, weights = dense_route(x, self.gate.dense, self.top_k, self.renorm, shared=True)
         else:
             ids, weights = route_with_shared(self.gate(x), self.top_k, self.renorm)
         return moe_quant(x, ids, weights, self.gate_up, self.down, extra=self.extra)

@@ -368,7 +368,8 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
     if fold and not two:
         raise ValueError("gated_delta_decode: the folded launch is the two-launch path's (split_v)")
     fold = two and (fold if fold is not None else FOLD)
-    if (norm is not None or fold) and n * (hv + hk) > _MAX_TILES:
+    counted = norm is not None or fold  # last-program counts in quant.counters
+    if counted and n * (hv + hk) > _MAX_TILES:
         raise ValueError(f"gated_delta_decode: {n} rows of {hv} value and {hk} key heads are more than the "
                          f"{_MAX_TILES} counts of the fused norm and the folded launch")
     out = mixed.new_empty(mixed.shape[0], hv, dv) if out is None else out
@@ -383,7 +384,7 @@ def gated_delta_decode(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_
         z, nw, eps, zs = out, out, 0.0, (0, 0)
     else:
         zs = (z.stride(0), z.stride(1))
-    cnt = counters(mixed.device) if norm is not None or fold else slots
+    cnt = counters(mixed.device) if counted else slots  # (unread without counts: any pointer)
     idx = rows if rows is not None else slots
     if fold:
         _fold_kernel[(n, hv, triton.cdiv(dv, block))](

@@ -258,9 +258,10 @@ _MAX_TILES = 1 << 16
 
 def counters(device: torch.device) -> torch.Tensor:
     """The device's _MAX_TILES int32 counts of the fused split sums (the GEMV's, the MoE's few-token path; also
-    gated_delta_decode's fused output norm, a count a row and value head), and one more, dense_gemv.dense_route's
-    (index _MAX_TILES), zero between kernels: each kernel's last program of a tile resets its count. Made before any graph capture. Keyed by the device with its index (`cuda` and `cuda:0` are
-    unequal torch.devices, but one GPU has one set of counts)."""
+    gated_delta_decode's fused output norm and folded launch, a count a row and value head and one a row and key
+    head), and one more, dense_gemv.dense_route's (index _MAX_TILES), zero between kernels: each kernel's last
+    program of a tile resets its count. Made before any graph capture. Keyed by the device with its index (`cuda`
+    and `cuda:0` are unequal torch.devices, but one GPU has one set of counts)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _COUNTERS:
